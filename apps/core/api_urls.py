@@ -1,0 +1,8 @@
+"""Every app's API routes, mounted under /api/v1/."""
+
+from django.urls import include, path
+
+urlpatterns = [
+    path("", include("apps.teams.urls")),
+    path("", include("apps.audit.urls")),
+]

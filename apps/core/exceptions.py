@@ -1,0 +1,44 @@
+"""One error shape for the whole API: ``{"error": code, "message": text, "fields": {...}}``.
+
+``message`` always says what to fix; ``fields`` (validation errors only) maps each field to its messages,
+so a client or the UI can show them next to the inputs.
+"""
+
+from __future__ import annotations
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+from rest_framework.views import exception_handler
+
+
+def _first_message(detail) -> str:
+    if isinstance(detail, dict):
+        for field, value in detail.items():
+            text = _first_message(value)
+            return text if field in ("non_field_errors", "__all__", "detail") else f"{field}: {text}"
+        return "Invalid input."
+    if isinstance(detail, list):
+        return _first_message(detail[0]) if detail else "Invalid input."
+    return str(detail)
+
+
+def api_exception_handler(exc, context):
+    if isinstance(exc, DjangoValidationError):
+        detail = exc.message_dict if hasattr(exc, "error_dict") else {"non_field_errors": exc.messages}
+        exc = exceptions.ValidationError(detail)
+    response = exception_handler(exc, context)
+    if response is None:
+        return None
+    detail = response.data
+    body: dict = {"error": getattr(exc, "default_code", "error")}
+    if isinstance(exc, exceptions.ValidationError):
+        fields = detail if isinstance(detail, dict) else {"non_field_errors": detail}
+        body.update(error="invalid", message=_first_message(fields), fields=fields)
+    elif isinstance(exc, exceptions.ParseError):
+        body.update(message=f"{_first_message(detail)} Send a valid JSON body with Content-Type: application/json.")
+    else:
+        body["message"] = _first_message(detail)
+    if response.status_code == status.HTTP_404_NOT_FOUND:
+        body.update(error="not_found", message="Not found: no such object, or it is not visible to you.")
+    return Response(body, status=response.status_code, headers=dict(response.headers))

@@ -1,0 +1,206 @@
+from __future__ import annotations
+
+from django.contrib.auth import get_user_model
+from django_filters import rest_framework as filters
+from drf_spectacular.utils import extend_schema, inline_serializer
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import api_view
+from rest_framework.exceptions import PermissionDenied
+from rest_framework.response import Response
+
+from apps.core.api import TeamScopedViewSet, check_team_action
+from apps.teams import services
+from apps.teams.models import Action, ApiToken, Membership, Team, team_roles
+
+User = get_user_model()
+
+
+class TeamSerializer(serializers.ModelSerializer):
+    slug = serializers.CharField(max_length=50, required=False, help_text="Derived from the name when omitted.")
+    role = serializers.SerializerMethodField()
+    member_count = serializers.IntegerField(source="memberships.count", read_only=True)
+
+    class Meta:
+        model = Team
+        fields = ["slug", "name", "role", "member_count", "created_at"]
+        read_only_fields = ["created_at"]
+
+    def get_role(self, team: Team) -> str | None:
+        return team_roles(self.context["request"].user).get(team.pk)
+
+
+class TeamUpdateSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Team
+        fields = ["name"]
+
+
+class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.CreateModelMixin, viewsets.GenericViewSet):
+    """Teams the caller belongs to. Anyone signed in can create a team and becomes its owner."""
+
+    serializer_class = TeamSerializer
+    lookup_field = "slug"
+    ordering_fields = ["name", "slug", "created_at"]
+
+    def get_queryset(self):
+        return Team.objects.for_user(self.request.user, Action.VIEW).prefetch_related("memberships")
+
+    def perform_create(self, serializer):
+        if getattr(self.request.user, "api_token", None) is not None:
+            raise PermissionDenied("API tokens belong to one team and cannot create teams; sign in to create one.")
+        data = serializer.validated_data
+        serializer.instance = services.create_team(actor=self.request.user, name=data["name"], slug=data.get("slug"))
+
+    @extend_schema(request=TeamUpdateSerializer, responses=TeamSerializer)
+    def partial_update(self, request, slug=None):
+        team = self.get_object()
+        check_team_action(request.user, team, Action.MANAGE)
+        serializer = TeamUpdateSerializer(team, data=request.data, partial=True)
+        serializer.is_valid(raise_exception=True)
+        if "name" in serializer.validated_data:
+            services.rename_team(actor=request.user, team=team, name=serializer.validated_data["name"])
+        return Response(TeamSerializer(team, context={"request": request}).data)
+
+
+class MembershipSerializer(serializers.ModelSerializer):
+    user = serializers.CharField(
+        write_only=True, help_text="Username or email of an existing user (create only)."
+    )
+    username = serializers.CharField(source="user.username", read_only=True)
+    email = serializers.CharField(source="user.email", read_only=True)
+    role = serializers.CharField(help_text="owner, maintainer or viewer.")
+
+    class Meta:
+        model = Membership
+        fields = ["id", "user", "username", "email", "role", "created_at"]
+        read_only_fields = ["id", "created_at"]
+
+
+class MembershipRoleSerializer(serializers.Serializer):
+    role = serializers.CharField(help_text="owner, maintainer or viewer.")
+
+
+class MembershipFilter(filters.FilterSet):
+    class Meta:
+        model = Membership
+        fields = ["role"]
+
+
+class MembershipViewSet(
+    mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.CreateModelMixin, mixins.DestroyModelMixin, TeamScopedViewSet
+):
+    """A team's members. Every member can list them; only owners add, change roles and remove."""
+
+    queryset = Membership.objects.select_related("user")
+    serializer_class = MembershipSerializer
+    filterset_class = MembershipFilter
+    ordering_fields = ["created_at", "role", "user__username"]
+    action_requirements = {
+        "create": Action.MANAGE,
+        "partial_update": Action.MANAGE,
+        "destroy": Action.MANAGE,
+    }
+
+    def perform_create(self, serializer):
+        data = serializer.validated_data
+        serializer.instance = services.add_member(
+            actor=self.request.user, team=self.team, user_identifier=data["user"], role=data["role"]
+        )
+
+    @extend_schema(request=MembershipRoleSerializer, responses=MembershipSerializer)
+    def partial_update(self, request, team_slug=None, pk=None):
+        membership = self.get_object()
+        serializer = MembershipRoleSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        services.change_member_role(actor=request.user, membership=membership, role=serializer.validated_data["role"])
+        return Response(MembershipSerializer(membership).data)
+
+    def perform_destroy(self, instance):
+        services.remove_member(actor=self.request.user, membership=instance)
+
+
+class ApiTokenSerializer(serializers.ModelSerializer):
+    prefix = serializers.CharField(source="display_prefix", read_only=True)
+    created_by = serializers.CharField(source="created_by.username", read_only=True)
+    status = serializers.CharField(read_only=True)
+
+    class Meta:
+        model = ApiToken
+        fields = [
+            "id", "name", "prefix", "read_only", "status", "created_by",
+            "created_at", "expires_at", "last_used_at", "revoked_at",
+        ]
+        read_only_fields = ["id", "created_at", "last_used_at", "revoked_at"]
+
+
+class ApiTokenCreatedSerializer(ApiTokenSerializer):
+    token = serializers.CharField(read_only=True, help_text="The secret. Shown once; store it now.")
+
+    class Meta(ApiTokenSerializer.Meta):
+        fields = [*ApiTokenSerializer.Meta.fields, "token"]
+
+
+class ApiTokenFilter(filters.FilterSet):
+    active = filters.BooleanFilter(field_name="revoked_at", lookup_expr="isnull")
+
+    class Meta:
+        model = ApiToken
+        fields = ["read_only", "active"]
+
+
+class ApiTokenViewSet(
+    mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.CreateModelMixin, mixins.DestroyModelMixin, TeamScopedViewSet
+):
+    """A team's API tokens (owners only). Creating returns the secret once; listing never does; DELETE
+    revokes (the row stays, for the audit trail)."""
+
+    queryset = ApiToken.objects.select_related("created_by")
+    serializer_class = ApiTokenSerializer
+    filterset_class = ApiTokenFilter
+    ordering_fields = ["created_at", "name", "last_used_at"]
+    action_requirements = dict.fromkeys(("list", "retrieve", "create", "destroy"), Action.MANAGE)
+
+    @extend_schema(request=ApiTokenSerializer, responses={201: ApiTokenCreatedSerializer})
+    def create(self, request, team_slug=None):
+        serializer = ApiTokenSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        token, plaintext = services.create_token(
+            actor=request.user,
+            team=self.team,
+            name=data["name"],
+            read_only=data.get("read_only", False),
+            expires_at=data.get("expires_at"),
+        )
+        token.token = plaintext
+        return Response(ApiTokenCreatedSerializer(token).data, status=status.HTTP_201_CREATED)
+
+    def perform_destroy(self, instance):
+        services.revoke_token(actor=self.request.user, token=instance)
+
+
+@extend_schema(
+    responses=inline_serializer(
+        "Me",
+        {
+            "username": serializers.CharField(),
+            "email": serializers.CharField(),
+            "teams": TeamSerializer(many=True),
+            "token": ApiTokenSerializer(allow_null=True),
+        },
+    )
+)
+@api_view(["GET"])
+def me(request):
+    """The caller: user, teams with roles, and the API token in use (if any)."""
+    teams = Team.objects.for_user(request.user, Action.VIEW).prefetch_related("memberships")
+    token = getattr(request.user, "api_token", None)
+    return Response(
+        {
+            "username": request.user.get_username(),
+            "email": request.user.email,
+            "teams": TeamSerializer(teams, many=True, context={"request": request}).data,
+            "token": ApiTokenSerializer(token).data if token else None,
+        }
+    )
+

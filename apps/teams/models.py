@@ -1,0 +1,172 @@
+"""Teams are the tenants of the platform: every tenant-owned row has a ``team`` foreign key, and the
+queryset method ``for_user(user, action)`` below is the one place that decides what a user may see."""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime
+
+from django.conf import settings
+from django.core.validators import RegexValidator
+from django.db import models
+from django.utils import timezone
+
+
+class Role(models.TextChoices):
+    VIEWER = "viewer", "Viewer"
+    MAINTAINER = "maintainer", "Maintainer"
+    OWNER = "owner", "Owner"
+
+
+ROLE_RANK = {Role.VIEWER: 1, Role.MAINTAINER: 2, Role.OWNER: 3}
+
+
+class Action(models.TextChoices):
+    """What a request wants to do, and the least role that may do it."""
+
+    VIEW = "view", "read"  # viewer
+    CHANGE = "change", "change models and deployments"  # maintainer
+    MANAGE = "manage", "manage members and tokens"  # owner
+
+
+ACTION_MIN_ROLE = {Action.VIEW: Role.VIEWER, Action.CHANGE: Role.MAINTAINER, Action.MANAGE: Role.OWNER}
+
+
+def role_allows(role: str | None, action: str) -> bool:
+    return role is not None and ROLE_RANK[Role(role)] >= ROLE_RANK[ACTION_MIN_ROLE[Action(action)]]
+
+
+def team_roles(user) -> dict[int, str]:
+    """Role per team id for this principal.
+
+    A bearer token narrows the user to the token's team, and a read-only token caps the role at viewer,
+    so a leaked read-only token can never change anything. Cached on the user object for the request.
+    """
+    cached = getattr(user, "_team_roles_cache", None)
+    if cached is not None:
+        return cached
+    roles: dict[int, str] = {}
+    if user is not None and user.is_authenticated:
+        roles = dict(Membership.objects.filter(user=user).values_list("team_id", "role"))
+        token = getattr(user, "api_token", None)
+        if token is not None:
+            role = roles.get(token.team_id)
+            if role is not None and token.read_only:
+                role = Role.VIEWER
+            roles = {token.team_id: role} if role is not None else {}
+        user._team_roles_cache = roles
+    return roles
+
+
+def team_ids_for(user, action: str) -> list[int]:
+    return [team_id for team_id, role in team_roles(user).items() if role_allows(role, action)]
+
+
+class TeamScopedQuerySet(models.QuerySet):
+    """Base queryset of every tenant-owned model. ``team_lookup`` is the path to the owning team."""
+
+    team_lookup = "team"
+
+    def for_user(self, user, action: str = Action.VIEW):
+        return self.filter(**{f"{self.team_lookup}__in": team_ids_for(user, action)})
+
+
+class TeamQuerySet(TeamScopedQuerySet):
+    team_lookup = "pk"
+
+
+slug_validator = RegexValidator(
+    r"^[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?$",
+    "Use 1-50 lowercase letters, digits and hyphens, starting and ending with a letter or digit.",
+)
+
+
+class Team(models.Model):
+    """A tenant: its members share models, deployments and tokens; nobody else sees them."""
+
+    name = models.CharField(max_length=100)
+    # Part of Triton model names and artifact paths, so restricted to a safe alphabet.
+    slug = models.SlugField(max_length=50, unique=True, validators=[slug_validator])
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TeamQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def owner_count(self) -> int:
+        return self.memberships.filter(role=Role.OWNER).count()
+
+
+class Membership(models.Model):
+    """A user's role in a team: viewer reads; maintainer changes models and deployments; owner also
+    manages members and tokens."""
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="memberships")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=20, choices=Role.choices, default=Role.VIEWER)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TeamScopedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["team", "user__username"]
+        constraints = [models.UniqueConstraint(fields=["team", "user"], name="unique_membership")]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.team} ({self.role})"
+
+
+TOKEN_SCHEME = "tgp"
+
+
+def hash_token_secret(secret: str) -> str:
+    # The secret is 256 random bits, so a fast hash is enough: there is nothing to brute-force.
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class ApiToken(models.Model):
+    """A team-scoped API credential: ``tgp_<prefix>_<secret>``.
+
+    The prefix is stored in clear so a token can be recognised in lists and logs; the secret is shown
+    once at creation and stored only as a hash. A token acts with its creator's role in its team (at most
+    viewer when read-only) and stops working when it expires, is revoked, or its creator leaves the team.
+    """
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="tokens")
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=16, unique=True)
+    secret_hash = models.CharField(max_length=64)
+    read_only = models.BooleanField(default=False)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens")
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    objects = TeamScopedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.display_prefix} ({self.name})"
+
+    @property
+    def display_prefix(self) -> str:
+        return f"{TOKEN_SCHEME}_{self.prefix}"
+
+    def is_expired(self, now: datetime | None = None) -> bool:
+        return self.expires_at is not None and self.expires_at <= (now or timezone.now())
+
+    def is_active(self, now: datetime | None = None) -> bool:
+        return self.revoked_at is None and not self.is_expired(now)
+
+    @property
+    def status(self) -> str:
+        if self.revoked_at is not None:
+            return "revoked"
+        return "expired" if self.is_expired() else "active"

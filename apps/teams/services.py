@@ -1,0 +1,186 @@
+"""Business actions on teams, members and tokens. Each runs in one transaction with its audit event."""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime
+
+from django.contrib.auth import get_user_model
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+from django.utils.text import slugify
+
+from apps.audit.services import record
+from apps.teams.models import TOKEN_SCHEME, ApiToken, Membership, Role, Team, hash_token_secret
+
+User = get_user_model()
+
+
+def check_slug_free(slug: str) -> None:
+    if Team.objects.filter(slug=slug).exists():
+        raise ValidationError({"slug": [f"A team with the slug '{slug}' already exists; choose another slug."]})
+
+
+def create_team(*, actor, name: str, slug: str | None = None) -> Team:
+    """Create a team with the actor as its first owner."""
+    name = name.strip()
+    if not name:
+        raise ValidationError({"name": ["Give the team a name."]})
+    slug = slug or slugify(name)[:50].strip("-")
+    if not slug:
+        raise ValidationError({"slug": ["Could not derive a slug from the name; give one explicitly."]})
+    with transaction.atomic():
+        check_slug_free(slug)
+        team = Team(name=name, slug=slug)
+        team.full_clean(validate_unique=False)
+        team.save()
+        Membership.objects.create(team=team, user=actor, role=Role.OWNER)
+        record(actor=actor, team=team, action="team.created", target=team, details={"name": name, "slug": slug})
+    return team
+
+
+def rename_team(*, actor, team: Team, name: str) -> Team:
+    name = name.strip()
+    if not name:
+        raise ValidationError({"name": ["Give the team a name."]})
+    with transaction.atomic():
+        old = team.name
+        team.name = name
+        team.save(update_fields=["name"])
+        record(actor=actor, team=team, action="team.renamed", target=team, details={"from": old, "to": name})
+    return team
+
+
+def _find_user(identifier: str):
+    identifier = identifier.strip()
+    user = User.objects.filter(Q(username=identifier) | Q(email__iexact=identifier)).first() if identifier else None
+    if user is None:
+        raise ValidationError({"user": [f"No user with the username or email '{identifier}'."]})
+    return user
+
+
+def _check_role(role: str) -> Role:
+    try:
+        return Role(role)
+    except ValueError:
+        choices = ", ".join(Role.values)
+        raise ValidationError({"role": [f"'{role}' is not a role; use one of: {choices}."]}) from None
+
+
+def add_member(*, actor, team: Team, user_identifier: str, role: str) -> Membership:
+    role = _check_role(role)
+    user = _find_user(user_identifier)
+    with transaction.atomic():
+        if Membership.objects.filter(team=team, user=user).exists():
+            raise ValidationError({"user": [f"{user.get_username()} is already a member of {team.name}."]})
+        membership = Membership.objects.create(team=team, user=user, role=role)
+        record(
+            actor=actor,
+            team=team,
+            action="member.added",
+            target=membership,
+            details={"user": user.get_username(), "role": role},
+        )
+    return membership
+
+
+def _check_keeps_an_owner(team: Team, membership: Membership) -> None:
+    # Lock the owners so two concurrent demotions cannot both see "another owner remains".
+    owners = list(Membership.objects.select_for_update().filter(team=team, role=Role.OWNER).values_list("pk", flat=True))
+    if owners == [membership.pk]:
+        raise ValidationError(
+            {"role": ["A team needs at least one owner: make another member owner first."]}
+        )
+
+
+def change_member_role(*, actor, membership: Membership, role: str) -> Membership:
+    role = _check_role(role)
+    with transaction.atomic():
+        if membership.role == Role.OWNER and role != Role.OWNER:
+            _check_keeps_an_owner(membership.team, membership)
+        old = membership.role
+        membership.role = role
+        membership.save(update_fields=["role"])
+        record(
+            actor=actor,
+            team=membership.team,
+            action="member.role_changed",
+            target=membership,
+            details={"user": membership.user.get_username(), "from": old, "to": role},
+        )
+    return membership
+
+
+def remove_member(*, actor, membership: Membership) -> None:
+    with transaction.atomic():
+        if membership.role == Role.OWNER:
+            _check_keeps_an_owner(membership.team, membership)
+        record(
+            actor=actor,
+            team=membership.team,
+            action="member.removed",
+            target=membership,
+            details={"user": membership.user.get_username(), "role": membership.role},
+        )
+        membership.delete()
+
+
+def _new_prefix() -> str:
+    while True:
+        prefix = secrets.token_hex(4)
+        if not ApiToken.objects.filter(prefix=prefix).exists():
+            return prefix
+
+
+def create_token(
+    *, actor, team: Team, name: str, read_only: bool = False, expires_at: datetime | None = None
+) -> tuple[ApiToken, str]:
+    """Create a token; returns it with its plaintext, which is never stored and cannot be shown again."""
+    name = name.strip()
+    if not name:
+        raise ValidationError({"name": ["Give the token a name that says where it is used."]})
+    if expires_at is not None and expires_at <= timezone.now():
+        raise ValidationError({"expires_at": ["The expiry must be in the future."]})
+    secret = secrets.token_urlsafe(32)
+    with transaction.atomic():
+        prefix = _new_prefix()
+        token = ApiToken.objects.create(
+            team=team,
+            name=name,
+            prefix=prefix,
+            secret_hash=hash_token_secret(secret),
+            read_only=read_only,
+            created_by=actor,
+            expires_at=expires_at,
+        )
+        record(
+            actor=actor,
+            team=team,
+            action="token.created",
+            target=token,
+            details={"name": name, "read_only": read_only, "expires_at": expires_at.isoformat() if expires_at else None},
+        )
+    return token, f"{TOKEN_SCHEME}_{prefix}_{secret}"
+
+
+def revoke_token(*, actor, token: ApiToken) -> ApiToken:
+    """Revoke a token; revoking twice is harmless and records nothing new."""
+    with transaction.atomic():
+        updated = ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+        token.refresh_from_db()
+        if updated:
+            record(actor=actor, team=token.team, action="token.revoked", target=token, details={"name": token.name})
+    return token
+
+
+def touch_token_last_used(token: ApiToken, now: datetime | None = None) -> None:
+    """Record use at most once a minute: a conditional UPDATE, so busy clients cost no extra writes."""
+    from django.conf import settings
+
+    now = now or timezone.now()
+    threshold = now - settings.API_TOKEN_LAST_USED_RESOLUTION
+    ApiToken.objects.filter(pk=token.pk).filter(Q(last_used_at__isnull=True) | Q(last_used_at__lt=threshold)).update(
+        last_used_at=now
+    )

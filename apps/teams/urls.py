@@ -1,0 +1,11 @@
+from django.urls import path
+from rest_framework.routers import SimpleRouter
+
+from apps.teams import api
+
+router = SimpleRouter()
+router.register("teams", api.TeamViewSet, basename="team")
+router.register(r"teams/(?P<team_slug>[^/.]+)/members", api.MembershipViewSet, basename="team-member")
+router.register(r"teams/(?P<team_slug>[^/.]+)/tokens", api.ApiTokenViewSet, basename="team-token")
+
+urlpatterns = [path("me/", api.me, name="me"), *router.urls]

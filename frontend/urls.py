@@ -1,0 +1,14 @@
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from frontend import views
+
+urlpatterns = [
+    path("", views.dashboard, name="dashboard"),
+    path("login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("switch-team/", views.switch_team, name="switch-team"),
+    path("teams/new/", views.team_new, name="team-new"),
+    path("teams/<slug:team_slug>/settings/", views.TeamSettingsView.as_view(), name="team-settings"),
+    path("teams/<slug:team_slug>/audit/", views.AuditLogView.as_view(), name="team-audit"),
+]

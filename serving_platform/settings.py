@@ -1,0 +1,243 @@
+"""The platform's one settings module. Every deployment-specific value comes from the environment.
+
+Embedded default (no variables set, ``DEBUG=1``): SQLite and Celery's filesystem transport under
+``var/``, so ``make run`` needs no external service. Production sets ``DATABASE_URL``,
+``CELERY_BROKER_URL``, ``SECRET_KEY``, ``ALLOWED_HOSTS`` and leaves ``DEBUG`` off.
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import timedelta
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+from serving_platform.env import env_bool, env_int, env_list, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(env_str("VAR_DIR") or BASE_DIR / "var").resolve()
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+DEBUG = env_bool("DEBUG", False)
+
+
+def _secret_key() -> str:
+    key = env_str("SECRET_KEY")
+    if key:
+        return key
+    if not DEBUG:
+        raise ImproperlyConfigured(
+            "SECRET_KEY is required when DEBUG is off; set SECRET_KEY (50+ random characters), "
+            "or DEBUG=1 for the embedded development default"
+        )
+    # Generated once and kept, so sessions survive restarts of the embedded default.
+    key_file = VAR_DIR / "secret_key"
+    if not key_file.exists():
+        key_file.write_text(secrets.token_urlsafe(64))
+        key_file.chmod(0o600)
+    return key_file.read_text().strip()
+
+
+SECRET_KEY = _secret_key()
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "whitenoise.runserver_nostatic",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "django_filters",
+    "drf_spectacular",
+    "apps.core",
+    "apps.teams",
+    "apps.audit",
+    "frontend",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "serving_platform.urls"
+WSGI_APPLICATION = "serving_platform.wsgi.application"
+ASGI_APPLICATION = "serving_platform.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+                "frontend.context_processors.navigation",
+            ],
+        },
+    },
+]
+
+# --- Database ---------------------------------------------------------------------------------
+DATABASES = {
+    "default": dj_database_url.parse(
+        env_str("DATABASE_URL") or f"sqlite:///{VAR_DIR / 'db.sqlite3'}",
+        conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 60, minimum=0),
+        conn_health_checks=True,
+    )
+}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "dashboard"
+LOGOUT_REDIRECT_URL = "login"
+
+# --- Static files: our own under frontend/static, third-party ones from npm (frontend/node_modules) ---
+STATIC_URL = "/static/"
+STATIC_ROOT = VAR_DIR / "staticfiles"
+_NODE_MODULES = BASE_DIR / "frontend" / "node_modules"
+STATICFILES_DIRS = [
+    ("vendor/htmx", _NODE_MODULES / "htmx.org" / "dist"),
+    ("vendor/pico", _NODE_MODULES / "@picocss" / "pico" / "css"),
+    ("vendor/swagger-ui", _NODE_MODULES / "swagger-ui-dist"),
+]
+STATIC_MANIFEST = env_bool("STATIC_MANIFEST", not DEBUG)
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {
+        "BACKEND": (
+            "whitenoise.storage.CompressedManifestStaticFilesStorage"
+            if STATIC_MANIFEST
+            else "django.contrib.staticfiles.storage.StaticFilesStorage"
+        )
+    },
+}
+# Serve straight from the finders when there is no collectstatic step (embedded default, tests).
+WHITENOISE_USE_FINDERS = not STATIC_MANIFEST
+
+# --- Artifacts ------------------------------------------------------------------------------------
+ARTIFACT_ROOT = Path(env_str("ARTIFACT_ROOT") or VAR_DIR / "artifacts").resolve()
+
+# --- Security (checked by `manage.py check --deploy`) ---------------------------------------------
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", not DEBUG)
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)
+# Load balancers probe health over plain HTTP inside the private network.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$"]
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 31_536_000, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", not DEBUG)
+SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", not DEBUG)
+if env_bool("SECURE_PROXY_SSL_HEADER", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+X_FRAME_OPTIONS = "DENY"
+
+# --- REST API -------------------------------------------------------------------------------------
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "apps.teams.authentication.BearerTokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_FILTER_BACKENDS": [
+        "django_filters.rest_framework.DjangoFilterBackend",
+        "rest_framework.filters.OrderingFilter",
+    ],
+    "DEFAULT_PAGINATION_CLASS": "apps.core.pagination.OrderedPageNumberPagination",
+    "PAGE_SIZE": 50,
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"]
+    + (["rest_framework.renderers.BrowsableAPIRenderer"] if DEBUG else []),
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "apps.core.exceptions.api_exception_handler",
+    "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Triton GE serving platform API",
+    "DESCRIPTION": "Teams, tokens, models, conversions, deployments and metrics of the serving platform.",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+    # Swagger UI from npm (frontend/package.json), not from a CDN: the platform often runs air-gapped.
+    "SWAGGER_UI_DIST": STATIC_URL + "vendor/swagger-ui",
+    "SWAGGER_UI_FAVICON_HREF": STATIC_URL + "vendor/swagger-ui/favicon-32x32.png",
+}
+
+API_TOKEN_LAST_USED_RESOLUTION = timedelta(minutes=1)
+
+# --- Celery -----------------------------------------------------------------------------------------
+CONVERSION_TIME_LIMIT = env_int("CONVERSION_TIME_LIMIT", 2 * 3600, minimum=60)
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL") or "filesystem://"
+CELERY_RESULT_BACKEND = env_str("CELERY_RESULT_BACKEND") or f"file://{VAR_DIR / 'celery' / 'results'}"
+_broker_scheme = urlsplit(CELERY_BROKER_URL).scheme
+# A task unacknowledged for longer than this is handed to another worker (acks_late): it must outlast
+# the longest job or a slow conversion would run twice.
+CELERY_BROKER_TRANSPORT_OPTIONS: dict = {"visibility_timeout": CONVERSION_TIME_LIMIT + 3600}
+if _broker_scheme == "filesystem":
+    _broker_dir = VAR_DIR / "celery" / "broker"
+    for _sub in ("queue", "processed"):
+        (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_TRANSPORT_OPTIONS.update(
+        data_folder_in=str(_broker_dir / "queue"),
+        data_folder_out=str(_broker_dir / "queue"),
+        processed_folder=str(_broker_dir / "processed"),
+        store_processed=False,
+    )
+if CELERY_RESULT_BACKEND.startswith("file://"):
+    Path(CELERY_RESULT_BACKEND.removeprefix("file://")).mkdir(parents=True, exist_ok=True)
+CELERY_TASK_DEFAULT_QUEUE = "default"
+CELERY_TASK_ROUTES = {"apps.conversions.tasks.*": {"queue": "conversions"}}
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_RESULT_EXPIRES = timedelta(days=1)
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celery" / "beat-schedule")
+CELERY_BEAT_SCHEDULE = {
+    "prune-audit-events": {
+        "task": "apps.audit.tasks.prune_audit_events",
+        "schedule": timedelta(hours=6),
+    },
+}
+AUDIT_RETENTION_DAYS = env_int("AUDIT_RETENTION_DAYS", 365, minimum=1)
+
+# --- Demo account created by `manage.py bootstrap_demo` (make run) ---------------------------------
+DEMO_USERNAME = env_str("DEMO_USERNAME") or "admin"
+DEMO_PASSWORD = env_str("DEMO_PASSWORD")
+DEMO_TEAM = env_str("DEMO_TEAM") or "Demo"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL") or "INFO"},
+}
