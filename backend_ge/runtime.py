@@ -8,6 +8,7 @@ binding and the repository API restricted by a key the caller holds, and is what
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -64,7 +65,11 @@ class TritonDistribution:
 
 
 def _copy_if_changed(src: Path, dst: Path) -> None:
-    if dst.exists() and dst.stat().st_size == src.stat().st_size and dst.stat().st_mtime >= src.stat().st_mtime:
+    if (
+        dst.exists()
+        and dst.stat().st_size == src.stat().st_size
+        and dst.stat().st_mtime >= src.stat().st_mtime
+    ):
         return
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.copy2(src, tmp)
@@ -233,10 +238,8 @@ class TritonServer:
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 proc.wait(10)
         return proc.returncode
 

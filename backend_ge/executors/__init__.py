@@ -27,8 +27,17 @@ __all__ = [
 MODEL_FILES = {"acl": "model.om", "onnxruntime": "model.onnx"}
 _KIND_BY_SUFFIX = {".om": "acl", ".onnx": "onnxruntime"}
 # The seed's EXECUTOR_TYPE says "graph" (GE graph executor): on this backend that means "pick for me".
-_ALIASES = {"auto": "auto", "": "auto", "graph": "auto", "ge": "auto", "acl": "acl", "npu": "acl",
-            "onnxruntime": "onnxruntime", "ort": "onnxruntime", "cpu": "onnxruntime"}
+_ALIASES = {
+    "auto": "auto",
+    "": "auto",
+    "graph": "auto",
+    "ge": "auto",
+    "acl": "acl",
+    "npu": "acl",
+    "onnxruntime": "onnxruntime",
+    "ort": "onnxruntime",
+    "cpu": "onnxruntime",
+}
 
 
 def acl_available() -> bool:

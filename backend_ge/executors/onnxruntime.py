@@ -45,7 +45,9 @@ class OnnxRuntimeExecutor(Executor):
 
     kind = "onnxruntime"
 
-    def __init__(self, path: str | os.PathLike, *, intra_op_threads: int = 0, inter_op_threads: int = 0) -> None:
+    def __init__(
+        self, path: str | os.PathLike, *, intra_op_threads: int = 0, inter_op_threads: int = 0
+    ) -> None:
         # Imported here so that choosing the pyACL executor never pays for onnxruntime.
         import onnxruntime as ort
 
