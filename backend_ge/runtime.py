@@ -333,12 +333,75 @@ class TritonServer:
         return reply.get("model_stats", [])
 
 
-def load_all(server: TritonServer, names: Iterable[str]) -> dict[str, str]:
-    """Load each model, returning ``{name: error}`` for those that failed (the rest keep serving)."""
-    failures: dict[str, str] = {}
+def prepare_repository(
+    source: str | os.PathLike, target: str | os.PathLike
+) -> tuple[list[str], dict[str, str]]:
+    """Write a servable copy of ``source`` into ``target``: normalized configs, linked version directories.
+
+    Seed-style configs (``platform: "graph_executor"``, top-level ``step`` blocks) are rewritten for the GE
+    backend; a model directory without ``config.pbtxt`` gets ``backend: "ge"`` and is completed from its
+    model file at load time. Returns ``(models, {model: problem})`` for directories that could not be used.
+    """
+    from backend_ge import config as ge_config  # protobuf and tritonclient: only needed here
+
+    source, target = Path(source).resolve(), Path(target)
+    if not source.is_dir():
+        raise TritonError(f"model repository {source} is not a directory")
+    target.mkdir(parents=True, exist_ok=True)
+    models: list[str] = []
+    problems: dict[str, str] = {}
+    for model_dir in sorted(p for p in source.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        name = model_dir.name
+        config_file = model_dir / "config.pbtxt"
+        if config_file.is_file():
+            try:
+                cfg = ge_config.normalize_config(ge_config.parse_config(config_file.read_text()))
+            except ValueError as e:
+                problems[name] = f"{config_file}: {e}"
+                continue
+            if cfg.name and cfg.name != name:
+                problems[name] = f"{config_file}: name {cfg.name!r} differs from its directory {name!r}"
+                continue
+            text = ge_config.render_config(cfg)
+        else:
+            text = f'name: "{name}"\nbackend: "ge"\n'
+        out = target / name
+        if out.is_symlink() or out.is_file():
+            out.unlink()
+        elif out.exists():
+            shutil.rmtree(out)
+        out.mkdir()
+        for entry in model_dir.iterdir():
+            if entry.name != "config.pbtxt":
+                (out / entry.name).symlink_to(entry)
+        (out / "config.pbtxt").write_text(text)
+        models.append(name)
+    return models, problems
+
+
+def model_load_order(repository: str | os.PathLike, names: Iterable[str]) -> list[list[str]]:
+    """Models grouped so that every ensemble comes after the models it chains."""
+    plain, ensembles = [], []
     for name in names:
+        config_file = Path(repository) / name / "config.pbtxt"
+        text = config_file.read_text() if config_file.is_file() else ""
+        (ensembles if '"ensemble"' in text else plain).append(name)
+    return [group for group in (plain, ensembles) if group]
+
+
+def load_all(server: TritonServer, names: Iterable[str], parallel: int = 4) -> dict[str, str]:
+    """Load models (ensembles last), ``parallel`` at a time; return ``{name: error}`` for failures."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    failures: dict[str, str] = {}
+
+    def load(name: str) -> None:
         try:
             server.load_model(name)
         except TritonError as e:
             failures[name] = str(e)
+
+    for group in model_load_order(server.model_repository, names):
+        with ThreadPoolExecutor(max_workers=parallel) as pool:
+            list(pool.map(load, group))
     return failures
