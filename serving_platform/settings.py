@@ -122,6 +122,7 @@ LOGOUT_REDIRECT_URL = "login"
 # --- Static files: our own under frontend/static, third-party ones from npm (frontend/node_modules) ---
 STATIC_URL = "/static/"
 STATIC_ROOT = VAR_DIR / "staticfiles"
+STATIC_ROOT.mkdir(exist_ok=True)
 _NODE_MODULES = BASE_DIR / "frontend" / "node_modules"
 STATICFILES_DIRS = [
     ("vendor/htmx", _NODE_MODULES / "htmx.org" / "dist"),

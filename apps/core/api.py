@@ -11,6 +11,8 @@ from __future__ import annotations
 from functools import cached_property
 
 from django.shortcuts import get_object_or_404
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import viewsets
 from rest_framework.exceptions import PermissionDenied
 
@@ -37,6 +39,9 @@ def check_team_action(user, team: Team, action: str) -> None:
         )
 
 
+@extend_schema(
+    parameters=[OpenApiParameter("team_slug", OpenApiTypes.STR, OpenApiParameter.PATH, description="The team's slug.")]
+)
 class TeamScopedViewSet(viewsets.GenericViewSet):
     """Base for every viewset of tenant-owned rows. Subclasses set ``queryset`` (a TeamScopedQuerySet) and
     may override ``action_requirements`` for actions that need more than the default role."""

@@ -86,7 +86,7 @@ class Team(models.Model):
 
     name = models.CharField(max_length=100)
     # Part of Triton model names and artifact paths, so restricted to a safe alphabet.
-    slug = models.SlugField(max_length=50, unique=True, validators=[slug_validator])
+    slug = models.CharField(max_length=50, unique=True, validators=[slug_validator])
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = TeamQuerySet.as_manager()
