@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from django.conf import settings
 from django.db import connection
 from django.http import JsonResponse
 from django.views.decorators.cache import never_cache
@@ -36,7 +37,7 @@ def _check_database() -> dict:
 
 
 def _check_broker() -> dict:
-    with celery_app.connection_for_write() as conn:
+    with celery_app.connection_for_write(url=settings.CELERY_BROKER_URL) as conn:
         conn.ensure_connection(max_retries=1, timeout=2)
         return {"transport": conn.transport_cls if isinstance(conn.transport_cls, str) else conn.transport.driver_type}
 
