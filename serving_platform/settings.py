@@ -201,12 +201,13 @@ _broker_scheme = urlsplit(CELERY_BROKER_URL).scheme
 CELERY_BROKER_TRANSPORT_OPTIONS: dict = {"visibility_timeout": CONVERSION_TIME_LIMIT + 3600}
 if _broker_scheme == "filesystem":
     _broker_dir = VAR_DIR / "celery" / "broker"
-    for _sub in ("queue", "processed"):
+    for _sub in ("queue", "processed", "control"):
         (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_TRANSPORT_OPTIONS.update(
         data_folder_in=str(_broker_dir / "queue"),
         data_folder_out=str(_broker_dir / "queue"),
         processed_folder=str(_broker_dir / "processed"),
+        control_folder=str(_broker_dir / "control"),
         store_processed=False,
     )
 if CELERY_RESULT_BACKEND.startswith("file://"):

@@ -1,0 +1,20 @@
+# Image of the platform (web, worker, beat) and, built on a CANN base image, of the NPU host agent.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 VAR_DIR=/app/var
+RUN apt-get update && apt-get install -y --no-install-recommends nodejs npm && rm -rf /var/lib/apt/lists/*
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY serving_platform serving_platform
+COPY apps apps
+COPY backend_ge backend_ge
+COPY frontend frontend
+COPY manage.py Procfile ./
+RUN pip install --no-cache-dir . \
+    && cd frontend && npm ci --no-audit --no-fund --loglevel=error
+RUN DEBUG=1 SECRET_KEY=collectstatic-only python manage.py collectstatic --noinput
+RUN useradd --create-home --uid 1000 platform && mkdir -p /app/var && chown -R platform /app/var
+USER platform
+EXPOSE 8000
+CMD ["gunicorn", "serving_platform.wsgi", "--bind", "0.0.0.0:8000", "--workers", "3", "--access-logfile", "-"]
