@@ -6,7 +6,9 @@ from apps.teams.models import Role
 class TeamForm(forms.Form):
     name = forms.CharField(max_length=100)
     slug = forms.CharField(
-        max_length=50, required=False, help_text="Lowercase letters, digits and hyphens. Derived from the name when empty."
+        max_length=50,
+        required=False,
+        help_text="Lowercase letters, digits and hyphens. Derived from the name when empty.",
     )
 
 
@@ -23,5 +25,9 @@ class TokenForm(forms.Form):
     name = forms.CharField(max_length=100, help_text="Where the token is used, e.g. 'CI pipeline'.")
     read_only = forms.BooleanField(required=False, label="Read-only")
     expires_in_days = forms.IntegerField(
-        required=False, min_value=1, max_value=3650, label="Expires in (days)", help_text="Empty: never expires."
+        required=False,
+        min_value=1,
+        max_value=3650,
+        label="Expires in (days)",
+        help_text="Empty: never expires.",
     )

@@ -22,7 +22,9 @@ class TeamPageView(LoginRequiredMixin, TemplateView):
     def dispatch(self, request, *args, **kwargs):
         if not request.user.is_authenticated:
             return self.handle_no_permission()
-        self.team = get_object_or_404(Team.objects.for_user(request.user, Action.VIEW), slug=kwargs["team_slug"])
+        self.team = get_object_or_404(
+            Team.objects.for_user(request.user, Action.VIEW), slug=kwargs["team_slug"]
+        )
         self.role = team_roles(request.user).get(self.team.pk)
         self.require(self.required_action)
         request.session["team_slug"] = self.team.slug

@@ -39,7 +39,11 @@ def _check_database() -> dict:
 def _check_broker() -> dict:
     with celery_app.connection_for_write(url=settings.CELERY_BROKER_URL) as conn:
         conn.ensure_connection(max_retries=1, timeout=2)
-        return {"transport": conn.transport_cls if isinstance(conn.transport_cls, str) else conn.transport.driver_type}
+        return {
+            "transport": conn.transport_cls
+            if isinstance(conn.transport_cls, str)
+            else conn.transport.driver_type
+        }
 
 
 @never_cache
@@ -53,4 +57,6 @@ def healthz(request):
 def readyz(request):
     checks = {"database": _timed(_check_database), "broker": _timed(_check_broker)}
     ready = all(check["ok"] for check in checks.values())
-    return JsonResponse({"status": "ready" if ready else "unavailable", "checks": checks}, status=200 if ready else 503)
+    return JsonResponse(
+        {"status": "ready" if ready else "unavailable", "checks": checks}, status=200 if ready else 503
+    )

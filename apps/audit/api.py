@@ -10,7 +10,16 @@ class AuditEventSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = AuditEvent
-        fields = ["id", "created_at", "actor", "action", "target_type", "target_id", "target_label", "details"]
+        fields = [
+            "id",
+            "created_at",
+            "actor",
+            "action",
+            "target_type",
+            "target_id",
+            "target_label",
+            "details",
+        ]
         read_only_fields = fields
 
 

@@ -33,14 +33,20 @@ def check_team_action(user, team: Team, action: str) -> None:
     role = team_roles(user).get(team.pk)
     if not role_allows(role, action):
         needed = ACTION_MIN_ROLE[Action(action)]
-        via_token = " (this API token is read-only)" if getattr(getattr(user, "api_token", None), "read_only", False) else ""
+        via_token = (
+            " (this API token is read-only)"
+            if getattr(getattr(user, "api_token", None), "read_only", False)
+            else ""
+        )
         raise PermissionDenied(
             f"Your role in team '{team.slug}' is {role}{via_token}; to {Action(action).label} you need the role {needed.value}."
         )
 
 
 @extend_schema(
-    parameters=[OpenApiParameter("team_slug", OpenApiTypes.STR, OpenApiParameter.PATH, description="The team's slug.")]
+    parameters=[
+        OpenApiParameter("team_slug", OpenApiTypes.STR, OpenApiParameter.PATH, description="The team's slug.")
+    ]
 )
 class TeamScopedViewSet(viewsets.GenericViewSet):
     """Base for every viewset of tenant-owned rows. Subclasses set ``queryset`` (a TeamScopedQuerySet) and

@@ -36,7 +36,9 @@ def api_exception_handler(exc, context):
         fields = detail if isinstance(detail, dict) else {"non_field_errors": detail}
         body.update(error="invalid", message=_first_message(fields), fields=fields)
     elif isinstance(exc, exceptions.ParseError):
-        body.update(message=f"{_first_message(detail)} Send a valid JSON body with Content-Type: application/json.")
+        body.update(
+            message=f"{_first_message(detail)} Send a valid JSON body with Content-Type: application/json."
+        )
     else:
         body["message"] = _first_message(detail)
     if response.status_code == status.HTTP_404_NOT_FOUND:

@@ -11,5 +11,7 @@ class OrderedPageNumberPagination(PageNumberPagination):
 
     def paginate_queryset(self, queryset, request, view=None):
         if hasattr(queryset, "ordered") and not queryset.ordered:
-            raise ImproperlyConfigured(f"{view.__class__.__name__} paginates an unordered queryset; add an ordering.")
+            raise ImproperlyConfigured(
+                f"{view.__class__.__name__} paginates an unordered queryset; add an ordering."
+            )
         return super().paginate_queryset(queryset, request, view)

@@ -17,6 +17,15 @@ class TeamAdmin(admin.ModelAdmin):
 
 @admin.register(ApiToken)
 class ApiTokenAdmin(admin.ModelAdmin):
-    list_display = ("display_prefix", "name", "team", "read_only", "created_by", "expires_at", "last_used_at", "revoked_at")
+    list_display = (
+        "display_prefix",
+        "name",
+        "team",
+        "read_only",
+        "created_by",
+        "expires_at",
+        "last_used_at",
+        "revoked_at",
+    )
     list_filter = ("team", "read_only")
     readonly_fields = ("prefix", "secret_hash", "created_by", "last_used_at")

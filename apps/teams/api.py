@@ -16,7 +16,9 @@ User = get_user_model()
 
 
 class TeamSerializer(serializers.ModelSerializer):
-    slug = serializers.CharField(max_length=50, required=False, help_text="Derived from the name when omitted.")
+    slug = serializers.CharField(
+        max_length=50, required=False, help_text="Derived from the name when omitted."
+    )
     role = serializers.SerializerMethodField()
     member_count = serializers.IntegerField(source="memberships.count", read_only=True)
 
@@ -35,7 +37,9 @@ class TeamUpdateSerializer(serializers.ModelSerializer):
         fields = ["name"]
 
 
-class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.CreateModelMixin, viewsets.GenericViewSet):
+class TeamViewSet(
+    mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.CreateModelMixin, viewsets.GenericViewSet
+):
     """Teams the caller belongs to. Anyone signed in can create a team and becomes its owner."""
 
     serializer_class = TeamSerializer
@@ -47,9 +51,13 @@ class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.Creat
 
     def perform_create(self, serializer):
         if getattr(self.request.user, "api_token", None) is not None:
-            raise PermissionDenied("API tokens belong to one team and cannot create teams; sign in to create one.")
+            raise PermissionDenied(
+                "API tokens belong to one team and cannot create teams; sign in to create one."
+            )
         data = serializer.validated_data
-        serializer.instance = services.create_team(actor=self.request.user, name=data["name"], slug=data.get("slug"))
+        serializer.instance = services.create_team(
+            actor=self.request.user, name=data["name"], slug=data.get("slug")
+        )
 
     @extend_schema(request=TeamUpdateSerializer, responses=TeamSerializer)
     def partial_update(self, request, slug=None):
@@ -87,7 +95,11 @@ class MembershipFilter(filters.FilterSet):
 
 
 class MembershipViewSet(
-    mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.CreateModelMixin, mixins.DestroyModelMixin, TeamScopedViewSet
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.CreateModelMixin,
+    mixins.DestroyModelMixin,
+    TeamScopedViewSet,
 ):
     """A team's members. Every member can list them; only owners add, change roles and remove."""
 
@@ -112,7 +124,9 @@ class MembershipViewSet(
         membership = self.get_object()
         serializer = MembershipRoleSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        services.change_member_role(actor=request.user, membership=membership, role=serializer.validated_data["role"])
+        services.change_member_role(
+            actor=request.user, membership=membership, role=serializer.validated_data["role"]
+        )
         return Response(MembershipSerializer(membership).data)
 
     def perform_destroy(self, instance):
@@ -127,8 +141,16 @@ class ApiTokenSerializer(serializers.ModelSerializer):
     class Meta:
         model = ApiToken
         fields = [
-            "id", "name", "prefix", "read_only", "status", "created_by",
-            "created_at", "expires_at", "last_used_at", "revoked_at",
+            "id",
+            "name",
+            "prefix",
+            "read_only",
+            "status",
+            "created_by",
+            "created_at",
+            "expires_at",
+            "last_used_at",
+            "revoked_at",
         ]
         read_only_fields = ["id", "created_at", "last_used_at", "revoked_at"]
 
@@ -149,7 +171,11 @@ class ApiTokenFilter(filters.FilterSet):
 
 
 class ApiTokenViewSet(
-    mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.CreateModelMixin, mixins.DestroyModelMixin, TeamScopedViewSet
+    mixins.ListModelMixin,
+    mixins.RetrieveModelMixin,
+    mixins.CreateModelMixin,
+    mixins.DestroyModelMixin,
+    TeamScopedViewSet,
 ):
     """A team's API tokens (owners only). Creating returns the secret once; listing never does; DELETE
     revokes (the row stays, for the audit trail)."""
@@ -203,4 +229,3 @@ def me(request):
             "token": ApiTokenSerializer(token).data if token else None,
         }
     )
-

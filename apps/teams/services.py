@@ -20,7 +20,9 @@ User = get_user_model()
 
 def check_slug_free(slug: str) -> None:
     if Team.objects.filter(slug=slug).exists():
-        raise ValidationError({"slug": [f"A team with the slug '{slug}' already exists; choose another slug."]})
+        raise ValidationError(
+            {"slug": [f"A team with the slug '{slug}' already exists; choose another slug."]}
+        )
 
 
 def create_team(*, actor, name: str, slug: str | None = None) -> Team:
@@ -37,7 +39,9 @@ def create_team(*, actor, name: str, slug: str | None = None) -> Team:
         team.full_clean(validate_unique=False)
         team.save()
         Membership.objects.create(team=team, user=actor, role=Role.OWNER)
-        record(actor=actor, team=team, action="team.created", target=team, details={"name": name, "slug": slug})
+        record(
+            actor=actor, team=team, action="team.created", target=team, details={"name": name, "slug": slug}
+        )
     return team
 
 
@@ -55,7 +59,11 @@ def rename_team(*, actor, team: Team, name: str) -> Team:
 
 def _find_user(identifier: str):
     identifier = identifier.strip()
-    user = User.objects.filter(Q(username=identifier) | Q(email__iexact=identifier)).first() if identifier else None
+    user = (
+        User.objects.filter(Q(username=identifier) | Q(email__iexact=identifier)).first()
+        if identifier
+        else None
+    )
     if user is None:
         raise ValidationError({"user": [f"No user with the username or email '{identifier}'."]})
     return user
@@ -88,11 +96,11 @@ def add_member(*, actor, team: Team, user_identifier: str, role: str) -> Members
 
 def _check_keeps_an_owner(team: Team, membership: Membership) -> None:
     # Lock the owners so two concurrent demotions cannot both see "another owner remains".
-    owners = list(Membership.objects.select_for_update().filter(team=team, role=Role.OWNER).values_list("pk", flat=True))
+    owners = list(
+        Membership.objects.select_for_update().filter(team=team, role=Role.OWNER).values_list("pk", flat=True)
+    )
     if owners == [membership.pk]:
-        raise ValidationError(
-            {"role": ["A team needs at least one owner: make another member owner first."]}
-        )
+        raise ValidationError({"role": ["A team needs at least one owner: make another member owner first."]})
 
 
 def change_member_role(*, actor, membership: Membership, role: str) -> Membership:
@@ -160,7 +168,11 @@ def create_token(
             team=team,
             action="token.created",
             target=token,
-            details={"name": name, "read_only": read_only, "expires_at": expires_at.isoformat() if expires_at else None},
+            details={
+                "name": name,
+                "read_only": read_only,
+                "expires_at": expires_at.isoformat() if expires_at else None,
+            },
         )
     return token, f"{TOKEN_SCHEME}_{prefix}_{secret}"
 
@@ -168,10 +180,18 @@ def create_token(
 def revoke_token(*, actor, token: ApiToken) -> ApiToken:
     """Revoke a token; revoking twice is harmless and records nothing new."""
     with transaction.atomic():
-        updated = ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+        updated = ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(
+            revoked_at=timezone.now()
+        )
         token.refresh_from_db()
         if updated:
-            record(actor=actor, team=token.team, action="token.revoked", target=token, details={"name": token.name})
+            record(
+                actor=actor,
+                team=token.team,
+                action="token.revoked",
+                target=token,
+                details={"name": token.name},
+            )
     return token
 
 
@@ -181,6 +201,6 @@ def touch_token_last_used(token: ApiToken, now: datetime | None = None) -> None:
 
     now = now or timezone.now()
     threshold = now - settings.API_TOKEN_LAST_USED_RESOLUTION
-    ApiToken.objects.filter(pk=token.pk).filter(Q(last_used_at__isnull=True) | Q(last_used_at__lt=threshold)).update(
-        last_used_at=now
-    )
+    ApiToken.objects.filter(pk=token.pk).filter(
+        Q(last_used_at__isnull=True) | Q(last_used_at__lt=threshold)
+    ).update(last_used_at=now)

@@ -14,7 +14,9 @@ SCREENSHOTS = Path(__file__).resolve().parents[2] / "var" / "screenshots"
 
 pytestmark = [
     pytest.mark.browser,
-    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (apt install chromium)"),
+    pytest.mark.skipif(
+        not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (apt install chromium)"
+    ),
 ]
 
 
@@ -28,8 +30,14 @@ def page(live_server):
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--no-first-run"],
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
         )
         context = browser.new_context(viewport={"width": 1280, "height": 900})
         page = context.new_page()

@@ -89,7 +89,9 @@ def test_token_secret_is_shown_once(owner_web, team):
 
 
 def test_token_form_errors_are_shown_next_to_the_field(owner_web, team):
-    response = owner_web.post("/teams/vision/settings/", {"op": "create_token", "name": "", "expires_in_days": "0"})
+    response = owner_web.post(
+        "/teams/vision/settings/", {"op": "create_token", "name": "", "expires_in_days": "0"}
+    )
     assert response.status_code == 400
     html = response.content.decode()
     assert 'data-field="name"' in html and 'data-field="expires_in_days"' in html
@@ -111,13 +113,20 @@ def test_viewer_sees_members_but_cannot_manage(viewer_web, team):
     html = viewer_web.get("/teams/vision/settings/").content.decode()
     assert "olivia" in html and 'id="tokens"' not in html
     assert viewer_web.post("/teams/vision/settings/", {"op": "create_token", "name": "x"}).status_code == 403
-    assert viewer_web.post("/teams/vision/settings/", {"op": "add_member", "user": "vera", "role": "owner"}).status_code == 403
+    assert (
+        viewer_web.post(
+            "/teams/vision/settings/", {"op": "add_member", "user": "vera", "role": "owner"}
+        ).status_code
+        == 403
+    )
     assert not ApiToken.objects.exists()
 
 
 def test_removing_last_owner_in_ui_shows_error_and_keeps_owner(owner_web, owner, team):
     membership = Membership.objects.get(user=owner)
-    response = owner_web.post("/teams/vision/settings/", {"op": "remove_member", "membership": membership.pk}, follow=True)
+    response = owner_web.post(
+        "/teams/vision/settings/", {"op": "remove_member", "membership": membership.pk}, follow=True
+    )
     assert "at least one owner" in response.content.decode()
     assert Membership.objects.filter(pk=membership.pk).exists()
 
@@ -128,10 +137,14 @@ def test_add_member_and_change_role(owner_web, team):
     UserFactory(username="nina")
     owner_web.post("/teams/vision/settings/", {"op": "add_member", "user": "nina", "role": "viewer"})
     membership = Membership.objects.get(user__username="nina")
-    owner_web.post("/teams/vision/settings/", {"op": "change_role", "membership": membership.pk, "role": "maintainer"})
+    owner_web.post(
+        "/teams/vision/settings/", {"op": "change_role", "membership": membership.pk, "role": "maintainer"}
+    )
     membership.refresh_from_db()
     assert membership.role == "maintainer"
-    response = owner_web.post("/teams/vision/settings/", {"op": "add_member", "user": "ghost", "role": "viewer"})
+    response = owner_web.post(
+        "/teams/vision/settings/", {"op": "add_member", "user": "ghost", "role": "viewer"}
+    )
     assert response.status_code == 400 and "No user with the username" in response.content.decode()
 
 

@@ -19,8 +19,25 @@ def worker():
     # A queue of its own, so a platform running on the same broker cannot take the test's task.
     queue = f"test-{uuid.uuid4().hex[:8]}"
     process = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "serving_platform", "worker", "--pool", "solo", "-Q", queue,
-         "--hostname", f"{queue}@localhost", "--loglevel", "WARNING", "--without-heartbeat", "--without-gossip", "--without-mingle"],
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "serving_platform",
+            "worker",
+            "--pool",
+            "solo",
+            "-Q",
+            queue,
+            "--hostname",
+            f"{queue}@localhost",
+            "--loglevel",
+            "WARNING",
+            "--without-heartbeat",
+            "--without-gossip",
+            "--without-mingle",
+        ],
         cwd=ROOT,
         env=os.environ.copy(),
         stdout=subprocess.PIPE,

@@ -32,20 +32,27 @@ def test_host_agent_mounts_the_npu_devices_and_driver_read_only(compose):
 def test_platform_services_use_postgres_and_redis(compose):
     for name in ("web", "worker", "beat", "host-agent"):
         env = compose["services"][name]["environment"]
-        assert env["DATABASE_URL"].startswith("postgres://") and env["CELERY_BROKER_URL"].startswith("redis://")
+        assert env["DATABASE_URL"].startswith("postgres://") and env["CELERY_BROKER_URL"].startswith(
+            "redis://"
+        )
         assert env["DEBUG"] == "0"
 
 
 def _compose_command() -> list[str] | None:
     """`docker compose` (plugin) or the standalone `docker-compose`; either validates without an engine."""
-    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+    if (
+        shutil.which("docker")
+        and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+    ):
         return ["docker", "compose"]
     if shutil.which("docker-compose"):
         return ["docker-compose"]
     return None
 
 
-@pytest.mark.skipif(_compose_command() is None, reason="neither `docker compose` nor `docker-compose` is installed here")
+@pytest.mark.skipif(
+    _compose_command() is None, reason="neither `docker compose` nor `docker-compose` is installed here"
+)
 def test_docker_compose_config_validates():
     result = subprocess.run(
         [*_compose_command(), "-f", str(COMPOSE), "config", "--quiet"],

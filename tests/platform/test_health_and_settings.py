@@ -61,7 +61,12 @@ def _production_env(**extra) -> dict:
 
 def test_secret_key_is_required_when_debug_is_off():
     result = subprocess.run(
-        [sys.executable, "manage.py", "check"], cwd=ROOT, env=_production_env(), capture_output=True, text=True, timeout=120
+        [sys.executable, "manage.py", "check"],
+        cwd=ROOT,
+        env=_production_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode != 0
     assert "SECRET_KEY is required when DEBUG is off" in result.stderr
@@ -96,7 +101,11 @@ def test_openapi_schema_generates_without_warnings(tmp_path):
     target = tmp_path / "schema.yaml"
     call_command("spectacular", "--validate", "--fail-on-warn", "--file", str(target))
     text = target.read_text()
-    for path in ("/api/v1/me/", "/api/v1/teams/{team_slug}/tokens/", "/api/v1/teams/{team_slug}/audit-events/"):
+    for path in (
+        "/api/v1/me/",
+        "/api/v1/teams/{team_slug}/tokens/",
+        "/api/v1/teams/{team_slug}/audit-events/",
+    ):
         assert path in text
     assert "bearerToken" in text
 
@@ -127,9 +136,10 @@ def test_celery_reliability_settings():
 
 @pytest.mark.django_db
 def test_pagination_refuses_unordered_querysets(rf):
+    from rest_framework.request import Request
+
     from apps.core.pagination import OrderedPageNumberPagination
     from apps.teams.models import Team
-    from rest_framework.request import Request
 
     request = Request(rf.get("/"))
     with pytest.raises(ImproperlyConfigured, match="unordered"):

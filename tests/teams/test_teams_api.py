@@ -87,7 +87,9 @@ def test_members_list_visible_to_viewer(viewer_client, owner, maintainer):
 
 def test_owner_adds_member_by_email(owner_client, team):
     UserFactory(username="nina", email="nina@example.com")
-    response = owner_client.post("/api/v1/teams/vision/members/", {"user": "NINA@example.com", "role": "maintainer"}, format="json")
+    response = owner_client.post(
+        "/api/v1/teams/vision/members/", {"user": "NINA@example.com", "role": "maintainer"}, format="json"
+    )
     assert response.status_code == 201, response.json()
     assert response.json()["username"] == "nina"
     assert Membership.objects.get(team=team, user__username="nina").role == "maintainer"
@@ -99,8 +101,15 @@ def test_only_owner_manages_members(request, client_fixture, owner, maintainer, 
     client = request.getfixturevalue(client_fixture)
     UserFactory(username="nina")
     membership = Membership.objects.get(user=viewer)
-    assert client.post("/api/v1/teams/vision/members/", {"user": "nina", "role": "viewer"}, format="json").status_code == 403
-    response = client.patch(f"/api/v1/teams/vision/members/{membership.pk}/", {"role": "owner"}, format="json")
+    assert (
+        client.post(
+            "/api/v1/teams/vision/members/", {"user": "nina", "role": "viewer"}, format="json"
+        ).status_code
+        == 403
+    )
+    response = client.patch(
+        f"/api/v1/teams/vision/members/{membership.pk}/", {"role": "owner"}, format="json"
+    )
     assert response.status_code == 403
     assert "owner" in response.json()["message"]
     assert client.delete(f"/api/v1/teams/vision/members/{membership.pk}/").status_code == 403
@@ -109,16 +118,22 @@ def test_only_owner_manages_members(request, client_fixture, owner, maintainer, 
 
 def test_invalid_role_is_400_with_field_message(owner_client, team):
     UserFactory(username="nina")
-    response = owner_client.post("/api/v1/teams/vision/members/", {"user": "nina", "role": "admin"}, format="json")
+    response = owner_client.post(
+        "/api/v1/teams/vision/members/", {"user": "nina", "role": "admin"}, format="json"
+    )
     assert response.status_code == 400
     assert "viewer, maintainer, owner" in response.json()["fields"]["role"][0]
     assert not Membership.objects.filter(user__username="nina").exists()
 
 
 def test_unknown_user_and_duplicate_member_are_400(owner_client, viewer):
-    response = owner_client.post("/api/v1/teams/vision/members/", {"user": "ghost", "role": "viewer"}, format="json")
+    response = owner_client.post(
+        "/api/v1/teams/vision/members/", {"user": "ghost", "role": "viewer"}, format="json"
+    )
     assert response.status_code == 400 and "ghost" in response.json()["fields"]["user"][0]
-    response = owner_client.post("/api/v1/teams/vision/members/", {"user": "vera", "role": "viewer"}, format="json")
+    response = owner_client.post(
+        "/api/v1/teams/vision/members/", {"user": "vera", "role": "viewer"}, format="json"
+    )
     assert response.status_code == 400 and "already a member" in response.json()["fields"]["user"][0]
 
 
@@ -127,14 +142,21 @@ def test_removing_or_demoting_the_last_owner_is_400(owner_client, owner, team):
     response = owner_client.delete(f"/api/v1/teams/vision/members/{membership.pk}/")
     assert response.status_code == 400
     assert "at least one owner" in response.json()["message"]
-    response = owner_client.patch(f"/api/v1/teams/vision/members/{membership.pk}/", {"role": "viewer"}, format="json")
+    response = owner_client.patch(
+        f"/api/v1/teams/vision/members/{membership.pk}/", {"role": "viewer"}, format="json"
+    )
     assert response.status_code == 400
     assert Membership.objects.get(pk=membership.pk).role == Role.OWNER
 
 
 def test_an_owner_can_leave_when_another_owner_remains(owner_client, owner, team, maintainer):
     other = Membership.objects.get(user=maintainer)
-    assert owner_client.patch(f"/api/v1/teams/vision/members/{other.pk}/", {"role": "owner"}, format="json").status_code == 200
+    assert (
+        owner_client.patch(
+            f"/api/v1/teams/vision/members/{other.pk}/", {"role": "owner"}, format="json"
+        ).status_code
+        == 200
+    )
     mine = Membership.objects.get(user=owner, team=team)
     assert owner_client.delete(f"/api/v1/teams/vision/members/{mine.pk}/").status_code == 204
     assert not Membership.objects.filter(pk=mine.pk).exists()
@@ -158,4 +180,7 @@ def test_same_user_in_two_teams_sees_both(owner, other_team, client):
     from tests.conftest import client_for
 
     response = client_for(owner).get("/api/v1/teams/?ordering=slug")
-    assert [(t["slug"], t["role"]) for t in response.json()["results"]] == [("speech", "viewer"), ("vision", "owner")]
+    assert [(t["slug"], t["role"]) for t in response.json()["results"]] == [
+        ("speech", "viewer"),
+        ("vision", "owner"),
+    ]

@@ -151,7 +151,9 @@ def test_token_validation_errors(owner_client):
     response = owner_client.post("/api/v1/teams/vision/tokens/", {"name": " "}, format="json")
     assert response.status_code == 400 and "name" in response.json()["fields"]
     past = (timezone.now() - timedelta(days=1)).isoformat()
-    response = owner_client.post("/api/v1/teams/vision/tokens/", {"name": "x", "expires_at": past}, format="json")
+    response = owner_client.post(
+        "/api/v1/teams/vision/tokens/", {"name": "x", "expires_at": past}, format="json"
+    )
     assert response.status_code == 400 and "future" in response.json()["fields"]["expires_at"][0]
     assert not ApiToken.objects.exists()
 
@@ -160,5 +162,7 @@ def test_token_list_filters_active(owner_client, make_token):
     revoked, _ = make_token(name="old")
     make_token(name="new")
     services.revoke_token(actor=revoked.created_by, token=revoked)
-    names = [t["name"] for t in owner_client.get("/api/v1/teams/vision/tokens/?active=true").json()["results"]]
+    names = [
+        t["name"] for t in owner_client.get("/api/v1/teams/vision/tokens/?active=true").json()["results"]
+    ]
     assert names == ["new"]

@@ -30,7 +30,9 @@ class Command(BaseCommand):
             password_file.write_text(password)
             password_file.chmod(0o600)
         if user is None:
-            user = User.objects.create_superuser(username=username, email=f"{username}@localhost", password=password)
+            user = User.objects.create_superuser(
+                username=username, email=f"{username}@localhost", password=password
+            )
         elif settings.DEMO_PASSWORD or not user.has_usable_password():
             user.set_password(password)
             user.save(update_fields=["password"])
@@ -44,5 +46,7 @@ class Command(BaseCommand):
 
         shown = password if user.check_password(password) else "(unchanged; set DEMO_PASSWORD to reset it)"
         self.stdout.write(
-            self.style.SUCCESS(f"Demo login: username '{username}', password '{shown}', team '{team.name}' ({team.slug})")
+            self.style.SUCCESS(
+                f"Demo login: username '{username}', password '{shown}', team '{team.name}' ({team.slug})"
+            )
         )
