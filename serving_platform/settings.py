@@ -59,6 +59,8 @@ INSTALLED_APPS = [
     "apps.core",
     "apps.teams",
     "apps.audit",
+    "apps.registry",
+    "apps.conversions",
     "frontend",
 ]
 

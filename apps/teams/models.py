@@ -87,6 +87,8 @@ class Team(models.Model):
     name = models.CharField(max_length=100)
     # Part of Triton model names and artifact paths, so restricted to a safe alphabet.
     slug = models.CharField(max_length=50, unique=True, validators=[slug_validator])
+    # The chip ATC compiles for unless a conversion says otherwise (`npu-smi info` Name with "Ascend" prefixed).
+    default_soc_version = models.CharField(max_length=32, default="Ascend310P3")
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = TeamQuerySet.as_manager()

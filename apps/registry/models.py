@@ -1,0 +1,162 @@
+"""Registered models and their versions. Artifact paths are derived by the platform from ids, never from
+user input (an uploaded file name is kept for display only)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+from django.conf import settings
+from django.db import models
+
+from apps.teams.models import TeamScopedQuerySet, slug_validator
+
+
+class TaskType(models.TextChoices):
+    CLASSIFICATION = "classification", "Image classification"
+    DETECTION = "detection", "Object detection"
+    SEGMENTATION = "segmentation", "Segmentation"
+    NLP = "nlp", "Natural language"
+    EMBEDDING = "embedding", "Embedding"
+    OTHER = "other", "Other"
+
+
+class RegisteredModel(models.Model):
+    """A model a team serves; its versions carry the files."""
+
+    team = models.ForeignKey("teams.Team", on_delete=models.CASCADE, related_name="models")
+    name = models.CharField(max_length=100)
+    # Part of the Triton model name and of artifact paths, so restricted to a safe alphabet.
+    slug = models.CharField(max_length=50, validators=[slug_validator])
+    task_type = models.CharField(max_length=20, choices=TaskType.choices, default=TaskType.OTHER)
+    description = models.TextField(blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = TeamScopedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["team", "name"]
+        constraints = [models.UniqueConstraint(fields=["team", "slug"], name="unique_model_slug_per_team")]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def triton_model_name(self) -> str:
+        """The model's name inside Triton: unique across teams, derived only from validated slugs."""
+        return f"{self.team.slug}--{self.slug}"
+
+    def latest_version(self) -> ModelVersion | None:
+        return self.versions.order_by("-number").first()
+
+
+class SourceFormat(models.TextChoices):
+    ONNX = "onnx", "ONNX"
+    ONNX_ARCHIVE = "onnx_archive", "ONNX with external data (archive)"
+    TENSORFLOW = "tensorflow", "TensorFlow frozen graph (.pb)"
+    TORCHSCRIPT = "torchscript", "TorchScript (.pt)"
+    OM = "om", "Ascend offline model (.om)"
+    TRITON_REPOSITORY = "triton_repository", "Triton model directory (archive)"
+
+
+class VersionState(models.TextChoices):
+    UPLOADING = "UPLOADING", "Uploading"
+    UPLOADED = "UPLOADED", "Uploaded"
+    CONVERTING = "CONVERTING", "Converting"
+    READY = "READY", "Ready"
+    FAILED = "FAILED", "Failed"
+
+
+class VersionQuerySet(TeamScopedQuerySet):
+    team_lookup = "model__team"
+
+
+class ModelVersion(models.Model):
+    """One uploaded revision of a model.
+
+    State machine: UPLOADING -> UPLOADED -> CONVERTING -> READY | FAILED. A FAILED conversion can be re-run
+    (FAILED -> CONVERTING). Only READY versions can be deployed.
+    """
+
+    model = models.ForeignKey(RegisteredModel, on_delete=models.CASCADE, related_name="versions")
+    number = models.PositiveIntegerField()
+    state = models.CharField(max_length=20, choices=VersionState.choices, default=VersionState.UPLOADING)
+    source_format = models.CharField(max_length=30, choices=SourceFormat.choices, blank=True)
+    source_filename = models.CharField(max_length=255, blank=True, help_text="As uploaded; display only.")
+    sha256 = models.CharField(max_length=64, blank=True)
+    size_bytes = models.BigIntegerField(default=0)
+    signature = models.JSONField(default=dict, blank=True)
+    serving_options = models.JSONField(default=dict, blank=True)
+    config_text = models.TextField(blank=True)
+    toolchain = models.CharField(max_length=20, blank=True)
+    error = models.TextField(blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = VersionQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["model", "-number"]
+        constraints = [models.UniqueConstraint(fields=["model", "number"], name="unique_version_number")]
+
+    def __str__(self) -> str:
+        return f"{self.model} v{self.number}"
+
+    @property
+    def team(self):
+        return self.model.team
+
+    def is_servable(self) -> bool:
+        return self.state == VersionState.READY
+
+    def storage_dir(self) -> Path:
+        """Everything of this version lives here: source/ (as uploaded, extracted) and model/ (servable)."""
+        return Path(settings.ARTIFACT_ROOT) / "teams" / str(self.model.team_id) / "models" / str(self.model_id) / "versions" / str(self.number)
+
+    def source_dir(self) -> Path:
+        return self.storage_dir() / "source"
+
+    def servable_dir(self) -> Path:
+        """A Triton model directory for this version: config.pbtxt + 1/model.(onnx|om)."""
+        return self.storage_dir() / "model"
+
+
+class UploadState(models.TextChoices):
+    OPEN = "OPEN", "Open"
+    COMPLETE = "COMPLETE", "Complete"
+    ABORTED = "ABORTED", "Aborted"
+
+
+class UploadQuerySet(TeamScopedQuerySet):
+    team_lookup = "version__model__team"
+
+
+class UploadSession(models.Model):
+    """A resumable, chunked upload of one version's source file.
+
+    State machine: OPEN -> COMPLETE | ABORTED. Bytes go to a part file the platform names after the session id;
+    ``received_bytes`` is the offset a client resumes from.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    version = models.OneToOneField(ModelVersion, on_delete=models.CASCADE, related_name="upload")
+    filename = models.CharField(max_length=255, help_text="As given by the client; display and format only.")
+    expected_size = models.BigIntegerField()
+    expected_sha256 = models.CharField(max_length=64, blank=True)
+    received_bytes = models.BigIntegerField(default=0)
+    state = models.CharField(max_length=20, choices=UploadState.choices, default=UploadState.OPEN)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = UploadQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"upload {self.id} of {self.version}"
+
+    def part_path(self) -> Path:
+        return Path(settings.ARTIFACT_ROOT) / "uploads" / f"{self.id}.part"
