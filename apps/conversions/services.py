@@ -1,0 +1,195 @@
+"""Business actions on conversions. Each runs in one transaction with its audit event; work is enqueued
+with ``transaction.on_commit`` so a worker never sees a job row that was rolled back."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from django.core.exceptions import ValidationError
+from django.db import transaction
+
+from apps.audit.services import record
+from apps.conversions.models import ConversionJob, JobState
+from apps.registry.models import ModelVersion, VersionState
+
+# ATC's documented choices; anything else would only fail minutes later inside the worker.
+PRECISION_MODES = (
+    "force_fp16",
+    "force_fp32",
+    "allow_fp32_to_fp16",
+    "must_keep_origin_dtype",
+    "allow_mix_precision",
+)
+INPUT_FORMATS = ("NCHW", "NHWC", "ND", "NCDHW", "NDHWC")
+_SOC_VERSION = re.compile(r"^Ascend[0-9A-Za-z]{3,20}$")
+_INPUT_SHAPE = re.compile(r"^[\w./:-]+:-?\d+(,-?\d+)*(;[\w./:-]+:-?\d+(,-?\d+)*)*$")
+OPTION_KEYS = ("soc_version", "precision_mode", "input_format", "input_shape")
+
+
+def check_conversion_options(version: ModelVersion, options: dict | None) -> dict:
+    """The conversion options with defaults filled in; raises ValidationError naming the bad option."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OPTION_KEYS))
+    if unknown:
+        raise ValidationError(
+            {key: [f"Unknown conversion option; use {', '.join(OPTION_KEYS)}."] for key in unknown}
+        )
+    out = {key: str(options.get(key) or "").strip() for key in OPTION_KEYS}
+    out["soc_version"] = out["soc_version"] or version.model.team.default_soc_version
+    errors: dict[str, list[str]] = {}
+    if not _SOC_VERSION.match(out["soc_version"]):
+        errors["soc_version"] = [
+            "Use the chip name from `npu-smi info` prefixed with Ascend, e.g. Ascend310P3."
+        ]
+    if out["precision_mode"] and out["precision_mode"] not in PRECISION_MODES:
+        errors["precision_mode"] = [f"Use one of: {', '.join(PRECISION_MODES)}."]
+    out["input_format"] = out["input_format"].upper()
+    if out["input_format"] and out["input_format"] not in INPUT_FORMATS:
+        errors["input_format"] = [f"Use one of: {', '.join(INPUT_FORMATS)}."]
+    out["input_shape"] = out["input_shape"].replace(" ", "")
+    if out["input_shape"] and not _INPUT_SHAPE.match(out["input_shape"]):
+        errors["input_shape"] = [
+            "Write it as ATC does: name:d0,d1,...;name2:... with -1 for the batch dimension."
+        ]
+    if errors:
+        raise ValidationError(errors)
+    return out
+
+
+def enqueue_conversion(job_id: int) -> None:
+    """Send the job to the conversions queue (CELERY_TASK_ROUTES routes it there)."""
+    from apps.conversions.tasks import run_conversion
+
+    run_conversion.delay(job_id)
+
+
+def _create_job(*, actor, version: ModelVersion, options: dict, allowed: tuple[str, ...], action: str):
+    locked = ModelVersion.objects.select_for_update().select_related("model__team").get(pk=version.pk)
+    if locked.state not in allowed:
+        raise ValidationError(
+            {
+                "state": [
+                    f"Version {locked.number} is {locked.state}; a conversion can start only when it is "
+                    f"{' or '.join(allowed)}."
+                ]
+            }
+        )
+    if locked.conversion_jobs.filter(state__in=(JobState.QUEUED, JobState.RUNNING)).exists():
+        raise ValidationError({"state": ["A conversion of this version is already queued or running."]})
+    job = ConversionJob.objects.create(
+        version=locked,
+        options=options,
+        created_by=actor if getattr(actor, "is_authenticated", False) else None,
+    )
+    locked.state = VersionState.CONVERTING
+    locked.error = ""
+    locked.save(update_fields=["state", "error", "updated_at"])
+    version.state, version.error = locked.state, locked.error
+    record(
+        actor=actor,
+        team=locked.model.team,
+        action=action,
+        target=job,
+        details={"version": locked.number, "model": locked.model.slug, "options": options},
+    )
+    transaction.on_commit(lambda: enqueue_conversion(job.pk))
+    return job
+
+
+def start_conversion(*, actor, version: ModelVersion, options: dict | None = None) -> ConversionJob:
+    """Queue the conversion of an UPLOADED version: job QUEUED, version CONVERTING, enqueued on commit.
+
+    ``options``: soc_version (default: the team's), precision_mode, input_format, input_shape (ATC style).
+    Safe to call inside the caller's transaction (the upload's): the task is sent only once it commits.
+    """
+    options = check_conversion_options(version, options)
+    with transaction.atomic():
+        return _create_job(
+            actor=actor,
+            version=version,
+            options=options,
+            allowed=(VersionState.UPLOADED,),
+            action="conversion.started",
+        )
+
+
+def rerun_conversion(*, actor, version: ModelVersion, options: dict | None = None) -> ConversionJob:
+    """Convert a FAILED version again, as a new job row (the failed job and its log stay for reference).
+
+    Without ``options`` the last job's options are reused.
+    """
+    if options is None:
+        last = version.conversion_jobs.order_by("-created_at", "-id").first()
+        options = dict(last.options) if last else {}
+    options = check_conversion_options(version, options)
+    with transaction.atomic():
+        return _create_job(
+            actor=actor,
+            version=version,
+            options=options,
+            allowed=(VersionState.FAILED,),
+            action="conversion.rerun",
+        )
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def check_config_text(version: ModelVersion, text: str):
+    """Parse, normalize and validate a config for this version; returns the config or raises ConfigError.
+
+    The name must be the version's Triton model name and the tensors must match the stored signature.
+    """
+    from backend_ge import config as gc
+
+    cfg = gc.normalize_config(gc.parse_config(text))
+    signature = gc.ModelSignature.from_dict(version.signature) if version.signature else None
+    errors = gc.validate_config(cfg, expected_name=version.model.triton_model_name(), signature=signature)
+    if errors:
+        raise gc.ConfigError(errors)
+    return cfg
+
+
+def update_config(*, actor, version: ModelVersion, text: str) -> ModelVersion:
+    """Replace a READY version's config.pbtxt. Raises ValidationError whose dict maps field paths
+    (``input[0].dims``) to messages; on success the row and the servable dir's file change together."""
+    from backend_ge import config as gc
+
+    if version.state != VersionState.READY:
+        raise ValidationError(
+            {"state": [f"Version {version.number} is {version.state}; edit its config once it is READY."]}
+        )
+    try:
+        cfg = check_config_text(version, text)
+    except gc.ConfigError as exc:
+        raise ValidationError(exc.as_dict()) from None
+    rendered = gc.render_config(cfg)
+    with transaction.atomic():
+        locked = ModelVersion.objects.select_for_update().get(pk=version.pk)
+        old = locked.config_text
+        locked.config_text = rendered
+        locked.save(update_fields=["config_text", "updated_at"])
+        record(
+            actor=actor,
+            team=version.model.team,
+            action="version.config_updated",
+            target=locked,
+            details={"version": locked.number, "model": version.model.slug, "changed": old != rendered},
+        )
+        # Written last inside the transaction: if the write fails the row rolls back with it, and a
+        # rename means Triton never reads half a file.
+        _atomic_write_text(version.servable_dir() / "config.pbtxt", rendered)
+    version.config_text = rendered
+    return version
