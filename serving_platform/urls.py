@@ -13,3 +13,6 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("", include("frontend.urls")),
 ]
+
+handler404 = "apps.core.exceptions.page_not_found"
+handler500 = "apps.core.exceptions.server_error"

@@ -44,3 +44,32 @@ def api_exception_handler(exc, context):
     if response.status_code == status.HTTP_404_NOT_FOUND:
         body.update(error="not_found", message="Not found: no such object, or it is not visible to you.")
     return Response(body, status=response.status_code, headers=dict(response.headers))
+
+
+def _wants_json(request) -> bool:
+    return request.path.startswith("/api/")
+
+
+def page_not_found(request, exception=None):
+    """404 for URLs no view matched: JSON under /api/, the HTML page elsewhere."""
+    from django.http import JsonResponse
+    from django.views.defaults import page_not_found as html_page_not_found
+
+    if _wants_json(request):
+        return JsonResponse(
+            {"error": "not_found", "message": f"No API endpoint at {request.path}; see /api/docs/ for the endpoints."},
+            status=404,
+        )
+    return html_page_not_found(request, exception)
+
+
+def server_error(request):
+    from django.http import JsonResponse
+    from django.views.defaults import server_error as html_server_error
+
+    if _wants_json(request):
+        return JsonResponse(
+            {"error": "server_error", "message": "The server failed to handle this request; it has been logged."},
+            status=500,
+        )
+    return html_server_error(request)

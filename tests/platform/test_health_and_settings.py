@@ -165,3 +165,10 @@ def test_bootstrap_demo_is_idempotent(settings, tmp_path, capsys):
     password = (tmp_path / "demo_password").read_text().strip()
     assert f"password '{password}'" in first and f"password '{password}'" in second
     assert Membership.objects.filter(user__username="admin", team__slug="demo", role="owner").count() == 1
+
+
+@pytest.mark.django_db
+def test_unknown_api_url_is_a_json_404(owner_client):
+    response = owner_client.get("/api/v1/no-such-thing/")
+    assert response.status_code == 404
+    assert response.json()["error"] == "not_found" and "/api/docs/" in response.json()["message"]
