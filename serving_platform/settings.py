@@ -61,6 +61,8 @@ INSTALLED_APPS = [
     "apps.audit",
     "apps.registry",
     "apps.conversions",
+    "apps.fleet",
+    "apps.deployments",
     "frontend",
 ]
 

@@ -89,6 +89,8 @@ class Team(models.Model):
     slug = models.CharField(max_length=50, unique=True, validators=[slug_validator])
     # The chip ATC compiles for unless a conversion says otherwise (`npu-smi info` Name with "Ascend" prefixed).
     default_soc_version = models.CharField(max_length=32, default="Ascend310P3")
+    quota_deployed_models = models.PositiveIntegerField(default=50, help_text="Models deployed at once.")
+    quota_instances = models.PositiveIntegerField(default=8, help_text="Triton instances the team's deployments use.")
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = TeamQuerySet.as_manager()

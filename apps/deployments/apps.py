@@ -1,0 +1,7 @@
+from django.apps import AppConfig
+
+
+class DeploymentsConfig(AppConfig):
+    name = "apps.deployments"
+    label = "deployments"
+    verbose_name = "Deployments"

@@ -1,0 +1,105 @@
+"""Deployments put a READY model version on Triton instances and switch versions without dropping requests."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+
+from apps.teams.models import TeamScopedQuerySet
+
+
+class DeploymentState(models.TextChoices):
+    PENDING = "PENDING", "Pending"
+    DEPLOYING = "DEPLOYING", "Deploying"
+    SERVING = "SERVING", "Serving"
+    SWITCHING = "SWITCHING", "Switching version"
+    FAILED = "FAILED", "Failed"
+    UNDEPLOYING = "UNDEPLOYING", "Undeploying"
+    UNDEPLOYED = "UNDEPLOYED", "Undeployed"
+
+
+ACTIVE_STATES = (
+    DeploymentState.PENDING,
+    DeploymentState.DEPLOYING,
+    DeploymentState.SERVING,
+    DeploymentState.SWITCHING,
+    DeploymentState.FAILED,
+)
+
+
+class Deployment(models.Model):
+    """One model of a team served on a set of Triton instances.
+
+    State machine: PENDING -> DEPLOYING -> SERVING | FAILED; SERVING -> SWITCHING -> SERVING (the new version, or
+    the old one still serving when the switch failed); any -> UNDEPLOYING -> UNDEPLOYED. ``active_version`` is
+    what clients get; ``target_version`` is the version being rolled out, if any. At most one live deployment
+    per model.
+    """
+
+    team = models.ForeignKey("teams.Team", on_delete=models.CASCADE, related_name="deployments")
+    model = models.ForeignKey(
+        "registry.RegisteredModel", on_delete=models.CASCADE, related_name="deployments"
+    )
+    instances = models.ManyToManyField("fleet.TritonInstance", related_name="deployments")
+    active_version = models.ForeignKey(
+        "registry.ModelVersion", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    target_version = models.ForeignKey(
+        "registry.ModelVersion", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    state = models.CharField(max_length=20, choices=DeploymentState.choices, default=DeploymentState.PENDING)
+    last_error = models.TextField(blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = TeamScopedQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["model"],
+                condition=~models.Q(state="UNDEPLOYED"),
+                name="one_live_deployment_per_model",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model} ({self.state})"
+
+    def triton_model_name(self) -> str:
+        return self.model.triton_model_name()
+
+    def is_live(self) -> bool:
+        return self.state != DeploymentState.UNDEPLOYED
+
+
+class EventQuerySet(TeamScopedQuerySet):
+    team_lookup = "deployment__team"
+
+
+class DeploymentEvent(models.Model):
+    """One step of a deployment's history: what happened, on which instance, with Triton's own error text."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="events")
+    kind = models.CharField(max_length=50)
+    message = models.TextField()
+    instance = models.ForeignKey(
+        "fleet.TritonInstance", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    version = models.ForeignKey(
+        "registry.ModelVersion", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    details = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = EventQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.created_at:%H:%M:%S} {self.kind}: {self.message}"

@@ -1,0 +1,191 @@
+"""Inference hosts, their NPU devices and the Triton + GE instances that run on them.
+
+Hosts are platform infrastructure. A host is either shared (``team`` empty: every team may deploy on it) or
+dedicated to one team; ``HostQuerySet.for_user`` gives each user the hosts their teams may use, so another
+team's dedicated host is a 404.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.core.validators import RegexValidator
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+from apps.teams.models import Action, TeamScopedQuerySet, team_ids_for
+
+host_name_validator = RegexValidator(
+    r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$",
+    "Use lowercase letters, digits and hyphens (it becomes the Celery queue host.<name>).",
+)
+
+HEARTBEAT_INTERVAL = timedelta(seconds=10)
+# Three missed heartbeats: long enough to ride out a busy agent, short enough to notice a dead host.
+OFFLINE_AFTER = 3 * HEARTBEAT_INTERVAL
+
+
+class HostQuerySet(TeamScopedQuerySet):
+    def for_user(self, user, action: str = Action.VIEW):
+        return self.filter(Q(team__isnull=True) | Q(team__in=team_ids_for(user, action)))
+
+
+class Host(models.Model):
+    """A machine that runs a host agent (``manage.py hostagent --name NAME``) consuming ``host.<name>``."""
+
+    name = models.CharField(max_length=63, unique=True, validators=[host_name_validator])
+    address = models.CharField(
+        max_length=255, help_text="Address clients and the platform reach the instances at."
+    )
+    team = models.ForeignKey(
+        "teams.Team",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="hosts",
+        help_text="Empty: shared by all teams. Set: dedicated to this team.",
+    )
+    labels = models.JSONField(default=dict, blank=True)
+    facts = models.JSONField(default=dict, blank=True, help_text="CPU count, memory, OS, agent version.")
+    npu_driver_version = models.CharField(max_length=50, blank=True)
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = HostQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def queue(self) -> str:
+        return f"host.{self.name}"
+
+    def is_online(self, now=None) -> bool:
+        if self.last_heartbeat_at is None:
+            return False
+        return (now or timezone.now()) - self.last_heartbeat_at <= OFFLINE_AFTER
+
+    @property
+    def status(self) -> str:
+        return "online" if self.is_online() else "offline"
+
+    def heartbeat_age_seconds(self) -> float | None:
+        if self.last_heartbeat_at is None:
+            return None
+        return (timezone.now() - self.last_heartbeat_at).total_seconds()
+
+
+class DeviceHealth(models.TextChoices):
+    OK = "OK", "OK"
+    WARNING = "Warning", "Warning"
+    ALARM = "Alarm", "Alarm"
+    CRITICAL = "Critical", "Critical"
+    UNKNOWN = "Unknown", "Unknown"
+
+
+class Device(models.Model):
+    """One NPU chip of a host, as the agent's last `npu-smi info` reported it."""
+
+    host = models.ForeignKey(Host, on_delete=models.CASCADE, related_name="devices")
+    npu_id = models.PositiveIntegerField()
+    chip_id = models.PositiveIntegerField(default=0)
+    logical_id = models.PositiveIntegerField(null=True, blank=True, help_text="Device id the runtime uses.")
+    name = models.CharField(max_length=50)
+    soc_version = models.CharField(max_length=50, blank=True)
+    health = models.CharField(max_length=20, choices=DeviceHealth.choices, default=DeviceHealth.UNKNOWN)
+    aicore_percent = models.FloatField(null=True, blank=True)
+    memory_used_mb = models.IntegerField(null=True, blank=True)
+    memory_total_mb = models.IntegerField(null=True, blank=True)
+    hbm_used_mb = models.IntegerField(null=True, blank=True)
+    hbm_total_mb = models.IntegerField(null=True, blank=True)
+    power_w = models.FloatField(null=True, blank=True)
+    temperature_c = models.FloatField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["host", "npu_id", "chip_id"]
+        constraints = [
+            models.UniqueConstraint(fields=["host", "npu_id", "chip_id"], name="unique_device_per_host")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.host.name}/npu{self.npu_id}.{self.chip_id} ({self.name})"
+
+
+class InstanceState(models.TextChoices):
+    STOPPED = "STOPPED", "Stopped"
+    STARTING = "STARTING", "Starting"
+    READY = "READY", "Ready"
+    FAILED = "FAILED", "Failed"
+    QUARANTINED = "QUARANTINED", "Quarantined"
+
+
+class ExecutorKind(models.TextChoices):
+    CPU = "cpu", "CPU (onnxruntime)"
+    NPU = "npu", "NPU (pyACL)"
+
+
+class InstanceQuerySet(HostQuerySet):
+    def for_user(self, user, action: str = Action.VIEW):
+        return self.filter(host__in=Host.objects.for_user(user, action))
+
+
+class TritonInstance(models.Model):
+    """A tritonserver process with the GE backend, supervised by its host's agent.
+
+    State machine: STOPPED -> STARTING -> READY | FAILED | QUARANTINED. A crash sends READY back to STARTING
+    (restart with exponential backoff); too many crashes within the window -> QUARANTINED, which only an
+    explicit start clears. ``desired_state`` is what the platform wants; the agent reconciles towards it.
+    """
+
+    host = models.ForeignKey(Host, on_delete=models.CASCADE, related_name="instances")
+    name = models.CharField(max_length=63, validators=[host_name_validator])
+    http_port = models.PositiveIntegerField()
+    grpc_port = models.PositiveIntegerField()
+    metrics_port = models.PositiveIntegerField()
+    device_ids = models.JSONField(default=list, blank=True)
+    executor = models.CharField(max_length=10, choices=ExecutorKind.choices, default=ExecutorKind.CPU)
+    latency_summaries = models.BooleanField(
+        default=False,
+        help_text="Triton's latency quantile summaries; they cost throughput, so off by default.",
+    )
+    desired_state = models.CharField(
+        max_length=20, default="RUNNING", choices=[("RUNNING", "Running"), ("STOPPED", "Stopped")]
+    )
+    state = models.CharField(max_length=20, choices=InstanceState.choices, default=InstanceState.STOPPED)
+    pid = models.IntegerField(null=True, blank=True)
+    restarts = models.PositiveIntegerField(default=0)
+    crash_times = models.JSONField(
+        default=list, blank=True, help_text="Recent crash timestamps (ISO), for quarantine."
+    )
+    last_error = models.TextField(blank=True)
+    log_tail = models.TextField(blank=True)
+    state_changed_at = models.DateTimeField(default=timezone.now)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = InstanceQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["host", "name"]
+        constraints = [
+            models.UniqueConstraint(fields=["host", "name"], name="unique_instance_name_per_host"),
+            models.UniqueConstraint(fields=["host", "http_port"], name="unique_http_port_per_host"),
+            models.UniqueConstraint(fields=["host", "grpc_port"], name="unique_grpc_port_per_host"),
+            models.UniqueConstraint(fields=["host", "metrics_port"], name="unique_metrics_port_per_host"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.host.name}/{self.name}"
+
+    def endpoint_url(self) -> str:
+        return f"http://{self.host.address}:{self.http_port}"
+
+    def grpc_endpoint(self) -> str:
+        return f"{self.host.address}:{self.grpc_port}"
+
+    def metrics_url(self) -> str:
+        return f"http://{self.host.address}:{self.metrics_port}/metrics"
