@@ -5,4 +5,5 @@ from django.urls import include, path
 urlpatterns = [
     path("", include("apps.teams.urls")),
     path("", include("apps.audit.urls")),
+    path("", include("apps.conversions.urls")),
 ]

@@ -1,0 +1,154 @@
+"""Conversion jobs (read, with their log; re-run a failed one) and a version's editable config.pbtxt."""
+
+from __future__ import annotations
+
+from django.shortcuts import get_object_or_404
+from django_filters import rest_framework as filters
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import mixins, serializers, status
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from apps.conversions import services
+from apps.conversions.models import ConversionJob, JobState
+from apps.core.api import TeamScopedViewSet
+from apps.registry.models import ModelVersion
+from apps.teams.models import Action
+
+
+class ConversionJobSerializer(serializers.ModelSerializer):
+    model = serializers.CharField(source="version.model.slug", read_only=True)
+    version_number = serializers.IntegerField(source="version.number", read_only=True)
+    version_state = serializers.CharField(source="version.state", read_only=True)
+    created_by = serializers.CharField(source="created_by.username", read_only=True, default=None)
+    finished = serializers.BooleanField(source="is_finished", read_only=True)
+
+    class Meta:
+        model = ConversionJob
+        fields = [
+            "id",
+            "model",
+            "version",
+            "version_number",
+            "version_state",
+            "state",
+            "finished",
+            "stage",
+            "progress",
+            "toolchain",
+            "options",
+            "command",
+            "exit_code",
+            "error",
+            "attempts",
+            "worker",
+            "created_by",
+            "created_at",
+            "started_at",
+            "finished_at",
+        ]
+        read_only_fields = fields
+
+
+class ConversionJobDetailSerializer(ConversionJobSerializer):
+    class Meta(ConversionJobSerializer.Meta):
+        fields = [*ConversionJobSerializer.Meta.fields, "log"]
+        read_only_fields = fields
+
+
+class ConversionOptionsSerializer(serializers.Serializer):
+    soc_version = serializers.CharField(required=False, help_text="e.g. Ascend310P3; default: the team's.")
+    precision_mode = serializers.CharField(required=False, help_text="e.g. force_fp16.")
+    input_format = serializers.CharField(required=False, help_text="NCHW, NHWC, ND, NCDHW or NDHWC.")
+    input_shape = serializers.CharField(required=False, help_text="ATC style: name:-1,3,224,224;name2:...")
+
+
+class ConversionJobFilter(filters.FilterSet):
+    state = filters.ChoiceFilter(choices=JobState.choices)
+    version = filters.NumberFilter(field_name="version_id")
+    model = filters.CharFilter(field_name="version__model__slug", help_text="The model's slug.")
+
+    class Meta:
+        model = ConversionJob
+        fields = ["state", "version", "model"]
+
+
+class ConversionJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamScopedViewSet):
+    """A team's conversion jobs, newest first. The detail carries the log; POST rerun (maintainer) starts a
+    new job for a FAILED version, optionally with new conversion options (the last job's otherwise)."""
+
+    queryset = ConversionJob.objects.select_related("version__model", "created_by")
+    serializer_class = ConversionJobSerializer
+    filterset_class = ConversionJobFilter
+    ordering_fields = ["created_at", "state", "finished_at"]
+    action_requirements = {"rerun": Action.CHANGE}
+
+    def get_queryset(self):
+        if getattr(self, "swagger_fake_view", False):
+            return self.queryset.none()
+        return self.queryset.for_user(self.request.user, Action.VIEW).filter(version__model__team=self.team)
+
+    def get_serializer_class(self):
+        return ConversionJobDetailSerializer if self.action == "retrieve" else ConversionJobSerializer
+
+    @extend_schema(request=ConversionOptionsSerializer, responses={201: ConversionJobDetailSerializer})
+    @action(detail=True, methods=["post"])
+    def rerun(self, request, team_slug=None, pk=None):
+        job = self.get_object()
+        serializer = ConversionOptionsSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        new_job = services.rerun_conversion(
+            actor=request.user, version=job.version, options=serializer.validated_data or None
+        )
+        return Response(ConversionJobDetailSerializer(new_job).data, status=status.HTTP_201_CREATED)
+
+
+class VersionConfigSerializer(serializers.Serializer):
+    model = serializers.CharField(read_only=True, source="model.slug")
+    version = serializers.IntegerField(read_only=True, source="number")
+    state = serializers.CharField(read_only=True)
+    triton_model_name = serializers.CharField(read_only=True, source="model.triton_model_name")
+    signature = serializers.JSONField(read_only=True)
+    config_text = serializers.CharField(
+        trim_whitespace=False, help_text="config.pbtxt in protobuf text format (Triton's on-disk format)."
+    )
+
+
+@extend_schema(
+    parameters=[
+        OpenApiParameter(
+            "model_slug", OpenApiTypes.STR, OpenApiParameter.PATH, description="The model's slug."
+        ),
+        OpenApiParameter(
+            "number", OpenApiTypes.INT, OpenApiParameter.PATH, description="The version number."
+        ),
+    ]
+)
+class VersionConfigViewSet(TeamScopedViewSet):
+    """The generated config.pbtxt of a version. PUT (maintainer) validates it against the model's signature
+    with Triton's own protobuf: a 400 lists the problems per field path (``input[0].dims``)."""
+
+    queryset = ModelVersion.objects.select_related("model__team")
+    serializer_class = VersionConfigSerializer
+    action_requirements = {"retrieve": Action.VIEW, "update": Action.CHANGE}
+    pagination_class = None
+    filter_backends: list = []
+
+    def get_object(self) -> ModelVersion:
+        versions = self.queryset.for_user(self.request.user, Action.VIEW).filter(model__team=self.team)
+        return get_object_or_404(
+            versions, model__slug=self.kwargs["model_slug"], number=self.kwargs["number"]
+        )
+
+    def retrieve(self, request, *args, **kwargs):
+        return Response(VersionConfigSerializer(self.get_object()).data)
+
+    def update(self, request, *args, **kwargs):
+        version = self.get_object()
+        serializer = VersionConfigSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        services.update_config(
+            actor=request.user, version=version, text=serializer.validated_data["config_text"]
+        )
+        return Response(VersionConfigSerializer(version).data)
