@@ -149,6 +149,8 @@ WHITENOISE_USE_FINDERS = not STATIC_MANIFEST
 
 # --- Artifacts ------------------------------------------------------------------------------------
 ARTIFACT_ROOT = Path(env_str("ARTIFACT_ROOT") or VAR_DIR / "artifacts").resolve()
+# Largest model upload accepted (bytes); archives may unpack to twice that.
+UPLOAD_MAX_BYTES = env_int("UPLOAD_MAX_BYTES", 8 * 1024**3, minimum=1)
 
 # --- Security (checked by `manage.py check --deploy`) ---------------------------------------------
 SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG)

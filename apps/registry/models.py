@@ -147,6 +147,10 @@ class UploadSession(models.Model):
     expected_sha256 = models.CharField(max_length=64, blank=True)
     received_bytes = models.BigIntegerField(default=0)
     state = models.CharField(max_length=20, choices=UploadState.choices, default=UploadState.OPEN)
+    # Held until the upload completes, then handed to start_conversion (soc_version, precision_mode, ...).
+    conversion_options = models.JSONField(default=dict, blank=True)
+    # A config.pbtxt sent with a lone .om (it carries the signature an .om cannot reveal on a CPU host).
+    config_text = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
