@@ -6,4 +6,5 @@ urlpatterns = [
     path("", include("apps.teams.urls")),
     path("", include("apps.audit.urls")),
     path("", include("apps.conversions.urls")),
+    path("", include("apps.registry.urls")),
 ]
