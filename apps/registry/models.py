@@ -30,7 +30,9 @@ class RegisteredModel(models.Model):
     slug = models.CharField(max_length=50, validators=[slug_validator])
     task_type = models.CharField(max_length=20, choices=TaskType.choices, default=TaskType.OTHER)
     description = models.TextField(blank=True)
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -91,7 +93,9 @@ class ModelVersion(models.Model):
     config_text = models.TextField(blank=True)
     toolchain = models.CharField(max_length=20, blank=True)
     error = models.TextField(blank=True)
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -113,7 +117,15 @@ class ModelVersion(models.Model):
 
     def storage_dir(self) -> Path:
         """Everything of this version lives here: source/ (as uploaded, extracted) and model/ (servable)."""
-        return Path(settings.ARTIFACT_ROOT) / "teams" / str(self.model.team_id) / "models" / str(self.model_id) / "versions" / str(self.number)
+        return (
+            Path(settings.ARTIFACT_ROOT)
+            / "teams"
+            / str(self.model.team_id)
+            / "models"
+            / str(self.model_id)
+            / "versions"
+            / str(self.number)
+        )
 
     def source_dir(self) -> Path:
         return self.storage_dir() / "source"

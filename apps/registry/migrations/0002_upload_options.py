@@ -4,20 +4,19 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('registry', '0001_initial'),
+        ("registry", "0001_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='uploadsession',
-            name='config_text',
+            model_name="uploadsession",
+            name="config_text",
             field=models.TextField(blank=True),
         ),
         migrations.AddField(
-            model_name='uploadsession',
-            name='conversion_options',
+            model_name="uploadsession",
+            name="conversion_options",
             field=models.JSONField(blank=True, default=dict),
         ),
     ]

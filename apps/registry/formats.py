@@ -1,0 +1,225 @@
+"""Recognise and validate an uploaded model, and lay it out in the version's source directory.
+
+The layout the conversion job reads (``source/`` of a version):
+
+========================  ================================================================
+``onnx``                  ``model.onnx``
+``onnx_archive``          ``model.onnx`` + its external-data files (locations checked)
+``tensorflow``            ``model.pb``
+``torchscript``           ``model.pt`` (zip checked, never unpickled)
+``om``                    ``model.om``
+``triton_repository``     ``config.pbtxt`` (normalized for backend "ge") + ``1/model.<ext>``
+========================  ================================================================
+
+Every check only reads headers and structure: nothing is unpickled or executed, and external ONNX data
+is never loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+import zipfile
+from pathlib import Path, PurePosixPath
+
+from apps.registry.archives import ArchiveRejected, Limits, extract_archive, unwrap_single_directory
+from apps.registry.models import SourceFormat
+from apps.registry.onnx_check import OnnxRejected, check_onnx, check_onnx_in_child
+
+ARCHIVE = "archive"
+# Name ending -> what the upload claims to be; archives are resolved after extraction.
+EXTENSIONS: dict[str, str] = {
+    ".onnx": SourceFormat.ONNX,
+    ".pb": SourceFormat.TENSORFLOW,
+    ".pt": SourceFormat.TORCHSCRIPT,
+    ".pth": SourceFormat.TORCHSCRIPT,
+    ".torchscript": SourceFormat.TORCHSCRIPT,
+    ".om": SourceFormat.OM,
+    ".zip": ARCHIVE,
+    ".tar.gz": ARCHIVE,
+    ".tgz": ARCHIVE,
+    ".tar": ARCHIVE,
+}
+MODEL_FILE = {
+    SourceFormat.ONNX: "model.onnx",
+    SourceFormat.TENSORFLOW: "model.pb",
+    SourceFormat.TORCHSCRIPT: "model.pt",
+    SourceFormat.OM: "model.om",
+}
+_INNER_SUFFIX_FORMAT = {
+    ".onnx": SourceFormat.ONNX,
+    ".pb": SourceFormat.TENSORFLOW,
+    ".pt": SourceFormat.TORCHSCRIPT,
+    ".om": SourceFormat.OM,
+}
+# Graphs larger than this are parsed in a child process so the web worker's memory stays flat.
+ONNX_IN_PROCESS_MAX_BYTES = 64 * 1024**2
+
+
+class FormatRejected(ArchiveRejected):
+    """The upload is not a model the platform accepts; ``entry`` names the file at fault."""
+
+
+def claimed_format(filename: str) -> str:
+    """The format a file name announces, or ValueError listing what is accepted."""
+    lower = filename.lower()
+    for suffix in sorted(EXTENSIONS, key=len, reverse=True):
+        if lower.endswith(suffix) and len(lower) > len(suffix):
+            return EXTENSIONS[suffix]
+    accepted = ", ".join(EXTENSIONS)
+    raise ValueError(f"'{filename}' has no supported extension; upload one of: {accepted}.")
+
+
+def _onnx(path: Path, root: Path, shown: str) -> None:
+    try:
+        if path.stat().st_size > ONNX_IN_PROCESS_MAX_BYTES:
+            check_onnx_in_child(path, root, shown)
+        else:
+            check_onnx(path, root, shown)
+    except OnnxRejected as exc:
+        raise FormatRejected(str(exc), exc.entry) from None
+
+
+def check_torchscript(path: Path, shown: str) -> None:
+    """Accept what ``torch.jit.save`` writes: a zip with ``<name>/code/`` and ``<name>/data.pkl`` or
+    ``constants.pkl``. Pickles (``torch.save``) are refused by structure alone - never unpickled."""
+    advice = (
+        "export the model with torch.jit.save(torch.jit.script(model), ...) or torch.onnx.export and "
+        "upload that; pickles are never loaded by the platform"
+    )
+    if not zipfile.is_zipfile(path):
+        with open(path, "rb") as fh:
+            head = fh.read(2)
+        if head[:1] == b"\x80":
+            raise FormatRejected(
+                f"'{shown}' is a legacy pickle (torch.save), not TorchScript: {advice}", shown
+            )
+        raise FormatRejected(f"'{shown}' is not a TorchScript archive: {advice}", shown)
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+    except zipfile.BadZipFile as exc:
+        raise FormatRejected(f"'{shown}' is a damaged zip: {exc}", shown) from None
+    parts = [PurePosixPath(n).parts for n in names]
+    has_code = any(len(p) >= 3 and p[1] == "code" for p in parts)
+    pickles = [
+        n for n, p in zip(names, parts, strict=True) if len(p) == 2 and p[1] in ("data.pkl", "constants.pkl")
+    ]
+    if has_code and pickles:
+        return
+    if pickles:
+        raise FormatRejected(
+            f"'{shown}' is a pickled state dict (torch.save; '{pickles[0]}' without code/), not TorchScript: {advice}",
+            pickles[0],
+        )
+    raise FormatRejected(f"'{shown}' is a zip but not a TorchScript archive: {advice}", shown)
+
+
+def check_tensorflow(path: Path, shown: str) -> None:
+    with open(path, "rb") as fh:
+        head = fh.read(4)
+    # A frozen GraphDef is serialized field by field: the first is `node` (field 1, length-delimited).
+    if not head or head[0] != 0x0A or head.startswith(b"PK"):
+        raise FormatRejected(
+            f"'{shown}' is not a TensorFlow frozen graph (GraphDef .pb); SavedModel directories are not supported",
+            shown,
+        )
+
+
+def check_om(path: Path, shown: str) -> None:
+    if path.stat().st_size < 256:
+        raise FormatRejected(f"'{shown}' is too small to be an Ascend offline model (.om)", shown)
+    if zipfile.is_zipfile(path):
+        raise FormatRejected(f"'{shown}' is a zip archive, not an Ascend offline model (.om)", shown)
+
+
+def check_model_file(fmt: str, path: Path, root: Path, shown: str) -> None:
+    if fmt == SourceFormat.ONNX:
+        _onnx(path, root, shown)
+    elif fmt == SourceFormat.TORCHSCRIPT:
+        check_torchscript(path, shown)
+    elif fmt == SourceFormat.TENSORFLOW:
+        check_tensorflow(path, shown)
+    elif fmt == SourceFormat.OM:
+        check_om(path, shown)
+
+
+def _check_triton_dir(source: Path) -> None:
+    from backend_ge import config as gc
+
+    candidates = (
+        sorted(p for p in (source / "1").glob("model.*") if p.is_file()) if (source / "1").is_dir() else []
+    )
+    models = [p for p in candidates if p.suffix in _INNER_SUFFIX_FORMAT]
+    if len(models) != 1:
+        raise FormatRejected(
+            "a Triton model directory needs config.pbtxt and exactly one 1/model.onnx, 1/model.om, "
+            "1/model.pb or 1/model.pt",
+            "1/",
+        )
+    model = models[0]
+    fmt = _INNER_SUFFIX_FORMAT[model.suffix]
+    check_model_file(fmt, model, source, f"1/{model.name}")
+    try:
+        text = (source / "config.pbtxt").read_text(encoding="utf-8")
+        cfg = gc.normalize_config(gc.parse_config(text))
+    except UnicodeDecodeError:
+        raise FormatRejected("config.pbtxt is not UTF-8 text", "config.pbtxt") from None
+    except gc.ConfigError as exc:
+        raise FormatRejected(f"config.pbtxt: {exc}", "config.pbtxt") from None
+    if cfg.platform == "ensemble":
+        raise FormatRejected("ensembles are not models: upload each model of the ensemble", "config.pbtxt")
+    # The name is the platform's to choose (team--model), so only the rest is validated here.
+    errors = [e for e in gc.validate_config(cfg, require_io=fmt == SourceFormat.OM) if e.field != "name"]
+    if errors:
+        raise FormatRejected(f"config.pbtxt: {errors[0]}", "config.pbtxt")
+    (source / "config.pbtxt").write_text(gc.render_config(cfg), encoding="utf-8")
+
+
+def _resolve_archive(source: Path) -> str:
+    if (source / "config.pbtxt").is_file():
+        _check_triton_dir(source)
+        return SourceFormat.TRITON_REPOSITORY
+    top = [p for p in source.iterdir() if p.is_file() and p.suffix.lower() == ".onnx"]
+    if len(top) != 1:
+        nested = next((p for p in source.rglob("*.onnx")), None)
+        hint = f" (found '{nested.relative_to(source)}' in a subfolder)" if nested and not top else ""
+        raise FormatRejected(
+            "an archive must hold exactly one .onnx file at its top level with its external data, or a "
+            f"Triton model directory (config.pbtxt + 1/model.*){hint}",
+            top[1].name if len(top) > 1 else "",
+        )
+    if top[0].name != "model.onnx":
+        # External-data locations are relative to the folder, not the file, so renaming is safe.
+        top[0].rename(source / "model.onnx")
+    _onnx(source / "model.onnx", source, top[0].name)
+    return SourceFormat.ONNX_ARCHIVE
+
+
+def install_source(upload: Path, claimed: str, source: Path, shown: str, limits: Limits) -> str:
+    """Move (or extract) the finished upload into ``source`` and validate it; returns the SourceFormat.
+
+    Raises :class:`ArchiveRejected` (or FormatRejected) naming the entry; ``source`` is then removed.
+    ``upload`` is consumed either way.
+    """
+    source.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if claimed != ARCHIVE:
+            source.mkdir()
+            target = source / MODEL_FILE[claimed]
+            os.replace(upload, target)
+            check_model_file(claimed, target, source, shown)
+            return claimed
+        unpacked = source.parent / f".unpacked-{uuid.uuid4().hex}"
+        try:
+            extract_archive(upload, unpacked, limits)
+            os.replace(unwrap_single_directory(unpacked), source)
+        finally:
+            shutil.rmtree(unpacked, ignore_errors=True)
+        return _resolve_archive(source)
+    except BaseException:
+        shutil.rmtree(source, ignore_errors=True)
+        raise
+    finally:
+        upload.unlink(missing_ok=True)

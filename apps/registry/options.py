@@ -1,0 +1,90 @@
+"""Checks of what a user sends with an upload: serving options and the config of a lone .om file."""
+
+from __future__ import annotations
+
+from django.core.exceptions import ValidationError
+
+# What the conversion job hands to backend_ge.config.generate_config. Defaults match the seed's models.
+SERVING_DEFAULTS: dict = {
+    "max_batch_size": 8,
+    "preferred_batch_sizes": [],
+    "max_queue_delay_us": 100,
+    "instance_count": 1,
+    "device_ids": [0],
+}
+MAX_BATCH_SIZE = 1024
+MAX_QUEUE_DELAY_US = 10_000_000
+MAX_INSTANCES = 64
+
+
+def _int(value, field: str, low: int, high: int, errors: dict) -> int | None:
+    if isinstance(value, bool):
+        value = None
+    try:
+        number = int(value)
+        if str(number) != str(value).strip() and not isinstance(value, int):
+            raise ValueError
+    except (TypeError, ValueError):
+        errors.setdefault(field, []).append(f"Give a whole number between {low} and {high}.")
+        return None
+    if not low <= number <= high:
+        errors.setdefault(field, []).append(f"Must be between {low} and {high}.")
+        return None
+    return number
+
+
+def _int_list(value, field: str, low: int, high: int, errors: dict) -> list[int]:
+    if isinstance(value, str):
+        value = [v for v in value.replace(" ", "").split(",") if v]
+    if not isinstance(value, list | tuple):
+        errors.setdefault(field, []).append("Give a list of whole numbers, e.g. 4,8,16.")
+        return []
+    out = [_int(v, field, low, high, errors) for v in value]
+    return sorted({v for v in out if v is not None})
+
+
+def check_serving_options(options: dict | None) -> dict:
+    """Serving options with defaults filled in; ValidationError maps each bad option to its message."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(SERVING_DEFAULTS))
+    errors: dict[str, list[str]] = {
+        key: [f"Unknown serving option; use {', '.join(SERVING_DEFAULTS)}."] for key in unknown
+    }
+    merged = {**SERVING_DEFAULTS, **{k: v for k, v in options.items() if v is not None and v != ""}}
+    out = {
+        "max_batch_size": _int(merged["max_batch_size"], "max_batch_size", 0, MAX_BATCH_SIZE, errors),
+        "preferred_batch_sizes": _int_list(
+            merged["preferred_batch_sizes"], "preferred_batch_sizes", 1, MAX_BATCH_SIZE, errors
+        ),
+        "max_queue_delay_us": _int(
+            merged["max_queue_delay_us"], "max_queue_delay_us", 0, MAX_QUEUE_DELAY_US, errors
+        ),
+        "instance_count": _int(merged["instance_count"], "instance_count", 1, MAX_INSTANCES, errors),
+        "device_ids": _int_list(merged["device_ids"], "device_ids", 0, 255, errors),
+    }
+    if out["max_batch_size"] is not None and any(
+        p > out["max_batch_size"] for p in out["preferred_batch_sizes"]
+    ):
+        errors.setdefault("preferred_batch_sizes", []).append(
+            f"Preferred batch sizes cannot exceed the max batch size ({out['max_batch_size']})."
+        )
+    if not out["device_ids"] and "device_ids" not in errors:
+        errors["device_ids"] = ["Give at least one device id, e.g. 0."]
+    if errors:
+        raise ValidationError(errors)
+    return out
+
+
+def check_om_config(text: str) -> str:
+    """The config.pbtxt sent with a lone .om: parsed, normalized (seed style accepted), inputs and outputs
+    required (an .om's signature comes from here on a host without the NPU). Returns the rendered text."""
+    from backend_ge import config as gc
+
+    try:
+        cfg = gc.normalize_config(gc.parse_config(text))
+    except gc.ConfigError as exc:
+        raise ValidationError({"config_text": [str(exc)]}) from None
+    errors = [e for e in gc.validate_config(cfg, require_io=True) if e.field != "name"]
+    if errors:
+        raise ValidationError({"config_text": [str(e) for e in errors]})
+    return gc.render_config(cfg)
