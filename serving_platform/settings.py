@@ -204,7 +204,12 @@ CELERY_RESULT_BACKEND = env_str("CELERY_RESULT_BACKEND") or f"file://{VAR_DIR / 
 _broker_scheme = urlsplit(CELERY_BROKER_URL).scheme
 # A task unacknowledged for longer than this is handed to another worker (acks_late): it must outlast
 # the longest job or a slow conversion would run twice.
-CELERY_BROKER_TRANSPORT_OPTIONS: dict = {"visibility_timeout": CONVERSION_TIME_LIMIT + 3600}
+CELERY_BROKER_TRANSPORT_OPTIONS: dict = {
+    "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", CONVERSION_TIME_LIMIT + 3600, minimum=1)
+}
+# A RUNNING conversion whose worker has not written its heartbeat for this long is taken to be dead: a
+# redelivered or re-enqueued copy may claim it (apps.conversions.tasks.recover_stale_conversions).
+CONVERSION_HEARTBEAT_TIMEOUT = env_int("CONVERSION_HEARTBEAT_TIMEOUT", 120, minimum=2)
 if _broker_scheme == "filesystem":
     _broker_dir = VAR_DIR / "celery" / "broker"
     for _sub in ("queue", "processed", "control"):
@@ -233,6 +238,12 @@ CELERY_BEAT_SCHEDULE = {
     "prune-audit-events": {
         "task": "apps.audit.tasks.prune_audit_events",
         "schedule": timedelta(hours=6),
+    },
+    "recover-stale-conversions": {
+        "task": "apps.conversions.tasks.recover_stale_conversions",
+        "schedule": timedelta(minutes=1),
+        # Housekeeping: must not wait behind long conversions on their own queue.
+        "options": {"queue": "default"},
     },
 }
 AUDIT_RETENTION_DAYS = env_int("AUDIT_RETENTION_DAYS", 365, minimum=1)

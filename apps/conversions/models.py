@@ -29,15 +29,20 @@ class ConversionJob(models.Model):
 
     State machine: QUEUED -> RUNNING -> SUCCEEDED | FAILED. A RUNNING job whose worker died goes back to
     RUNNING on redelivery while ``attempts`` < ``MAX_ATTEMPTS``, else FAILED with the reason. A re-run of a
-    FAILED version is a new job row.
+    FAILED version is a new job row. A worker claims a job with a conditional UPDATE (QUEUED, or RUNNING with a
+    stale ``heartbeat_at``) so two workers never run the same job.
     """
 
     MAX_ATTEMPTS = 3
 
-    version = models.ForeignKey("registry.ModelVersion", on_delete=models.CASCADE, related_name="conversion_jobs")
+    version = models.ForeignKey(
+        "registry.ModelVersion", on_delete=models.CASCADE, related_name="conversion_jobs"
+    )
     toolchain = models.CharField(max_length=20, choices=Toolchain.choices, blank=True)
     options = models.JSONField(default=dict, blank=True)
-    command = models.JSONField(default=list, blank=True, help_text="argv of the external tool, when one runs.")
+    command = models.JSONField(
+        default=list, blank=True, help_text="argv of the external tool, when one runs."
+    )
     state = models.CharField(max_length=20, choices=JobState.choices, default=JobState.QUEUED)
     stage = models.CharField(max_length=100, blank=True)
     progress = models.PositiveSmallIntegerField(default=0)
@@ -46,7 +51,12 @@ class ConversionJob(models.Model):
     exit_code = models.IntegerField(null=True, blank=True)
     attempts = models.PositiveSmallIntegerField(default=0)
     worker = models.CharField(max_length=200, blank=True)
-    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    # Written every few seconds by the worker running the job: a RUNNING job with a stale heartbeat has lost
+    # its worker and may be claimed again (redelivery or recovery), a fresh one must not.
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)

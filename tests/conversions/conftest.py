@@ -1,0 +1,249 @@
+"""Fixtures for conversions: versions with real source files, a fake ``atc`` that replays recorded ATC output,
+and a real Celery worker process on a queue of its own."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import onnx
+import pytest
+from django.db import connection
+
+from apps.registry.models import ModelVersion, RegisteredModel, SourceFormat, VersionState
+from backend_ge import examples
+
+ROOT = Path(__file__).resolve().parents[2]
+ATC_FIXTURES = ROOT / "tests" / "backend_ge" / "fixtures" / "atc"
+EXIT_CODES = {k: v["exit"] for k, v in json.loads((ATC_FIXTURES / "fixtures.json").read_text()).items()}
+
+# Replays a recorded ATC output line by line with its exit code and, like ATC, writes <output>.om on success.
+# FAKE_ATC_SLEEP_ONCE: sleep that long on the first run only (marker file), to be killed mid-conversion.
+FAKE_ATC = """#!{python}
+import json, os, sys, time
+with open(os.environ["FAKE_ATC_ARGV"], "w") as fh:
+    json.dump(sys.argv[1:], fh)
+with open(os.environ["FAKE_ATC_ARGV"] + ".pids", "a") as fh:
+    fh.write(f"{{os.getpid()}} {{os.getppid()}}\\n")
+marker = os.environ["FAKE_ATC_ARGV"] + ".ran"
+once = float(os.environ.get("FAKE_ATC_SLEEP_ONCE", "0"))
+first = not os.path.exists(marker)
+open(marker, "a").close()
+if once and first:
+    print("ATC start working now, please wait for a moment.", flush=True)
+    time.sleep(once)
+time.sleep(float(os.environ.get("FAKE_ATC_SLEEP", "0")))
+code = int(os.environ["FAKE_ATC_EXIT"])
+for line in open(os.environ["FAKE_ATC_FIXTURE"], encoding="utf-8"):
+    print(line, end="", flush=True)
+    time.sleep(float(os.environ.get("FAKE_ATC_LINE_DELAY", "0")))
+output = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--output=")), "")
+if code == 0 and output:
+    with open(output + ".om", "wb") as fh:
+        fh.write(b"fake om compiled by the test atc")
+sys.exit(code)
+"""
+
+
+@pytest.fixture
+def artifact_root(tmp_path, settings):
+    root = tmp_path / "artifacts"
+    root.mkdir()
+    settings.ARTIFACT_ROOT = root
+    return root
+
+
+@pytest.fixture
+def make_version(team, owner, artifact_root):
+    """A version in state UPLOADED whose source dir holds the given files (name -> bytes)."""
+    counter = {"n": 0}
+
+    def _make(
+        files: dict[str, bytes], source_format: str = SourceFormat.ONNX, serving_options=None, slug="resnet"
+    ):
+        counter["n"] += 1
+        model, _ = RegisteredModel.objects.get_or_create(team=team, slug=slug, defaults={"name": slug})
+        version = ModelVersion.objects.create(
+            model=model,
+            number=model.versions.count() + 1,
+            state=VersionState.UPLOADED,
+            source_format=source_format,
+            source_filename=next(iter(files)),
+            serving_options=serving_options
+            if serving_options is not None
+            else {
+                "max_batch_size": 8,
+                "preferred_batch_sizes": [4, 8],
+                "max_queue_delay_us": 100,
+                "instance_count": 1,
+            },
+            created_by=owner,
+        )
+        for name, data in files.items():
+            path = version.source_dir() / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        return version
+
+    return _make
+
+
+@pytest.fixture
+def mlp_bytes() -> bytes:
+    return examples.build_mlp(sizes=(16, 32, 4)).SerializeToString()
+
+
+@pytest.fixture
+def fake_atc(tmp_path, monkeypatch):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    atc = bindir / "atc"
+    atc.write_text(FAKE_ATC.format(python=sys.executable))
+    atc.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    argv_file = tmp_path / "atc-argv.json"
+    monkeypatch.setenv("FAKE_ATC_ARGV", str(argv_file))
+
+    def replay(name: str, **env):
+        monkeypatch.setenv("FAKE_ATC_FIXTURE", str(ATC_FIXTURES / f"{name}.txt"))
+        monkeypatch.setenv("FAKE_ATC_EXIT", str(EXIT_CODES[name]))
+        for key, value in env.items():
+            monkeypatch.setenv(key, str(value))
+        return argv_file
+
+    replay.path = str(atc)
+    replay.argv_file = argv_file
+    yield replay
+    # A killed worker leaves its atc orphaned (ATC runs in its own session): stop the ones this test started.
+    pids = Path(str(argv_file) + ".pids")
+    if pids.exists():
+        for line in pids.read_text().split("\n"):
+            if line.strip():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(line.split()[0]), signal.SIGKILL)
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1, message: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {message}")
+
+
+def worker_env(artifact_root: Path, **extra) -> dict:
+    """The environment of a worker subprocess: the test database, the test's artifact root, the test's PATH."""
+    env = os.environ.copy()
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("postgresql"):
+        user = db["USER"] or "postgres"
+        auth = f"{user}:{db['PASSWORD']}@" if db["PASSWORD"] else f"{user}@"
+        env["DATABASE_URL"] = (
+            f"postgres://{auth}{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+        )
+    env["ARTIFACT_ROOT"] = str(artifact_root)
+    env.setdefault("DEBUG", "1")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+class Worker:
+    """A real ``celery worker`` process consuming one private queue."""
+
+    def __init__(self, queue: str, env: dict, pool: str = "solo", log_path: Path | None = None):
+        self.queue = queue
+        self.log_path = log_path
+        self.log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "serving_platform",
+                "worker",
+                "--pool",
+                pool,
+                "--concurrency",
+                "1",
+                "-Q",
+                queue,
+                "--hostname",
+                f"{queue}-{uuid.uuid4().hex[:4]}@localhost",
+                "--loglevel",
+                "INFO",
+                "--without-heartbeat",
+                "--without-gossip",
+                "--without-mingle",
+            ],  # fmt: skip
+            cwd=ROOT,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        if self.log is not subprocess.DEVNULL:
+            self.log.close()
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+
+def _set_routes(routes) -> None:
+    from serving_platform.celery import app
+
+    app.conf.task_routes = routes
+    app.amqp.flush_routes()
+    app.amqp.__dict__.pop("router", None)  # the router caches the routes it was built with
+
+
+@pytest.fixture
+def celery_queue():
+    """Route conversions to a queue of this test only, so no other worker on the broker takes its jobs."""
+    from serving_platform.celery import app
+
+    queue = f"test-conversions-{uuid.uuid4().hex[:8]}"
+    old = app.conf.task_routes
+    _set_routes({"apps.conversions.tasks.*": {"queue": queue}})
+    yield queue
+    _set_routes(old)
+
+
+@pytest.fixture
+def start_worker(tmp_path, artifact_root, celery_queue):
+    workers: list[Worker] = []
+
+    def _start(pool: str = "solo", **env) -> Worker:
+        worker = Worker(
+            celery_queue,
+            worker_env(artifact_root, **env),
+            pool=pool,
+            log_path=tmp_path / f"worker-{len(workers)}.log",
+        )
+        workers.append(worker)
+        return worker
+
+    yield _start
+    for worker in workers:
+        worker.stop()
+
+
+def onnx_model_bytes(model: onnx.ModelProto) -> bytes:
+    return model.SerializeToString()
