@@ -333,7 +333,9 @@ def test_update_config_validates_against_the_signature_and_writes_the_file(
     with pytest.raises(ValidationError) as info:
         services.update_config(actor=owner, version=version, text=too_small)
     assert "dynamic_batching.preferred_batch_size[1]" in info.value.message_dict
-    good = version.config_text.replace("max_queue_delay_microseconds: 100", "max_queue_delay_microseconds: 500")
+    good = version.config_text.replace(
+        "max_queue_delay_microseconds: 100", "max_queue_delay_microseconds: 500"
+    )
     services.update_config(actor=owner, version=version, text=good)
     version.refresh_from_db()
     assert "max_queue_delay_microseconds: 500" in version.config_text
