@@ -40,7 +40,9 @@ class Deployment(models.Model):
     model = models.ForeignKey(
         "registry.RegisteredModel", on_delete=models.CASCADE, related_name="deployments"
     )
-    instances = models.ManyToManyField("fleet.TritonInstance", related_name="deployments")
+    instances = models.ManyToManyField(
+        "fleet.TritonInstance", through="DeploymentInstance", related_name="deployments"
+    )
     active_version = models.ForeignKey(
         "registry.ModelVersion", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
     )
@@ -75,6 +77,38 @@ class Deployment(models.Model):
 
     def is_live(self) -> bool:
         return self.state != DeploymentState.UNDEPLOYED
+
+
+class PlacementState(models.TextChoices):
+    PENDING = "PENDING", "Pending"
+    LOADING = "LOADING", "Loading"
+    READY = "READY", "Ready"
+    FAILED = "FAILED", "Failed"
+    UNLOADED = "UNLOADED", "Unloaded"
+
+
+class DeploymentInstance(models.Model):
+    """The deployment on one instance: which version that instance serves, as its host agent last reported.
+
+    State machine: PENDING -> LOADING -> READY | FAILED; READY -> LOADING (version switch) -> READY;
+    any -> UNLOADED on undeploy. The agent's reconcile loop makes Triton match ``served_version``.
+    """
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="placements")
+    instance = models.ForeignKey("fleet.TritonInstance", on_delete=models.CASCADE, related_name="placements")
+    served_version = models.ForeignKey(
+        "registry.ModelVersion", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    state = models.CharField(max_length=20, choices=PlacementState.choices, default=PlacementState.PENDING)
+    last_error = models.TextField(blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["deployment", "instance"]
+        constraints = [models.UniqueConstraint(fields=["deployment", "instance"], name="unique_placement")]
+
+    def __str__(self) -> str:
+        return f"{self.deployment} on {self.instance} ({self.state})"
 
 
 class EventQuerySet(TeamScopedQuerySet):
