@@ -193,6 +193,12 @@ SPECTACULAR_SETTINGS = {
     # Swagger UI from npm (frontend/package.json), not from a CDN: the platform often runs air-gapped.
     "SWAGGER_UI_DIST": STATIC_URL + "vendor/swagger-ui",
     "SWAGGER_UI_FAVICON_HREF": STATIC_URL + "vendor/swagger-ui/favicon-32x32.png",
+    # Several models have a `state`; name each choice set after its model instead of a hash.
+    "ENUM_NAME_OVERRIDES": {
+        "VersionStateEnum": "apps.registry.models.VersionState",
+        "UploadStateEnum": "apps.registry.models.UploadState",
+        "JobStateEnum": "apps.conversions.models.JobState",
+    },
 }
 
 API_TOKEN_LAST_USED_RESOLUTION = timedelta(minutes=1)

@@ -205,8 +205,11 @@ class RegisteredModelViewSet(
 ):
     """A team's models. Members read; maintainers create, edit, delete and upload versions."""
 
-    queryset = RegisteredModel.objects.select_related("created_by", "team").annotate(
-        version_count=Count("versions")
+    # An aggregate drops the default ordering, and pagination refuses an unordered queryset.
+    queryset = (
+        RegisteredModel.objects.select_related("created_by", "team")
+        .annotate(version_count=Count("versions"))
+        .order_by("name", "pk")
     )
     serializer_class = RegisteredModelSerializer
     lookup_field = "slug"

@@ -85,7 +85,8 @@ def _zip_members(zf: zipfile.ZipFile, limits: Limits) -> list[_Member]:
     infos = zf.infolist()
     if len(infos) > limits.max_members:
         raise ArchiveRejected(
-            f"the archive has {len(infos)} members; at most {limits.max_members} are allowed",
+            f"the archive has {len(infos)} members; at most {limits.max_members} are allowed "
+            f"(the first over the limit is '{infos[limits.max_members].filename}')",
             infos[limits.max_members].filename,
         )
     members = []
@@ -113,7 +114,11 @@ def _tar_members(tf: tarfile.TarFile, limits: Limits) -> Iterator[tuple[_Member,
     while (info := tf.next()) is not None:
         count += 1
         if count > limits.max_members:
-            raise ArchiveRejected(f"the archive has more than {limits.max_members} members", info.name)
+            raise ArchiveRejected(
+                f"the archive has more than {limits.max_members} members (the first over the limit is "
+                f"'{info.name}')",
+                info.name,
+            )
         if info.issym():
             raise ArchiveRejected(f"archive member '{info.name}' is a symbolic link", info.name)
         if info.islnk():
