@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from frontend import views
+from frontend import conversions, views
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
@@ -11,4 +11,19 @@ urlpatterns = [
     path("teams/new/", views.team_new, name="team-new"),
     path("teams/<slug:team_slug>/settings/", views.TeamSettingsView.as_view(), name="team-settings"),
     path("teams/<slug:team_slug>/audit/", views.AuditLogView.as_view(), name="team-audit"),
+    path(
+        "teams/<slug:team_slug>/conversions/<int:pk>/",
+        conversions.ConversionJobView.as_view(),
+        name="conversion-job",
+    ),
+    path(
+        "teams/<slug:team_slug>/conversions/<int:pk>/progress/",
+        conversions.ConversionJobProgressView.as_view(),
+        name="conversion-job-progress",
+    ),
+    path(
+        "teams/<slug:team_slug>/models/<slug:model_slug>/versions/<int:number>/config/",
+        conversions.VersionConfigView.as_view(),
+        name="version-config-edit",
+    ),
 ]
