@@ -46,8 +46,12 @@ class RegisteredModel(models.Model):
         return self.name
 
     def triton_model_name(self) -> str:
-        """The model's name inside Triton: unique across teams, derived only from validated slugs."""
-        return f"{self.team.slug}--{self.slug}"
+        """The model's name inside Triton: unique across teams, derived only from validated slugs.
+
+        Slugs never contain an underscore, so the double underscore cannot be produced by two other slugs
+        (with a hyphen, team "a" + model "b-c" and team "a-b" + model "c" would collide).
+        """
+        return f"{self.team.slug}__{self.slug}"
 
     def latest_version(self) -> ModelVersion | None:
         return self.versions.order_by("-number").first()
