@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from frontend import conversions, views
+from frontend import conversions, registry, views
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
@@ -11,6 +11,18 @@ urlpatterns = [
     path("teams/new/", views.team_new, name="team-new"),
     path("teams/<slug:team_slug>/settings/", views.TeamSettingsView.as_view(), name="team-settings"),
     path("teams/<slug:team_slug>/audit/", views.AuditLogView.as_view(), name="team-audit"),
+    path("teams/<slug:team_slug>/models/", registry.ModelListView.as_view(), name="models"),
+    path("teams/<slug:team_slug>/models/new/", registry.ModelCreateView.as_view(), name="model-new"),
+    path(
+        "teams/<slug:team_slug>/models/<slug:model_slug>/",
+        registry.ModelDetailView.as_view(),
+        name="model-detail",
+    ),
+    path(
+        "teams/<slug:team_slug>/models/<slug:model_slug>/upload/",
+        registry.ModelUploadView.as_view(),
+        name="model-upload",
+    ),
     path(
         "teams/<slug:team_slug>/conversions/<int:pk>/",
         conversions.ConversionJobView.as_view(),

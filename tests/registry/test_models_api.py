@@ -12,7 +12,7 @@ def test_maintainer_creates_model_with_derived_slug(maintainer_client, team, art
     assert response.status_code == 201, response.json()
     body = response.json()
     assert body["slug"] == "bert-base"
-    assert body["triton_name"] == "vision--bert-base"
+    assert body["triton_name"] == "vision__bert-base"
     assert body["version_count"] == 0 and body["latest_version"] is None
     assert AuditEvent.objects.filter(action="model.created", details__slug="bert-base").exists()
 

@@ -303,7 +303,7 @@ def test_artifact_download_streams_a_zip_of_the_source(viewer_client, owner_clie
     response = viewer_client.get(f"{models_url()}resnet50/versions/1/artifact/")
     assert response.status_code == 200
     assert response["Content-Type"] == "application/zip"
-    assert "vision--resnet50-v1-source.zip" in response["Content-Disposition"]
+    assert "vision__resnet50-v1-source.zip" in response["Content-Disposition"]
     archive = zipfile.ZipFile(io.BytesIO(b"".join(response.streaming_content)))
     assert archive.read("model.onnx") == data
     missing = viewer_client.get(f"{models_url()}resnet50/versions/1/artifact/", {"kind": "model"})
@@ -316,7 +316,7 @@ def test_artifact_download_of_servable_model(viewer_client, owner_client, model)
     servable = ModelVersion.objects.get().servable_dir()
     (servable / "1").mkdir(parents=True)
     (servable / "1" / "model.onnx").write_bytes(b"compiled")
-    (servable / "config.pbtxt").write_text('name: "vision--resnet50"\n')
+    (servable / "config.pbtxt").write_text('name: "vision__resnet50"\n')
     response = viewer_client.get(f"{models_url()}resnet50/versions/1/artifact/")
     archive = zipfile.ZipFile(io.BytesIO(b"".join(response.streaming_content)))
     assert sorted(archive.namelist()) == ["1/model.onnx", "config.pbtxt"]

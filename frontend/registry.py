@@ -1,0 +1,181 @@
+"""Pages of the model registry: models list, new model, model detail with versions, upload page.
+
+The upload itself runs in the browser (static/frontend/upload.js) against the REST upload API, so the page
+and API clients share one protocol: chunks over XHR for a real progress bar, resume from the server offset.
+"""
+
+from __future__ import annotations
+
+from django import forms
+from django.contrib import messages
+from django.core.exceptions import ValidationError
+from django.db.models import Count, Q
+from django.http import HttpResponseBadRequest
+from django.shortcuts import get_object_or_404, redirect
+
+from apps.conversions.services import INPUT_FORMATS, PRECISION_MODES
+from apps.registry import services
+from apps.registry.formats import EXTENSIONS
+from apps.registry.models import RegisteredModel, TaskType
+from apps.registry.options import SERVING_DEFAULTS
+from apps.teams.models import Action
+from frontend.pages import TeamPageView
+from frontend.views import add_service_errors
+
+
+class ModelForm(forms.Form):
+    name = forms.CharField(max_length=100)
+    slug = forms.CharField(
+        max_length=50,
+        required=False,
+        help_text="Lowercase letters, digits and hyphens; part of the Triton model name. Derived from the name when empty.",
+    )
+    task_type = forms.ChoiceField(choices=TaskType.choices, initial=TaskType.OTHER, label="Task")
+    description = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), required=False)
+
+
+class ModelListView(TeamPageView):
+    template_name = "frontend/registry/models.html"
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        query = self.request.GET.get("q", "").strip()
+        models = (
+            RegisteredModel.objects.for_user(self.request.user)
+            .filter(team=self.team)
+            .annotate(version_count=Count("versions"))
+            .order_by("name", "pk")
+        )
+        if query:
+            models = models.filter(
+                Q(name__icontains=query) | Q(slug__icontains=query) | Q(description__icontains=query)
+            )
+        models = list(models)
+        for model in models:
+            model.latest = model.latest_version()
+        context.update(models=models, query=query)
+        return context
+
+    def get_template_names(self):
+        if self.request.headers.get("HX-Request"):
+            return ["frontend/registry/partials/model_table.html"]
+        return [self.template_name]
+
+
+class ModelCreateView(TeamPageView):
+    template_name = "frontend/registry/model_new.html"
+    required_action = Action.CHANGE
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        context.setdefault("form", ModelForm())
+        return context
+
+    def post(self, request, *args, **kwargs):
+        form = ModelForm(request.POST)
+        if form.is_valid():
+            try:
+                model = services.create_model(
+                    actor=request.user,
+                    team=self.team,
+                    name=form.cleaned_data["name"],
+                    slug=form.cleaned_data["slug"] or None,
+                    task_type=form.cleaned_data["task_type"],
+                    description=form.cleaned_data["description"],
+                )
+            except ValidationError as error:
+                add_service_errors(form, error)
+            else:
+                messages.success(request, f"Model {model.name} created. Upload its first version.")
+                return redirect("model-upload", team_slug=self.team.slug, model_slug=model.slug)
+        return self.render_to_response(self.get_context_data(form=form), status=400)
+
+
+class ModelPageView(TeamPageView):
+    """A page about one model of the team; another team's model is a 404 like everything else."""
+
+    def dispatch(self, request, *args, **kwargs):
+        self.model_slug = kwargs["model_slug"]
+        return super().dispatch(request, *args, **kwargs)
+
+    def get_model(self) -> RegisteredModel:
+        return get_object_or_404(
+            RegisteredModel.objects.for_user(self.request.user).filter(team=self.team), slug=self.model_slug
+        )
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        context["model"] = self.get_model()
+        return context
+
+
+class ModelDetailView(ModelPageView):
+    template_name = "frontend/registry/model_detail.html"
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        versions = list(
+            context["model"]
+            .versions.select_related("created_by")
+            .prefetch_related("conversion_jobs")
+            .order_by("-number")
+        )
+        for version in versions:
+            jobs = sorted(version.conversion_jobs.all(), key=lambda j: (j.created_at, j.pk), reverse=True)
+            version.latest_job = jobs[0] if jobs else None
+        context["versions"] = versions
+        context.setdefault(
+            "form",
+            ModelForm(
+                initial={
+                    "name": context["model"].name,
+                    "slug": context["model"].slug,
+                    "task_type": context["model"].task_type,
+                    "description": context["model"].description,
+                }
+            ),
+        )
+        return context
+
+    def post(self, request, *args, **kwargs):
+        self.require(Action.CHANGE)
+        model = self.get_model()
+        operation = request.POST.get("op", "")
+        if operation == "delete":
+            services.delete_model(actor=request.user, model=model)
+            messages.success(request, f"Model {model.name} and its versions deleted.")
+            return redirect("models", team_slug=self.team.slug)
+        if operation == "edit":
+            form = ModelForm(request.POST)
+            if form.is_valid():
+                try:
+                    services.update_model(
+                        actor=request.user,
+                        model=model,
+                        name=form.cleaned_data["name"],
+                        task_type=form.cleaned_data["task_type"],
+                        description=form.cleaned_data["description"],
+                    )
+                except ValidationError as error:
+                    add_service_errors(form, error)
+                else:
+                    messages.success(request, "Model updated.")
+                    return redirect("model-detail", team_slug=self.team.slug, model_slug=model.slug)
+            return self.render_to_response(self.get_context_data(form=form), status=400)
+        return HttpResponseBadRequest(f"Unknown operation '{operation}'.")
+
+
+class ModelUploadView(ModelPageView):
+    template_name = "frontend/registry/upload.html"
+    required_action = Action.CHANGE
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        context.update(
+            serving=SERVING_DEFAULTS,
+            precision_modes=PRECISION_MODES,
+            input_formats=INPUT_FORMATS,
+            extensions=", ".join(EXTENSIONS),
+            max_bytes=services.upload_max_bytes(),
+        )
+        return context
