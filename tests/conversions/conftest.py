@@ -243,6 +243,18 @@ def start_worker(tmp_path, artifact_root, celery_queue):
     yield _start
     for worker in workers:
         worker.stop()
+    if workers and connection.vendor == "postgresql":
+        # A worker's pool processes may outlive it by a moment; their sessions would block dropping the test DB.
+        def others() -> int:
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+                return cursor.fetchone()[0]
+
+        deadline = time.monotonic() + 15
+        while others() and time.monotonic() < deadline:
+            time.sleep(0.2)
 
 
 def onnx_model_bytes(model: onnx.ModelProto) -> bytes:
