@@ -350,15 +350,14 @@ class UploadViewSet(mixins.RetrieveModelMixin, TeamScopedViewSet):
     def retrieve(self, request, *args, **kwargs):
         session = self.get_object()
         services.upload_offset(session)
-        body = UploadSerializer(session, context={"request": request}).data
-        return Response(
-            body,
-            headers={
-                OFFSET_HEADER: str(session.received_bytes),
-                "Upload-Length": str(session.expected_size),
-                "Cache-Control": "no-store",
-            },
-        )
+        headers = {
+            OFFSET_HEADER: str(session.received_bytes),
+            "Upload-Length": str(session.expected_size),
+            "Cache-Control": "no-store",
+        }
+        if request.method == "HEAD":  # headers only: a HEAD answer must not carry a body
+            return Response(headers=headers)
+        return Response(UploadSerializer(session, context={"request": request}).data, headers=headers)
 
     @extend_schema(
         request={"application/offset+octet-stream": OpenApiTypes.BINARY},
