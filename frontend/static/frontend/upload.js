@@ -123,9 +123,10 @@
       const startedAt = performance.now();
       const startOffset = offset;
       let delay = 1000;
+      const chunkBytes = Number(form.dataset.chunkBytes) || CHUNK_BYTES;
       while (offset < file.size) {
         if (cancelled) throw new Error("cancelled");
-        const end = Math.min(offset + CHUNK_BYTES, file.size);
+        const end = Math.min(offset + chunkBytes, file.size);
         const chunkStart = offset;
         let answer;
         try {
