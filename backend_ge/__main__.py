@@ -32,6 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
         repository_key=os.environ.get("GE_REPOSITORY_KEY") or None,
+        die_with_parent=True,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -112,12 +112,24 @@ def server_environment(dist: TritonDistribution, base: dict[str, str] | None = N
     return env
 
 
+def _interrupt_when_parent_dies() -> None:
+    # Linux delivers the signal when the thread that started the child exits: a killed launcher then
+    # still stops its server gracefully instead of leaving it running with nobody holding the key.
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGINT)
+
+
 class TritonServer:
     """One tritonserver process serving a model repository with the GE backend.
 
     Models are loaded explicitly (``load_model``) or with ``load_models`` at start. Inference is open on the
     HTTP/gRPC ports; the model-repository API needs the ``repository_key`` in the ``REPOSITORY_KEY_HEADER``
     header, so only the holder of the key can load or unload models.
+
+    ``die_with_parent`` asks Linux to SIGINT the server when the *thread* that called ``start()`` ends; use
+    it from a main thread (CLI, tests), not from a short-lived worker thread.
     """
 
     def __init__(
@@ -134,6 +146,7 @@ class TritonServer:
         backend_config: Sequence[str] = (),
         extra_args: Sequence[str] = (),
         exit_timeout: int = 30,
+        die_with_parent: bool = False,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         self._own_workdir = workdir is None
@@ -147,6 +160,7 @@ class TritonServer:
         self.backend_config = list(backend_config)
         self.extra_args = list(extra_args)
         self.exit_timeout = exit_timeout
+        self.die_with_parent = die_with_parent
         self.log_path = self.workdir / "tritonserver.log"
         self.process: subprocess.Popen | None = None
 
@@ -208,6 +222,7 @@ class TritonServer:
                 # Own process group: a Ctrl-C in the caller's terminal is handled by stop(), which lets
                 # in-flight requests finish instead of the server and the caller racing each other.
                 start_new_session=True,
+                preexec_fn=_interrupt_when_parent_dies if self.die_with_parent else None,
             )
         finally:
             log.close()

@@ -46,7 +46,12 @@ class OnnxRuntimeExecutor(Executor):
     kind = "onnxruntime"
 
     def __init__(
-        self, path: str | os.PathLike, *, intra_op_threads: int = 0, inter_op_threads: int = 0
+        self,
+        path: str | os.PathLike,
+        *,
+        intra_op_threads: int = 0,
+        inter_op_threads: int = 0,
+        allow_spinning: bool = False,
     ) -> None:
         # Imported here so that choosing the pyACL executor never pays for onnxruntime.
         import onnxruntime as ort
@@ -56,6 +61,10 @@ class OnnxRuntimeExecutor(Executor):
         options.intra_op_num_threads = intra_op_threads
         options.inter_op_num_threads = inter_op_threads
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # Spinning worker threads keep cores busy between calls; on a host where Triton, its stubs and the
+        # clients share a few cores that stolen time costs more than the wake-up latency it saves.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "1" if allow_spinning else "0")
         try:
             self._session = ort.InferenceSession(
                 self.path, sess_options=options, providers=["CPUExecutionProvider"]

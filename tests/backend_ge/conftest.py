@@ -27,6 +27,15 @@ output [ { name: "output" data_type: TYPE_FP32 dims: [ 16 ] } ]
 dynamic_batching { preferred_batch_size: [ 3 ] max_queue_delay_microseconds: 2000000 }
 """
 
+# A queue delay long enough that concurrent test requests always meet in one batch, however slow the
+# client is on a loaded machine (the example mlp's 100 us delay batches only under real load).
+BATCHING_MLP = """
+name: "mlp_batching"
+backend: "ge"
+max_batch_size: 16
+dynamic_batching { preferred_batch_size: [ 16 ] max_queue_delay_microseconds: 20000 }
+"""
+
 SLOW_MLP = """
 name: "mlp_slow"
 backend: "ge"
@@ -71,6 +80,7 @@ def example_repository(tmp_path_factory) -> Path:
     mlp_onnx = root / "mlp" / "1" / "model.onnx"
     add_model(root, "mlp_ragged", RAGGED_MLP, mlp_onnx)
     add_model(root, "mlp_slow", SLOW_MLP, mlp_onnx)
+    add_model(root, "mlp_batching", BATCHING_MLP, mlp_onnx)
     add_model(root, "mlp_auto", None, mlp_onnx)  # no config.pbtxt beyond the backend: completed at load
     (root / "mlp_auto" / "config.pbtxt").write_text('backend: "ge"\n')
     add_model(root, "dtype_echo", 'backend: "ge"\n', build_dtype_echo())
@@ -84,13 +94,15 @@ def example_repository(tmp_path_factory) -> Path:
     return root
 
 
-SERVED = [*examples.ALL, "mlp_ragged", "mlp_auto", "dtype_echo"]
+SERVED = [*examples.ALL, "mlp_ragged", "mlp_batching", "mlp_auto", "dtype_echo"]
 
 
 @pytest.fixture(scope="session")
 def triton(example_repository, tmp_path_factory):
     """A real tritonserver with the GE backend serving the examples (and a few test models)."""
-    server = TritonServer(example_repository, workdir=tmp_path_factory.mktemp("triton"), exit_timeout=5)
+    server = TritonServer(
+        example_repository, workdir=tmp_path_factory.mktemp("triton"), exit_timeout=5, die_with_parent=True
+    )
     server.start(timeout=120)
     try:
         failures = load_all(server, SERVED)

@@ -23,7 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_graceful_stop_lets_in_flight_requests_finish(example_repository, tmp_path):
     # mlp_slow holds requests in its batch queue for 1.5 s, so they are surely in flight when SIGINT lands.
-    server = TritonServer(example_repository, workdir=tmp_path, load_models=["mlp_slow"], exit_timeout=10)
+    server = TritonServer(
+        example_repository, workdir=tmp_path, load_models=["mlp_slow"], exit_timeout=10, die_with_parent=True
+    )
     server.start(timeout=90)
     client = httpclient.InferenceServerClient(server.http_url, concurrency=3)
     try:
@@ -107,8 +109,40 @@ def test_serve_cli_loads_a_seed_style_repository_and_stops_on_ctrl_c(example_rep
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        if proc.poll() is None:  # a failed assertion: stop the CLI (and so its server) before killing it
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
     assert proc.returncode == 0, "".join(lines) + rest
     assert "tritonserver stopped (0)" in rest
+
+
+def test_server_started_with_die_with_parent_stops_when_its_launcher_is_killed(example_repository, tmp_path):
+    launcher = (
+        "import sys, time\n"
+        "from backend_ge.runtime import TritonServer\n"
+        "s = TritonServer(sys.argv[1], workdir=sys.argv[2], die_with_parent=True, exit_timeout=5).start()\n"
+        "print(s.process.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", launcher, str(example_repository), str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        server_pid = int(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait(10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and Path(f"/proc/{server_pid}").exists():
+        time.sleep(0.2)
+    alive = (
+        Path(f"/proc/{server_pid}").exists()
+        and "Z" not in Path(f"/proc/{server_pid}/stat").read_text().split()[2]
+    )
+    if alive:
+        os.kill(server_pid, signal.SIGKILL)
+    assert not alive, "tritonserver outlived its launcher"

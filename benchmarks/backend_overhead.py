@@ -1,0 +1,171 @@
+"""What serving through Triton + the GE backend costs compared with onnxruntime in-process.
+
+One run, side by side on the same machine and model files:
+
+- ``mlp`` at concurrency 1 and 16, with and without dynamic batching;
+- ``resnet50`` at concurrency 4, against raw onnxruntime at the batch size Triton actually formed.
+
+Targets (issue 3): served resnet50 throughput >= 0.9x raw onnxruntime at the same batch size; MLP with
+dynamic batching at concurrency 16 >= 3x without; added p50 latency at concurrency 1 <= 1.0 ms.
+
+Usage: ``python benchmarks/backend_overhead.py [--quick] [--json FILE] [--protocol http|grpc]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from backend_ge import bench, examples  # noqa: E402
+from backend_ge.runtime import TritonServer, load_all  # noqa: E402
+
+MLP_NO_BATCHING = """
+name: "mlp_nobatch"
+backend: "ge"
+max_batch_size: 64
+input [ { name: "input" data_type: TYPE_FP32 dims: [ 256 ] } ]
+output [ { name: "output" data_type: TYPE_FP32 dims: [ 16 ] } ]
+"""
+
+
+def raw_onnxruntime(path: Path, feeds: dict[str, np.ndarray], seconds: float, max_runs: int) -> dict:
+    """Back-to-back runs of one in-process session: per-call latency and rows per second."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    for _ in range(3):
+        sess.run(names, feeds)
+    latencies = []
+    start = time.perf_counter()
+    while len(latencies) < max_runs and time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        sess.run(names, feeds)
+        latencies.append(time.perf_counter() - t0)
+    elapsed = time.perf_counter() - start
+    batch = next(iter(feeds.values())).shape[0]
+    lat = np.array(latencies) * 1000
+    return {
+        "batch": batch,
+        "runs": len(latencies),
+        "throughput_rps": batch * len(latencies) / elapsed,
+        "latency_ms": {"p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99))},
+    }
+
+
+def served(server: TritonServer, model: str, concurrency: int, requests: int, protocol: str, inputs) -> dict:
+    url = server.grpc_url if protocol == "grpc" else server.http_url
+    return bench.run(
+        url, model, concurrency=concurrency, requests=requests, protocol=protocol,
+        stats_url=server.http_url, inputs=inputs, warmup=5,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
+    parser.add_argument("--protocol", choices=("http", "grpc"), default="grpc")
+    parser.add_argument("--json", default="", help="also write all figures to this file")
+    args = parser.parse_args(argv)
+    scale = 0.2 if args.quick else 1.0
+    n = lambda count: max(16, int(count * scale))  # noqa: E731
+
+    work = Path(tempfile.mkdtemp(prefix="ge-bench-"))
+    repo = work / "repository"
+    examples.write_examples(repo, ["mlp", "resnet50"])
+    (repo / "mlp_nobatch" / "1").mkdir(parents=True)
+    (repo / "mlp_nobatch" / "1" / "model.onnx").symlink_to(repo / "mlp" / "1" / "model.onnx")
+    (repo / "mlp_nobatch" / "config.pbtxt").write_text(MLP_NO_BATCHING)
+
+    rng = np.random.default_rng(0)
+    mlp_x = {"input": rng.standard_normal((1, 256)).astype(np.float32)}
+    resnet_x = {"input": rng.standard_normal((1, 3, 224, 224)).astype(np.float32)}
+    results: dict = {"protocol": args.protocol}
+
+    server = TritonServer(repo, workdir=work / "triton", exit_timeout=10)
+    server.start(timeout=120)
+    try:
+        failures = load_all(server, ["mlp", "mlp_nobatch", "resnet50"])
+        if failures:
+            raise SystemExit(f"model load failed: {failures}")
+        p = args.protocol
+        results["mlp_c1_batching"] = served(server, "mlp", 1, n(3000), p, mlp_x)
+        results["mlp_c1_nobatch"] = served(server, "mlp_nobatch", 1, n(3000), p, mlp_x)
+        results["mlp_c16_batching"] = served(server, "mlp", 16, n(8000), p, mlp_x)
+        results["mlp_c16_nobatch"] = served(server, "mlp_nobatch", 16, n(8000), p, mlp_x)
+        results["resnet50_c4"] = served(server, "resnet50", 4, n(120), p, resnet_x)
+    finally:
+        server.stop()
+
+    # Raw runs after the server is gone, so they get the machine to themselves as the server did.
+    mlp_path, resnet_path = repo / "mlp" / "1" / "model.onnx", repo / "resnet50" / "1" / "model.onnx"
+    results["raw_mlp_b1"] = raw_onnxruntime(mlp_path, mlp_x, 5 * scale + 1, 20000)
+    results["raw_mlp_b16"] = raw_onnxruntime(
+        mlp_path, {"input": np.repeat(mlp_x["input"], 16, 0)}, 5 * scale + 1, 20000
+    )
+    avg_batch = results["resnet50_c4"]["server"]["avg_batch_size"]
+    batch = max(1, round(avg_batch))
+    results["raw_resnet50"] = raw_onnxruntime(
+        resnet_path, {"input": np.repeat(resnet_x["input"], batch, 0)}, 30 * scale + 5, 400
+    )
+
+    print_report(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def print_report(r: dict) -> None:
+    header = f"{'case':<34}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'batch':>7}{'queue':>8}{'in':>6}{'infer':>8}{'out':>6}"
+    print(f"\nprotocol: {r['protocol']}   server columns: microseconds per request (statistics API)")
+    print(header)
+    print("-" * len(header))
+    for key, label in (
+        ("mlp_c1_batching", "served mlp c=1 dynamic batching"),
+        ("mlp_c1_nobatch", "served mlp c=1 no batching"),
+        ("mlp_c16_batching", "served mlp c=16 dynamic batching"),
+        ("mlp_c16_nobatch", "served mlp c=16 no batching"),
+        ("resnet50_c4", "served resnet50 c=4"),
+    ):
+        x, s = r[key], r[key]["server"]
+        print(
+            f"{label:<34}{x['throughput_rps']:>10.1f}{x['latency_ms']['p50']:>9.2f}{x['latency_ms']['p99']:>9.2f}"
+            f"{s['avg_batch_size']:>7.2f}{s['queue_us']:>8.0f}{s['compute_input_us']:>6.0f}"
+            f"{s['compute_infer_us']:>8.0f}{s['compute_output_us']:>6.0f}"
+        )
+    for key, label in (("raw_mlp_b1", "raw onnxruntime mlp b=1"), ("raw_mlp_b16", "raw onnxruntime mlp b=16"),
+                       ("raw_resnet50", f"raw onnxruntime resnet50 b={r['raw_resnet50']['batch']}")):  # fmt: skip
+        x = r[key]
+        print(
+            f"{label:<34}{x['throughput_rps']:>10.1f}{x['latency_ms']['p50']:>9.2f}{x['latency_ms']['p99']:>9.2f}{x['batch']:>7}"
+        )
+
+    resnet_ratio = r["resnet50_c4"]["throughput_rps"] / r["raw_resnet50"]["throughput_rps"]
+    batching_ratio = r["mlp_c16_batching"]["throughput_rps"] / r["mlp_c16_nobatch"]["throughput_rps"]
+    added_p50 = r["mlp_c1_nobatch"]["latency_ms"]["p50"] - r["raw_mlp_b1"]["latency_ms"]["p50"]
+    added_p50_batching = r["mlp_c1_batching"]["latency_ms"]["p50"] - r["raw_mlp_b1"]["latency_ms"]["p50"]
+    print()
+    print(
+        f"resnet50 served / raw (same batch):   {resnet_ratio:5.2f}x   target >= 0.90x  {'ok' if resnet_ratio >= 0.9 else 'MISSED'}"
+    )
+    print(
+        f"mlp c=16 batching / no batching:      {batching_ratio:5.2f}x   target >= 3.00x  {'ok' if batching_ratio >= 3 else 'MISSED'}"
+    )
+    print(
+        f"added p50 latency, mlp c=1:           {added_p50:5.2f} ms  target <= 1.00 ms {'ok' if added_p50 <= 1 else 'MISSED'}"
+    )
+    print(f"  (with dynamic batching, 100us queue delay: {added_p50_batching:.2f} ms)")
+    r["summary"] = {"resnet50_ratio": resnet_ratio, "mlp_batching_ratio": batching_ratio,
+                    "added_p50_ms": added_p50, "added_p50_batching_ms": added_p50_batching}  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
