@@ -125,7 +125,9 @@ def test_dynamic_batching_batches_and_outputs_match_each_request(triton, client,
     inferences = after["inferences"] - before["inferences"]
     executions = after["executions"] - before["executions"]
     assert inferences == 96
-    assert executions <= inferences / 2, f"too little batching: {executions} executions for {inferences} inferences"
+    assert executions <= inferences / 2, (
+        f"too little batching: {executions} executions for {inferences} inferences"
+    )
     for x, y in zip(requests_data, outputs, strict=True):
         np.testing.assert_array_equal(y, reference("mlp", {"input": x})["output"])
 
