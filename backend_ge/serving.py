@@ -185,6 +185,7 @@ class GeModel:
         self.max_batch_size = int(config.get("max_batch_size") or 0)
         strip = 1 if self.max_batch_size > 0 else 0
         self._inputs = [_Input(s, strip) for s in self.executor.inputs]
+        self._input_names = [s.name for s in self._inputs]
         self._output_names = [o["name"] for o in config.get("output") or []] or [
             s.name for s in self.executor.outputs
         ]
@@ -248,16 +249,16 @@ class GeModel:
                 responses[i] = self._error(str(e), self._invalid_arg)
                 continue
             if not self.max_batch_size:
-                self._run_group([(i, arrays)], responses, batched=False)
+                self._run_group([(i, arrays)], responses)
                 continue
             key = tuple(a.shape[1:] for a in arrays)
             groups.setdefault(key, []).append((i, arrays))
         for members in groups.values():
-            self._run_group(members, responses, batched=True)
+            self._run_group(members, responses)
         return responses
 
-    def _run_group(self, members: list[tuple[int, list[np.ndarray]]], responses: list, batched: bool) -> None:
-        names = [spec.name for spec in self._inputs]
+    def _run_group(self, members: list[tuple[int, list[np.ndarray]]], responses: list) -> None:
+        names = self._input_names
         if len(members) == 1:
             feeds = dict(zip(names, members[0][1], strict=True))
         else:
@@ -272,6 +273,13 @@ class GeModel:
             return
         if len(members) == 1:
             responses[members[0][0]] = self._response(outputs)
+            return
+        total = sum(arrays[0].shape[0] for _, arrays in members)
+        short = [n for n in self._output_names if outputs[n].shape[:1] != (total,)]
+        if short:  # slicing would hand requests someone else's rows
+            message = f"model {self.name!r} returned output {short[0]!r} without a batch dimension of {total}"
+            for i, _ in members:
+                responses[i] = self._error(message, self._internal)
             return
         start = 0
         for i, arrays in members:

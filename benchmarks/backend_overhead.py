@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -61,18 +62,46 @@ def raw_onnxruntime(path: Path, feeds: dict[str, np.ndarray], seconds: float, ma
     }
 
 
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+    return found
+
+
 def served(server: TritonServer, model: str, concurrency: int, requests: int, protocol: str, inputs) -> dict:
+    """bench.run plus CPU time per request of tritonserver and of its python stubs (from /proc)."""
     url = server.grpc_url if protocol == "grpc" else server.http_url
-    return bench.run(
+    stubs = _children(server.process.pid)
+    before = (_cpu_seconds(server.process.pid), sum(_cpu_seconds(p) for p in stubs))
+    result = bench.run(
         url, model, concurrency=concurrency, requests=requests, protocol=protocol,
         stats_url=server.http_url, inputs=inputs, warmup=5,
     )  # fmt: skip
+    after = (_cpu_seconds(server.process.pid), sum(_cpu_seconds(p) for p in stubs))
+    done = max(1, result["completed"])
+    result["server_cpu_us"] = (after[0] - before[0]) / done * 1e6
+    result["stub_cpu_us"] = (after[1] - before[1]) / done * 1e6
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
-    parser.add_argument("--protocol", choices=("http", "grpc"), default="grpc")
+    parser.add_argument("--protocol", choices=("http", "grpc"), default="http")
     parser.add_argument("--json", default="", help="also write all figures to this file")
     args = parser.parse_args(argv)
     scale = 0.2 if args.quick else 1.0
@@ -124,8 +153,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_report(r: dict) -> None:
-    header = f"{'case':<34}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'batch':>7}{'queue':>8}{'in':>6}{'infer':>8}{'out':>6}"
-    print(f"\nprotocol: {r['protocol']}   server columns: microseconds per request (statistics API)")
+    header = (
+        f"{'case':<34}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'batch':>7}{'queue':>8}{'in':>6}{'infer':>8}{'out':>6}"
+        f"{'cpu:client':>11}{'triton':>7}{'stub':>7}"
+    )
+    print(
+        f"\nprotocol: {r['protocol']}   queue/in/infer/out: us per request (statistics API); cpu: us per request"
+    )
     print(header)
     print("-" * len(header))
     for key, label in (
@@ -140,6 +174,7 @@ def print_report(r: dict) -> None:
             f"{label:<34}{x['throughput_rps']:>10.1f}{x['latency_ms']['p50']:>9.2f}{x['latency_ms']['p99']:>9.2f}"
             f"{s['avg_batch_size']:>7.2f}{s['queue_us']:>8.0f}{s['compute_input_us']:>6.0f}"
             f"{s['compute_infer_us']:>8.0f}{s['compute_output_us']:>6.0f}"
+            f"{x['client_cpu_us']:>11.0f}{x['server_cpu_us']:>7.0f}{x['stub_cpu_us']:>7.0f}"
         )
     for key, label in (("raw_mlp_b1", "raw onnxruntime mlp b=1"), ("raw_mlp_b16", "raw onnxruntime mlp b=16"),
                        ("raw_resnet50", f"raw onnxruntime resnet50 b={r['raw_resnet50']['batch']}")):  # fmt: skip

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import requests
@@ -169,6 +171,12 @@ def test_config_is_completed_from_the_model_file(client):
 # -- bad requests ----------------------------------------------------------------------------------------
 
 
+def _mlp_input():
+    item = httpclient.InferInput("input", [1, 256], "FP32")
+    item.set_data_from_numpy(np.ones((1, 256), np.float32))
+    return item
+
+
 def _resnet_input(shape, dtype=np.float32, wire="FP32"):
     item = httpclient.InferInput("input", list(shape), wire)
     item.set_data_from_numpy(np.zeros(shape, dtype))
@@ -264,3 +272,16 @@ def test_repository_api_needs_the_key(triton):
     assert names["mlp"] == "READY"
     # inference itself stays open
     assert requests.get(f"{base}/v2/models/mlp/ready", timeout=10).status_code == 200
+
+
+def test_unload_releases_the_model_and_load_brings_it_back(triton, client):
+    triton.unload_model("mlp_auto")
+    deadline = time.monotonic() + 30
+    while client.is_model_ready("mlp_auto") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not client.is_model_ready("mlp_auto")
+    with pytest.raises(InferenceServerException):
+        client.infer("mlp_auto", [_mlp_input()])
+
+    triton.load_model("mlp_auto")
+    assert client.infer("mlp_auto", [_mlp_input()]).as_numpy("output").shape == (1, 16)
