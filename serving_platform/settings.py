@@ -105,6 +105,9 @@ DATABASES = {
         conn_health_checks=True,
     )
 }
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # A file, not memory: tests start workers and agents as separate processes that share the test database.
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-db.sqlite3")}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -151,6 +154,17 @@ WHITENOISE_USE_FINDERS = not STATIC_MANIFEST
 ARTIFACT_ROOT = Path(env_str("ARTIFACT_ROOT") or VAR_DIR / "artifacts").resolve()
 # Largest model upload accepted (bytes); archives may unpack to twice that.
 UPLOAD_MAX_BYTES = env_int("UPLOAD_MAX_BYTES", 8 * 1024**3, minimum=1)
+
+# --- Fleet: host agents ----------------------------------------------------------------------------
+FLEET_ROOT = Path(env_str("FLEET_ROOT") or VAR_DIR / "fleet").resolve()
+FLEET_START_TIMEOUT = env_int("FLEET_START_TIMEOUT", 120, minimum=5)
+# Restart a crashed tritonserver after 1, 2, 4, ... s (at most 60 s); quarantine after 5 crashes in 10 min.
+FLEET_RESTART_BASE_DELAY_MS = env_int("FLEET_RESTART_BASE_DELAY_MS", 1000, minimum=0)
+FLEET_MAX_CRASHES = env_int("FLEET_MAX_CRASHES", 5, minimum=1)
+FLEET_CRASH_WINDOW = env_int("FLEET_CRASH_WINDOW", 600, minimum=1)
+# Agents on machines without the artifact store download converted models from here, with this key.
+PLATFORM_URL = env_str("PLATFORM_URL") or ""
+AGENT_KEY = env_str("AGENT_KEY") or ""
 
 # --- Security (checked by `manage.py check --deploy`) ---------------------------------------------
 SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG)

@@ -91,3 +91,15 @@ def make_token(owner, team):
 def _fast_password_hashing(settings):
     # PBKDF2's deliberate slowness protects real passwords; in tests it only slows every persona down.
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+def subprocess_database_url() -> str:
+    """DATABASE_URL of the running test database, for worker and agent subprocesses."""
+    from django.db import connection
+
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{db['NAME']}"
+    user = db["USER"] or "postgres"
+    auth = f"{user}:{db['PASSWORD']}@" if db["PASSWORD"] else f"{user}@"
+    return f"postgres://{auth}{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"

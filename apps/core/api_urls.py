@@ -7,4 +7,5 @@ urlpatterns = [
     path("", include("apps.audit.urls")),
     path("", include("apps.conversions.urls")),
     path("", include("apps.registry.urls")),
+    path("", include("apps.fleet.urls")),
 ]

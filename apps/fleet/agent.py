@@ -1,0 +1,340 @@
+"""The host agent's supervisor: runs this host's Triton + GE instances and keeps them as the database says.
+
+One ``HostAgent`` per host process (``manage.py hostagent --name NAME``). A supervisor thread starts the
+instances the platform wants running, restarts a crashed ``tritonserver`` with exponential backoff, and
+quarantines an instance that crashes too often; a heartbeat thread reports the host's facts, NPU inventory
+and instance states every 10 s; the reconcile step (after every start, every few seconds, and on demand)
+makes each instance's loaded models match the deployments placed on it (``apps.fleet.placement``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import platform
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from django.conf import settings
+from django.db import close_old_connections
+from django.utils import timezone
+
+from apps.fleet.models import Host, InstanceState, TritonInstance
+from backend_ge.runtime import TritonError, TritonServer
+
+log = logging.getLogger(__name__)
+
+_current: HostAgent | None = None
+
+
+def current_agent() -> HostAgent:
+    """The agent of this process; tasks on a ``host.<name>`` queue run inside it."""
+    if _current is None:
+        raise RuntimeError(
+            "no host agent runs in this process; host tasks must run under `manage.py hostagent`"
+        )
+    return _current
+
+
+@dataclass
+class RestartPolicy:
+    """Exponential backoff between restarts; quarantine after ``max_crashes`` within ``window``."""
+
+    base_delay: float = 1.0
+    max_delay: float = 60.0
+    max_crashes: int = 5
+    window: timedelta = timedelta(minutes=10)
+
+    def delay(self, recent_crashes: int) -> float:
+        return min(self.max_delay, self.base_delay * 2 ** max(0, recent_crashes - 1))
+
+
+@dataclass
+class InstanceProcess:
+    """The tritonserver of one TritonInstance row, owned by this agent."""
+
+    instance_id: int
+    root: Path
+    server: TritonServer | None = None
+    next_start_at: float = 0.0
+    # Loads, unloads and switches on one instance run one at a time; reconcile skips a busy instance.
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    @property
+    def repository(self) -> Path:
+        return self.root / "repository"
+
+    def running(self) -> bool:
+        return (
+            self.server is not None and self.server.process is not None and self.server.process.poll() is None
+        )
+
+    def exit_code(self) -> int | None:
+        if self.server is None or self.server.process is None:
+            return None
+        return self.server.process.poll()
+
+
+class HostAgent:
+    """Supervises the instances of one host. ``start()`` runs its threads; ``stop()`` stops every instance
+    gracefully (in-flight requests finish)."""
+
+    def __init__(
+        self,
+        host: Host,
+        *,
+        bind_address: str = "127.0.0.1",
+        root: Path | None = None,
+        policy: RestartPolicy | None = None,
+        tick: float = 0.5,
+        reconcile_every: float = 5.0,
+        heartbeat_every: float = 10.0,
+    ) -> None:
+        self.host_id = host.pk
+        self.host_name = host.name
+        self.bind_address = bind_address
+        self.root = Path(root or Path(settings.FLEET_ROOT) / host.name)
+        self.policy = policy or RestartPolicy(
+            base_delay=settings.FLEET_RESTART_BASE_DELAY_MS / 1000,
+            max_crashes=settings.FLEET_MAX_CRASHES,
+            window=timedelta(seconds=settings.FLEET_CRASH_WINDOW),
+        )
+        self.tick = tick
+        self.reconcile_every = reconcile_every
+        self.heartbeat_every = heartbeat_every
+        self.processes: dict[int, InstanceProcess] = {}
+        self._stop = threading.Event()
+        self._poke = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def start(self) -> HostAgent:
+        global _current
+        _current = self
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._kill_orphans()
+        self.heartbeat()
+        loops = (
+            (self._supervise_loop, "supervisor"),
+            (self._reconcile_loop, "reconcile"),
+            (self._heartbeat_loop, "heartbeat"),
+        )
+        for target, name in loops:
+            thread = threading.Thread(target=target, name=f"agent-{self.host_name}-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop the loops, then every instance with SIGINT so in-flight requests finish."""
+        global _current
+        self._stop.set()
+        self._poke.set()
+        for thread in self._threads:
+            thread.join(timeout)
+        for proc in self.processes.values():
+            with proc.lock:
+                if proc.server is not None:
+                    proc.server.stop()
+                    self._set_state(proc.instance_id, InstanceState.STOPPED, pid=None)
+        close_old_connections()
+        if _current is self:
+            _current = None
+
+    def poke(self) -> None:
+        """Reconcile now instead of at the next interval."""
+        self._poke.set()
+
+    # -- loops -------------------------------------------------------------------------------------------
+    def _supervise_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self.supervise_once():
+                    self.poke()  # a (re)started server gets its models back right away
+            except Exception:  # the supervisor must outlive any one bad iteration
+                log.exception("supervisor iteration failed")
+            finally:
+                close_old_connections()
+            self._stop.wait(self.tick)
+
+    def _reconcile_loop(self) -> None:
+        # Its own thread: a load can block for minutes, and crash detection must not wait for it.
+        while not self._stop.is_set():
+            self._poke.wait(self.reconcile_every)
+            self._poke.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self.reconcile()
+            except Exception:
+                log.exception("reconcile failed")
+            finally:
+                close_old_connections()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_every):
+            try:
+                self.heartbeat()
+            except Exception:
+                log.exception("heartbeat failed")
+            finally:
+                close_old_connections()
+
+    # -- supervision -------------------------------------------------------------------------------------
+    def process_for(self, instance: TritonInstance) -> InstanceProcess:
+        proc = self.processes.get(instance.pk)
+        if proc is None:
+            proc = self.processes[instance.pk] = InstanceProcess(instance.pk, self.root / instance.name)
+        return proc
+
+    def supervise_once(self) -> bool:
+        """One pass over this host's instances; returns True when an instance (re)started."""
+        started = False
+        for instance in TritonInstance.objects.filter(host_id=self.host_id):
+            proc = self.process_for(instance)
+            if proc.server is not None and proc.exit_code() is not None:
+                # Dead server: kill what is left of its process group (python backend stubs) at once. They
+                # hold the server's sockets, so a request blocked on the dead server only returns after this.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.server.process.pid, signal.SIGKILL)
+            if not proc.lock.acquire(blocking=False):
+                continue  # a load or switch is running on it
+            try:
+                started |= self._supervise_instance(instance, proc)
+            finally:
+                proc.lock.release()
+        return started
+
+    def _supervise_instance(self, instance: TritonInstance, proc: InstanceProcess) -> bool:
+        if instance.desired_state == "STOPPED" or instance.state == InstanceState.QUARANTINED:
+            if proc.server is not None:
+                proc.server.stop()
+                proc.server = None  # stopped on purpose: not a crash
+            if instance.state != InstanceState.QUARANTINED and instance.state != InstanceState.STOPPED:
+                self._set_state(instance.pk, InstanceState.STOPPED, pid=None)
+            return False
+        if proc.server is not None and not proc.running():
+            self._record_crash(instance, proc)
+            return False
+        if proc.running() or time.monotonic() < proc.next_start_at:
+            return False
+        return self._start_instance(instance, proc)
+
+    def _record_crash(self, instance: TritonInstance, proc: InstanceProcess) -> None:
+        code = proc.exit_code()
+        tail = proc.server.log_tail(30)
+        proc.server = None
+        now = timezone.now()
+        recent = [t for t in instance.crash_times if now - datetime.fromisoformat(t) <= self.policy.window]
+        recent.append(now.isoformat())
+        error = f"tritonserver exited with code {code}"
+        if len(recent) >= self.policy.max_crashes:
+            log.error("%s crashed %d times within %s: quarantined", instance, len(recent), self.policy.window)
+            self._set_state(
+                instance.pk,
+                InstanceState.QUARANTINED,
+                pid=None,
+                crash_times=recent,
+                last_error=f"{error}; {len(recent)} crashes within {self.policy.window}: quarantined",
+                log_tail=tail,
+            )
+            return
+        delay = self.policy.delay(len(recent))
+        proc.next_start_at = time.monotonic() + delay
+        log.warning("%s crashed (%s); restarting in %.1fs", instance, error, delay)
+        self._set_state(
+            instance.pk,
+            InstanceState.STARTING,
+            pid=None,
+            crash_times=recent,
+            last_error=error,
+            log_tail=tail,
+            restarts=instance.restarts + 1,
+        )
+
+    def _server_for(self, instance: TritonInstance, proc: InstanceProcess) -> TritonServer:
+        # Not strict: one model that fails to load must not take the server's readiness (and every other
+        # model's traffic behind a load balancer) with it.
+        extra = ["--strict-readiness=false"]
+        if instance.latency_summaries:
+            extra.append("--metrics-config=summary_latencies=true")
+        return TritonServer(
+            proc.repository,
+            workdir=proc.root / "run",
+            address=self.bind_address,
+            http_port=instance.http_port,
+            grpc_port=instance.grpc_port,
+            metrics_port=instance.metrics_port,
+            extra_args=extra,
+        )
+
+    def _start_instance(self, instance: TritonInstance, proc: InstanceProcess) -> bool:
+        proc.repository.mkdir(parents=True, exist_ok=True)
+        self._set_state(instance.pk, InstanceState.STARTING)
+        proc.server = self._server_for(instance, proc)
+        try:
+            proc.server.start(timeout=settings.FLEET_START_TIMEOUT)
+        except TritonError as exc:
+            log.error("%s failed to start: %s", instance, exc)
+            proc.server.stop(timeout=5)
+            # A start failure counts like a crash: a server that can never start must end up quarantined.
+            self._record_crash(instance, proc)
+            return False
+        self._set_state(
+            instance.pk, InstanceState.READY, pid=proc.server.process.pid, log_tail=proc.server.log_tail(30)
+        )
+        return True
+
+    def _set_state(self, instance_id: int, state: str | None = None, **fields) -> None:
+        if state is not None:
+            fields.update(state=state, state_changed_at=timezone.now())
+        TritonInstance.objects.filter(pk=instance_id).update(**fields)
+
+    def _kill_orphans(self) -> None:
+        """A previous agent killed with SIGKILL leaves its servers running on our ports: stop them."""
+        for instance in TritonInstance.objects.filter(host_id=self.host_id, pid__isnull=False):
+            cmdline = Path(f"/proc/{instance.pid}/cmdline")
+            with contextlib.suppress(OSError):
+                if (
+                    b"tritonserver" in cmdline.read_bytes()
+                    and str(instance.http_port).encode() in cmdline.read_bytes()
+                ):
+                    log.warning("stopping orphaned tritonserver pid %s of %s", instance.pid, instance)
+                    os.killpg(instance.pid, signal.SIGKILL)
+            self._set_state(instance.pk, InstanceState.STOPPED, pid=None)
+
+    # -- heartbeat ---------------------------------------------------------------------------------------
+    def heartbeat(self) -> None:
+        from apps.fleet.services import record_heartbeat
+
+        for proc in self.processes.values():
+            if proc.running():
+                TritonInstance.objects.filter(pk=proc.instance_id).update(log_tail=proc.server.log_tail(30))
+        record_heartbeat(self.host_id, facts=host_facts())
+
+    # -- reconcile ---------------------------------------------------------------------------------------
+    def reconcile(self) -> None:
+        from apps.fleet.placement import reconcile_instance
+
+        for instance in TritonInstance.objects.filter(host_id=self.host_id, state=InstanceState.READY):
+            proc = self.processes.get(instance.pk)
+            if proc is None or not proc.running() or not proc.lock.acquire(blocking=False):
+                continue
+            try:
+                reconcile_instance(instance, proc)
+            finally:
+                proc.lock.release()
+
+
+def host_facts() -> dict:
+    facts = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                facts["memory_mb"] = int(line.split()[1]) // 1024
+    return facts

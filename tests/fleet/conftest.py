@@ -1,0 +1,158 @@
+"""Fixtures for fleet tests: READY versions made by the real ONNX preparation path, and host agents run as
+real `manage.py hostagent` processes with real tritonservers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from apps.registry.models import ModelVersion, RegisteredModel, SourceFormat, VersionState
+from backend_ge.convert import prepare_onnx
+from backend_ge.runtime import free_port
+from tests.conftest import subprocess_database_url
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def classifier_onnx(scale: float) -> bytes:
+    """Seed example 3's interface (input [N,3,224,224] -> output [N,1000]) in a model small enough to load in
+    a moment; ``scale`` makes versions distinguishable by their outputs."""
+    weights = (np.arange(3 * 1000, dtype=np.float32).reshape(3, 1000) / 3000.0) * scale
+    graph = helper.make_graph(
+        [
+            helper.make_node("ReduceMean", ["input", "axes"], ["pooled"], keepdims=0),
+            helper.make_node("MatMul", ["pooled", "w"], ["output"]),
+        ],
+        "classifier",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 3, 224, 224])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", 1000])],
+        initializer=[
+            helper.make_tensor("axes", TensorProto.INT64, [2], [2, 3]),
+            helper.make_tensor("w", TensorProto.FLOAT, weights.shape, weights.flatten().tolist()),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def expected_output(scale: float, batch: np.ndarray) -> np.ndarray:
+    weights = (np.arange(3 * 1000, dtype=np.float32).reshape(3, 1000) / 3000.0) * scale
+    return batch.mean(axis=(2, 3)) @ weights
+
+
+@pytest.fixture
+def artifact_root(tmp_path, settings):
+    settings.ARTIFACT_ROOT = tmp_path / "artifacts"
+    return settings.ARTIFACT_ROOT
+
+
+@pytest.fixture
+def make_ready_version(team, owner, artifact_root, tmp_path):
+    """A READY version converted by the real ONNX path (checker, shape inference, onnxruntime test run)."""
+
+    def _make(
+        model: RegisteredModel | None = None, scale: float = 1.0, slug: str = "classifier"
+    ) -> ModelVersion:
+        if model is None:
+            model = RegisteredModel.objects.create(team=team, name=slug.title(), slug=slug, created_by=owner)
+        number = (model.versions.order_by("-number").values_list("number", flat=True).first() or 0) + 1
+        version = ModelVersion.objects.create(
+            model=model,
+            number=number,
+            state=VersionState.CONVERTING,
+            source_format=SourceFormat.ONNX,
+            created_by=owner,
+        )
+        source = tmp_path / f"src-{model.slug}-{number}.onnx"
+        source.write_bytes(classifier_onnx(scale))
+        version.servable_dir().parent.mkdir(parents=True, exist_ok=True)
+        prepared = prepare_onnx(
+            source,
+            version.servable_dir() / "1",
+            name=model.triton_model_name(),
+            max_batch_size=8,
+            preferred_batch_sizes=(4, 8),
+            max_queue_delay_us=2000,
+        )
+        version.signature = prepared.signature.to_dict()
+        version.config_text = (version.servable_dir() / "config.pbtxt").read_text()
+        version.state = VersionState.READY
+        version.toolchain = "onnx"
+        version.save()
+        return version
+
+    return _make
+
+
+class Agent:
+    """A `manage.py hostagent` process with one CPU instance on free ports."""
+
+    def __init__(self, name: str, env: dict, log_path: Path):
+        self.name = name
+        self.ports = [free_port() for _ in range(3)]
+        self.log_path = log_path
+        self.log = open(log_path, "ab")  # noqa: SIM115 - the child writes to it until stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "manage.py", "hostagent", "--name", name, "--ensure-instance",
+             f"cpu-0:{self.ports[0]}:{self.ports[1]}:{self.ports[2]}"],
+            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.ports[0]}"
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self, timeout: float = 60) -> int | None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        self.log.close()
+        return self.process.returncode
+
+
+@pytest.fixture
+def start_agent(tmp_path, artifact_root):
+    agents: list[Agent] = []
+
+    def _start(name: str, **extra) -> Agent:
+        env = os.environ.copy()
+        env.update(
+            DATABASE_URL=subprocess_database_url(),
+            ARTIFACT_ROOT=str(artifact_root),
+            FLEET_ROOT=str(tmp_path / "fleet"),
+            DEBUG="1",
+            **{k: str(v) for k, v in extra.items()},
+        )
+        agent = Agent(name, env, tmp_path / f"agent-{name}.log")
+        agents.append(agent)
+        return agent
+
+    yield _start
+    for agent in agents:
+        agent.stop()
+
+
+def wait_for(predicate, timeout: float, message: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {message}")

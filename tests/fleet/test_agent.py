@@ -1,0 +1,220 @@
+"""Host agents with real tritonserver processes: deploy on two hosts, switch version under load, a broken
+version, crash recovery and quarantine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from apps.deployments import services
+from apps.deployments.models import Deployment, DeploymentState, PlacementState
+from apps.fleet.models import Host, InstanceState, TritonInstance
+from apps.registry.models import ModelVersion
+from backend_ge import config as gc
+from tests.fleet.conftest import expected_output, wait_for
+
+pytestmark = [pytest.mark.triton, pytest.mark.django_db(transaction=True)]
+
+
+def instance_of(agent) -> TritonInstance:
+    return wait_for(
+        lambda: TritonInstance.objects.filter(host__name=agent.name, state=InstanceState.READY).first(),
+        120,
+        f"{agent.name}'s instance to be READY\n{agent.output()}",
+    )
+
+
+def deployment_settled(deployment: Deployment, timeout: float = 120) -> Deployment:
+    def settled():
+        row = Deployment.objects.get(pk=deployment.pk)
+        return (
+            row
+            if row.state in (DeploymentState.SERVING, DeploymentState.FAILED)
+            and row.target_version_id is None
+            else None
+        )
+
+    return wait_for(settled, timeout, f"deployment {deployment.pk} to settle")
+
+
+def seed_example_3(url: str, model_name: str) -> np.ndarray:
+    """Seed example 3, unchanged but for the model name the platform gave the model."""
+    client = httpclient.InferenceServerClient(url=url)
+    assert client.is_server_ready()
+    assert client.is_model_ready(model_name)
+    input_data = np.random.randn(1, 3, 224, 224).astype(np.float32)
+    inputs = [httpclient.InferInput("input", input_data.shape, "FP32")]
+    inputs[0].set_data_from_numpy(input_data)
+    outputs = [httpclient.InferRequestedOutput("output")]
+    results = client.infer(model_name=model_name, inputs=inputs, outputs=outputs)
+    output_data = results.as_numpy("output")
+    assert output_data.shape == (1, 1000)
+    top5 = np.argsort(output_data[0])[-5:][::-1]
+    assert len(top5) == 5
+    np.testing.assert_allclose(output_data, expected_output(1.0, input_data), rtol=1e-4, atol=1e-5)
+    return output_data
+
+
+def test_deploy_to_two_hosts_and_the_seed_client_works_against_each(start_agent, make_ready_version, owner):
+    first, second = start_agent("host-a"), start_agent("host-b")
+    instances = [instance_of(first), instance_of(second)]
+    assert {i.host.queue for i in instances} == {"host.host-a", "host.host-b"}
+    version = make_ready_version()
+    deployment = services.deploy_version(
+        actor=owner, model=version.model, version=version, instances=instances
+    )
+    deployment = deployment_settled(deployment)
+    assert deployment.state == DeploymentState.SERVING, deployment.last_error
+    assert deployment.active_version == version
+    for agent in (first, second):
+        seed_example_3(agent.url, version.model.triton_model_name())
+    assert set(deployment.placements.values_list("state", flat=True)) == {PlacementState.READY}
+    assert Host.objects.get(name="host-a").is_online()
+
+
+def _load(url: str, model_name: str, stop: threading.Event, results: dict) -> None:
+    client = httpclient.InferenceServerClient(url=url)
+    batch = np.random.default_rng(1).random((1, 3, 224, 224), dtype=np.float32)
+    deadline = time.monotonic() + 120
+    while not stop.is_set() and results["sent"] < 5000 and time.monotonic() < deadline:
+        inputs = [httpclient.InferInput("input", batch.shape, "FP32")]
+        inputs[0].set_data_from_numpy(batch)
+        results["sent"] += 1
+        try:
+            out = client.infer(model_name, inputs).as_numpy("output")
+            results["last"] = out
+        except Exception as exc:  # counted: the test asserts there are none
+            results["failures"].append(str(exc))
+    results["batch"] = batch
+
+
+def test_version_switch_under_load_fails_no_request(start_agent, make_ready_version, owner):
+    agent = start_agent("host-a")
+    instance = instance_of(agent)
+    v1 = make_ready_version(scale=1.0)
+    v2 = make_ready_version(model=v1.model, scale=2.0)
+    deployment = deployment_settled(
+        services.deploy_version(actor=owner, model=v1.model, version=v1, instances=[instance])
+    )
+    name = v1.model.triton_model_name()
+    stop, results = threading.Event(), {"sent": 0, "failures": [], "last": None}
+    load = threading.Thread(target=_load, args=(agent.url, name, stop, results))
+    load.start()
+    try:
+        wait_for(lambda: results["sent"] > 20, 30, "load to start")
+        services.switch_version(actor=owner, deployment=deployment, version=v2)
+        deployment = deployment_settled(deployment)
+        sent_at_switch = results["sent"]
+        wait_for(lambda: results["sent"] > sent_at_switch + 20, 30, "requests after the switch")
+    finally:
+        stop.set()
+        load.join(60)
+    assert deployment.state == DeploymentState.SERVING and deployment.active_version == v2, (
+        deployment.last_error
+    )
+    assert results["failures"] == [], results["failures"][:3]
+    np.testing.assert_allclose(results["last"], expected_output(2.0, results["batch"]), rtol=1e-4, atol=1e-5)
+    kinds = list(deployment.events.values_list("kind", flat=True))
+    assert "switched" in kinds and "serving" in kinds
+
+
+def test_broken_version_fails_the_switch_and_the_old_version_keeps_serving(
+    start_agent, make_ready_version, owner
+):
+    agent = start_agent("host-a")
+    instance = instance_of(agent)
+    v1 = make_ready_version(scale=1.0)
+    broken = make_ready_version(model=v1.model, scale=3.0)
+    (broken.servable_dir() / "1" / "model.onnx").write_bytes(b"this is not an onnx model")
+    deployment = deployment_settled(
+        services.deploy_version(actor=owner, model=v1.model, version=v1, instances=[instance])
+    )
+    services.switch_version(actor=owner, deployment=deployment, version=broken)
+    deployment = deployment_settled(deployment)
+    assert deployment.state == DeploymentState.SERVING and deployment.active_version == v1
+    assert "failed" in deployment.last_error.lower() and str(instance) in deployment.last_error
+    assert deployment.events.filter(kind="switch_failed").exists()
+    seed_example_3(agent.url, v1.model.triton_model_name())
+
+
+def test_killed_tritonserver_is_restarted_with_its_models_within_15_seconds(
+    start_agent, make_ready_version, owner
+):
+    agent = start_agent("host-a", FLEET_RESTART_BASE_DELAY_MS=200)
+    instance = instance_of(agent)
+    version = make_ready_version()
+    deployment_settled(
+        services.deploy_version(actor=owner, model=version.model, version=version, instances=[instance])
+    )
+    old_pid = TritonInstance.objects.get(pk=instance.pk).pid
+    os.kill(old_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    client = httpclient.InferenceServerClient(url=agent.url)
+
+    def back():
+        row = TritonInstance.objects.get(pk=instance.pk)
+        if row.state != InstanceState.READY or row.pid == old_pid:
+            return False
+        try:
+            return client.is_model_ready(version.model.triton_model_name())
+        except Exception:
+            return False
+
+    wait_for(back, 15, f"the instance and its model to be back\n{agent.output()}")
+    assert time.monotonic() - killed_at < 15
+    row = TritonInstance.objects.get(pk=instance.pk)
+    assert row.restarts == 1 and "exited with code" in row.last_error
+    seed_example_3(agent.url, version.model.triton_model_name())
+
+
+KILLER_MODEL = """
+import os
+import signal
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        # Loading this model takes the whole server down, like a native crash in a backend would.
+        os.kill(os.getppid(), signal.SIGKILL)
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def test_a_model_that_crashes_the_server_at_every_start_quarantines_the_instance(
+    start_agent, make_ready_version, owner, team
+):
+    version = make_ready_version()
+    killer = ModelVersion.objects.create(
+        model=version.model, number=2, state="READY", signature=version.signature
+    )
+    (killer.servable_dir() / "1").mkdir(parents=True)
+    (killer.servable_dir() / "1" / "model.py").write_text(KILLER_MODEL)
+    cfg = gc.parse_config(version.config_text)
+    cfg.backend = "python"
+    killer.config_text = gc.render_config(cfg)
+    (killer.servable_dir() / "config.pbtxt").write_text(killer.config_text)
+    killer.save()
+    host = Host.objects.create(name="host-a", address="127.0.0.1")
+    agent = start_agent("host-a", FLEET_RESTART_BASE_DELAY_MS=100, FLEET_MAX_CRASHES=3)
+    instance = instance_of(agent)
+    deployment = Deployment.objects.create(
+        team=team, model=version.model, active_version=killer, state="SERVING"
+    )
+    deployment.placements.create(instance=instance, served_version=killer, state=PlacementState.READY)
+    row = wait_for(
+        lambda: (r := TritonInstance.objects.get(pk=instance.pk)).state == InstanceState.QUARANTINED and r,
+        90,
+        f"quarantine\n{agent.output()}",
+    )
+    assert len(row.crash_times) == 3 and "quarantined" in row.last_error
+    time.sleep(3)  # quarantined means no more restarts
+    assert TritonInstance.objects.get(pk=instance.pk).restarts == row.restarts
+    assert host.pk == row.host_id
