@@ -212,6 +212,9 @@ SPECTACULAR_SETTINGS = {
         "VersionStateEnum": "apps.registry.models.VersionState",
         "UploadStateEnum": "apps.registry.models.UploadState",
         "JobStateEnum": "apps.conversions.models.JobState",
+        "InstanceStateEnum": "apps.fleet.models.InstanceState",
+        "DeploymentStateEnum": "apps.deployments.models.DeploymentState",
+        "PlacementStateEnum": "apps.deployments.models.PlacementState",
     },
 }
 

@@ -8,4 +8,5 @@ urlpatterns = [
     path("", include("apps.conversions.urls")),
     path("", include("apps.registry.urls")),
     path("", include("apps.fleet.urls")),
+    path("", include("apps.deployments.urls")),
 ]

@@ -26,9 +26,27 @@ HEARTBEAT_INTERVAL = timedelta(seconds=10)
 OFFLINE_AFTER = 3 * HEARTBEAT_INTERVAL
 
 
+def is_platform_staff(user) -> bool:
+    """Platform operators (``is_staff``) run the fleet. Only a signed-in session carries that power: an API
+    token is scoped to one team and acts with its creator's role there, nothing more."""
+    return bool(
+        user is not None
+        and getattr(user, "is_authenticated", False)
+        and user.is_staff
+        and getattr(user, "api_token", None) is None
+    )
+
+
 class HostQuerySet(TeamScopedQuerySet):
     def for_user(self, user, action: str = Action.VIEW):
+        """Shared hosts and hosts dedicated to the user's teams; platform staff see every host."""
+        if is_platform_staff(user):
+            return self.all()
         return self.filter(Q(team__isnull=True) | Q(team__in=team_ids_for(user, action)))
+
+    def usable_by_team(self, team):
+        """Hosts a team may deploy on: shared ones and the team's own."""
+        return self.filter(Q(team__isnull=True) | Q(team=team))
 
 
 class Host(models.Model):
@@ -72,6 +90,13 @@ class Host(models.Model):
     @property
     def status(self) -> str:
         return "online" if self.is_online() else "offline"
+
+    def can_be_operated_by(self, user) -> bool:
+        """Who may start, stop and restart this host's instances: staff everywhere; on a host dedicated to
+        a team, also that team's maintainers and owners."""
+        if is_platform_staff(user):
+            return True
+        return self.team_id is not None and self.team_id in team_ids_for(user, Action.CHANGE)
 
     def heartbeat_age_seconds(self) -> float | None:
         if self.last_heartbeat_at is None:
@@ -133,6 +158,9 @@ class InstanceQuerySet(HostQuerySet):
     def for_user(self, user, action: str = Action.VIEW):
         return self.filter(host__in=Host.objects.for_user(user, action))
 
+    def usable_by_team(self, team):
+        return self.filter(Q(host__team__isnull=True) | Q(host__team=team))
+
 
 class TritonInstance(models.Model):
     """A tritonserver process with the GE backend, supervised by its host's agent.
@@ -180,6 +208,15 @@ class TritonInstance(models.Model):
 
     def __str__(self) -> str:
         return f"{self.host.name}/{self.name}"
+
+    def is_settling(self) -> bool:
+        """The agent of an online host is still moving the instance towards its desired state (pages poll
+        while this holds; an offline host's agent cannot act, so there is nothing to wait for)."""
+        if not self.host.is_online():
+            return False
+        if self.desired_state == "STOPPED":
+            return self.state in (InstanceState.READY, InstanceState.STARTING)
+        return self.state in (InstanceState.STOPPED, InstanceState.STARTING)
 
     def endpoint_url(self) -> str:
         return f"http://{self.host.address}:{self.http_port}"

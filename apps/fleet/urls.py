@@ -1,6 +1,11 @@
 from django.urls import path
+from rest_framework.routers import SimpleRouter
 
-from apps.fleet import agent_api
+from apps.fleet import agent_api, api
+
+router = SimpleRouter()
+router.register("hosts", api.HostViewSet, basename="host")
+router.register("instances", api.InstanceViewSet, basename="instance")
 
 urlpatterns = [
     path(
@@ -9,4 +14,5 @@ urlpatterns = [
     path(
         "agent/versions/<int:version_id>/files/<path:path>", agent_api.version_file, name="agent-version-file"
     ),
+    *router.urls,
 ]

@@ -1,0 +1,320 @@
+"""REST API of deployments: deploy, switch version, undeploy, event history, how to call it, playground.
+
+Members read (viewers included); maintainers deploy, switch and undeploy. The playground counts as reading:
+it runs one inference on an endpoint that any client who can reach the instance may call anyway (Triton's
+inference API is open; only its control plane is restricted), so it grants a viewer nothing new.
+"""
+
+from __future__ import annotations
+
+import json
+
+from django.core.exceptions import ValidationError
+from drf_spectacular.utils import extend_schema, extend_schema_field, inline_serializer
+from rest_framework import mixins, serializers, status
+from rest_framework.decorators import action
+from rest_framework.exceptions import APIException
+from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
+from rest_framework.response import Response
+
+from apps.core.api import TeamScopedViewSet
+from apps.deployments import calling, services
+from apps.deployments.models import Deployment, DeploymentEvent, DeploymentInstance
+from apps.fleet.models import TritonInstance
+from apps.registry.models import ModelVersion, RegisteredModel
+from apps.teams.models import Action
+
+EVENTS_SHOWN = 100
+
+
+class PlacementSerializer(serializers.ModelSerializer):
+    instance = serializers.IntegerField(source="instance_id")
+    instance_name = serializers.CharField(source="instance.__str__", help_text="host/instance")
+    instance_state = serializers.CharField(source="instance.state")
+    endpoint = serializers.CharField(source="instance.endpoint_url")
+    served_version = serializers.IntegerField(source="served_version.number", allow_null=True, default=None)
+
+    class Meta:
+        model = DeploymentInstance
+        fields = [
+            "instance",
+            "instance_name",
+            "instance_state",
+            "endpoint",
+            "served_version",
+            "state",
+            "last_error",
+            "updated_at",
+        ]
+        read_only_fields = fields
+
+
+class EventSerializer(serializers.ModelSerializer):
+    instance = serializers.CharField(source="instance.__str__", allow_null=True, default=None)
+    version = serializers.IntegerField(source="version.number", allow_null=True, default=None)
+
+    class Meta:
+        model = DeploymentEvent
+        fields = ["id", "kind", "message", "instance", "version", "details", "created_at"]
+        read_only_fields = fields
+
+
+class DeploymentSerializer(serializers.ModelSerializer):
+    model = serializers.CharField(source="model.slug")
+    model_name = serializers.CharField(source="model.name")
+    triton_model_name = serializers.CharField()
+    active_version = serializers.IntegerField(source="active_version.number", allow_null=True, default=None)
+    target_version = serializers.IntegerField(source="target_version.number", allow_null=True, default=None)
+    endpoints = serializers.SerializerMethodField()
+    placements = PlacementSerializer(many=True)
+    created_by = serializers.CharField(source="created_by.username", allow_null=True, default=None)
+
+    class Meta:
+        model = Deployment
+        fields = [
+            "id",
+            "model",
+            "model_name",
+            "triton_model_name",
+            "state",
+            "active_version",
+            "target_version",
+            "last_error",
+            "endpoints",
+            "placements",
+            "created_by",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields = fields
+
+    @extend_schema_field(serializers.ListField(child=serializers.CharField()))
+    def get_endpoints(self, deployment: Deployment) -> list[str]:
+        """HTTP endpoint of each instance the model is placed on (KServe v2: <endpoint>/v2/models/<name>/infer)."""
+        return calling.endpoints(deployment)
+
+
+class DeploymentDetailSerializer(DeploymentSerializer):
+    events = serializers.SerializerMethodField()
+
+    class Meta(DeploymentSerializer.Meta):
+        fields = [*DeploymentSerializer.Meta.fields, "events"]
+        read_only_fields = fields
+
+    @extend_schema_field(EventSerializer(many=True))
+    def get_events(self, deployment: Deployment) -> list[dict]:
+        """The newest events first (at most 100)."""
+        events = deployment.events.select_related("instance__host", "version")[:EVENTS_SHOWN]
+        return EventSerializer(events, many=True).data
+
+
+class DeploymentCreateSerializer(serializers.Serializer):
+    model = serializers.CharField(help_text="The model's slug.")
+    version = serializers.IntegerField(min_value=1, help_text="A READY version number of the model.")
+    instances = serializers.ListField(
+        child=serializers.IntegerField(), allow_empty=False, help_text="Ids of the instances to serve on."
+    )
+
+
+class SwitchSerializer(serializers.Serializer):
+    version = serializers.IntegerField(min_value=1, help_text="The READY version number to switch to.")
+
+
+class SnippetsSerializer(serializers.Serializer):
+    endpoint = serializers.CharField()
+    endpoints = serializers.ListField(child=serializers.CharField())
+    triton_model_name = serializers.CharField()
+    version = serializers.IntegerField()
+    infer_url = serializers.CharField()
+    signature = serializers.JSONField()
+    tritonclient = serializers.CharField(help_text="A runnable Python script (tritonclient.http).")
+    curl = serializers.CharField(help_text="A runnable shell command with a KServe v2 JSON body.")
+
+
+class PlaygroundRequestSerializer(serializers.Serializer):
+    inputs = serializers.JSONField(
+        required=False,
+        help_text=(
+            'Per input name: {"mode": "random"} or {"mode": "json", "data": [...]} (nested, or flat in the '
+            "input's order). Missing inputs get random data. In a multipart request, send this as a JSON "
+            "string and a file part named after an input (a .npy array) for mode file."
+        ),
+    )
+
+
+class PlaygroundOutputSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    datatype = serializers.CharField()
+    shape = serializers.ListField(child=serializers.IntegerField())
+    data = serializers.ListField(child=serializers.JSONField(), required=False)
+    preview = serializers.ListField(child=serializers.JSONField(), required=False)
+    truncated = serializers.BooleanField(required=False)
+    top5 = serializers.ListField(
+        child=inline_serializer(
+            "TopClass", {"index": serializers.IntegerField(), "score": serializers.FloatField()}
+        ),
+        required=False,
+    )
+
+
+class PlaygroundResultSerializer(serializers.Serializer):
+    instance = serializers.CharField()
+    endpoint = serializers.CharField()
+    version = serializers.IntegerField()
+    latency_ms = serializers.FloatField(help_text="Round trip of the one inference as the platform saw it.")
+    inputs = serializers.ListField(child=serializers.JSONField())
+    outputs = PlaygroundOutputSerializer(many=True)
+
+
+class InferenceFailed(APIException):
+    status_code = status.HTTP_502_BAD_GATEWAY
+    default_code = "inference_failed"
+    default_detail = "The inference failed."
+
+
+class NotServing(APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_code = "not_serving"
+    default_detail = "The deployment has no READY instance."
+
+
+ERROR = inline_serializer(
+    "DeploymentError", {"error": serializers.CharField(), "message": serializers.CharField()}
+)
+
+
+def parse_playground_specs(data, files) -> dict[str, calling.InputSpec]:
+    """``inputs`` (a dict, or its JSON text in a form) plus file parts named after inputs."""
+    raw = data.get("inputs") if hasattr(data, "get") else None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValidationError({"inputs": [f"Not valid JSON: {exc.msg}."]}) from None
+    raw = raw or {}
+    if not isinstance(raw, dict):
+        raise ValidationError({"inputs": ['Give an object: {"<input name>": {"mode": ..., "data": ...}}.']})
+    specs: dict[str, calling.InputSpec] = {}
+    for name, spec in raw.items():
+        if not isinstance(spec, dict):
+            raise ValidationError(
+                {f"inputs.{name}": ['Give {"mode": "random" | "json" | "file", "data": ...}.']}
+            )
+        specs[name] = calling.InputSpec(mode=str(spec.get("mode", "random")), data=spec.get("data"))
+    for name, upload in files.items():
+        specs.setdefault(name, calling.InputSpec(mode="file"))
+        specs[name].mode, specs[name].upload = "file", upload
+    return specs
+
+
+class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamScopedViewSet):
+    """A team's deployments, newest first: state, active/target version, placements per instance and the
+    event history. POST (maintainer) deploys a READY version on instances; ``switch`` rolls out another
+    version with zero failed requests; ``undeploy`` removes it. ``snippets`` and ``playground`` show how to
+    call it."""
+
+    queryset = Deployment.objects.select_related(
+        "model__team", "active_version", "target_version", "created_by"
+    ).prefetch_related("placements__instance__host", "placements__served_version")
+    serializer_class = DeploymentSerializer
+    filterset_fields = ["state"]
+    ordering_fields = ["created_at", "updated_at", "state"]
+    action_requirements = {
+        "switch": Action.CHANGE,
+        "undeploy": Action.CHANGE,
+        "snippets": Action.VIEW,
+        "playground": Action.VIEW,
+    }
+
+    def get_serializer_class(self):
+        return DeploymentDetailSerializer if self.action == "retrieve" else DeploymentSerializer
+
+    def _detail(self, deployment: Deployment, code: int = status.HTTP_200_OK) -> Response:
+        return Response(
+            DeploymentDetailSerializer(self.get_queryset().get(pk=deployment.pk)).data, status=code
+        )
+
+    @extend_schema(
+        request=DeploymentCreateSerializer, responses={201: DeploymentDetailSerializer, 400: ERROR}
+    )
+    def create(self, request, *args, **kwargs):
+        serializer = DeploymentCreateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        model = RegisteredModel.objects.filter(team=self.team, slug=data["model"]).first()
+        if model is None:
+            raise ValidationError({"model": [f"Team {self.team.slug} has no model '{data['model']}'."]})
+        version = model.versions.filter(number=data["version"]).first()
+        if version is None:
+            raise ValidationError({"version": [f"{model} has no version {data['version']}."]})
+        wanted = list(dict.fromkeys(data["instances"]))
+        usable = {
+            i.pk: i
+            for i in TritonInstance.objects.usable_by_team(self.team)
+            .filter(pk__in=wanted)
+            .select_related("host")
+        }
+        missing = [pk for pk in wanted if pk not in usable]
+        if missing:
+            raise ValidationError(
+                {
+                    "instances": [
+                        f"No instance with id {', '.join(map(str, missing))} that this team may deploy on."
+                    ]
+                }
+            )
+        deployment = services.deploy_version(
+            actor=request.user, model=model, version=version, instances=[usable[pk] for pk in wanted]
+        )
+        return self._detail(deployment, status.HTTP_201_CREATED)
+
+    @extend_schema(request=SwitchSerializer, responses={200: DeploymentDetailSerializer, 400: ERROR})
+    @action(detail=True, methods=["post"])
+    def switch(self, request, team_slug=None, pk=None):
+        deployment = self.get_object()
+        serializer = SwitchSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        number = serializer.validated_data["version"]
+        version = ModelVersion.objects.filter(model=deployment.model, number=number).first()
+        if version is None:
+            raise ValidationError({"version": [f"{deployment.model} has no version {number}."]})
+        services.switch_version(actor=request.user, deployment=deployment, version=version)
+        return self._detail(deployment)
+
+    @extend_schema(request=None, responses={200: DeploymentDetailSerializer})
+    @action(detail=True, methods=["post"])
+    def undeploy(self, request, team_slug=None, pk=None):
+        deployment = services.undeploy(actor=request.user, deployment=self.get_object())
+        return self._detail(deployment)
+
+    @extend_schema(responses={200: SnippetsSerializer, 400: ERROR})
+    @action(detail=True, methods=["get"])
+    def snippets(self, request, team_slug=None, pk=None):
+        return Response(SnippetsSerializer(calling.snippets(self.get_object())).data)
+
+    @extend_schema(
+        request={
+            "application/json": PlaygroundRequestSerializer,
+            "multipart/form-data": {
+                "type": "object",
+                "properties": {
+                    "inputs": {"type": "string", "description": "The JSON object of the JSON body, as text."}
+                },
+                "additionalProperties": {"type": "string", "format": "binary"},
+            },
+        },
+        responses={200: PlaygroundResultSerializer, 400: ERROR, 409: ERROR, 502: ERROR},
+    )
+    @action(detail=True, methods=["post"], parser_classes=[JSONParser, MultiPartParser, FormParser])
+    def playground(self, request, team_slug=None, pk=None):
+        """Run one inference on the first READY instance: random, JSON or .npy inputs; outputs with the
+        top-5 classes of a classifier-shaped output, and the latency."""
+        deployment = self.get_object()
+        specs = parse_playground_specs(request.data, request.FILES)
+        try:
+            result = calling.run_playground(deployment, specs)
+        except calling.PlaygroundUnavailable as exc:
+            if calling.ready_placement(deployment) is None:
+                raise NotServing(str(exc)) from None
+            raise InferenceFailed(str(exc)) from None
+        return Response(result.as_dict())

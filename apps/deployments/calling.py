@@ -1,0 +1,325 @@
+"""How to call a deployment: its endpoints, client snippets generated from the signature, and the playground
+that runs one inference against a READY placement.
+
+The snippets are the seed's examples filled in for the model (``backend_ge.samples``), so what a user copies
+is exactly what the tests run. The playground builds each input from one of three sources - random data of
+the right shape and type, JSON values, or an uploaded file (``.npy``; an image for image-shaped inputs when
+Pillow is installed) - and summarises each output, with the top-5 classes for a classifier-shaped one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from django.core.exceptions import ValidationError
+
+from apps.deployments.models import Deployment, DeploymentInstance, PlacementState
+from apps.registry.models import ModelVersion
+from backend_ge import dtypes, samples
+from backend_ge.config import ModelSignature, TensorSignature
+
+INPUT_MODES = ("random", "json", "file")
+# Outputs up to this many values come back whole; bigger ones as a preview (the UI shows the top-5 anyway).
+FULL_OUTPUT_LIMIT = 4096
+PREVIEW_VALUES = 32
+INFER_TIMEOUT = 60.0
+
+
+class PlaygroundUnavailable(Exception):
+    """The deployment has no READY placement to run on, or the inference failed on the server."""
+
+
+def shown_version(deployment: Deployment) -> ModelVersion | None:
+    """The version the snippets describe: the one serving, else the one being rolled out."""
+    return deployment.active_version or deployment.target_version
+
+
+def ready_placement(deployment: Deployment) -> DeploymentInstance | None:
+    return (
+        deployment.placements.filter(state=PlacementState.READY, served_version__isnull=False)
+        .select_related("instance__host", "served_version")
+        .order_by("instance__host__name", "instance__name")
+        .first()
+    )
+
+
+def endpoints(deployment: Deployment) -> list[str]:
+    """The HTTP endpoint of every instance the deployment is placed on, READY ones first."""
+    placements = sorted(
+        deployment.placements.select_related("instance__host"),
+        key=lambda p: (p.state != PlacementState.READY, p.instance.host.name, p.instance.name),
+    )
+    return [p.instance.endpoint_url() for p in placements]
+
+
+def snippets(deployment: Deployment) -> dict:
+    """Endpoint, Triton model name, a tritonclient script (seed example 3) and a curl command (seed
+    example 1, step 5) for the deployment's served version."""
+    version = shown_version(deployment)
+    if version is None or not version.signature:
+        raise ValidationError(
+            {"non_field_errors": ["This deployment has no version with a signature to describe."]}
+        )
+    urls = endpoints(deployment)
+    if not urls:
+        raise ValidationError({"non_field_errors": ["This deployment is not placed on any instance."]})
+    signature = ModelSignature.from_dict(version.signature)
+    name = deployment.triton_model_name()
+    return {
+        "endpoint": urls[0],
+        "endpoints": urls,
+        "triton_model_name": name,
+        "version": version.number,
+        "infer_url": f"{urls[0]}/v2/models/{name}/infer",
+        "signature": version.signature,
+        "tritonclient": samples.tritonclient_example(urls[0], name, signature),
+        "curl": samples.curl_example(urls[0], name, signature),
+    }
+
+
+# ----------------------------------------------------------------------------------------- playground
+
+
+@dataclass
+class InputSpec:
+    """Where one input's values come from."""
+
+    mode: str = "random"
+    data: object = None  # JSON values (mode "json")
+    upload: object = None  # an uploaded file (mode "file")
+
+
+@dataclass
+class PlaygroundResult:
+    instance: str
+    endpoint: str
+    version: int
+    latency_ms: float
+    inputs: list[dict] = field(default_factory=list)
+    outputs: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {
+            "instance": self.instance,
+            "endpoint": self.endpoint,
+            "version": self.version,
+            "latency_ms": round(self.latency_ms, 3),
+            "inputs": self.inputs,
+            "outputs": self.outputs,
+        }
+
+
+def is_image_shaped(tensor: TensorSignature) -> bool:
+    """[C,H,W] or [H,W,C] with 1 or 3 channels: an uploaded picture can fill it."""
+    dims = tensor.dims
+    return (
+        len(dims) == 3
+        and (dims[0] in (1, 3) or dims[-1] in (1, 3))
+        and tensor.dtype in ("FP32", "FP16", "UINT8")
+    )
+
+
+def _input_error(name: str, message: str) -> ValidationError:
+    return ValidationError({f"inputs.{name}": [message]})
+
+
+def _fit_shape(tensor: TensorSignature, array: np.ndarray, batched: bool) -> np.ndarray:
+    """Accept the full request shape, the shape without the batch dimension, or a flat list of the right
+    number of values; dynamic dimensions take whatever the data has."""
+    want = samples.request_shape(tensor, batched)
+    dims = list(tensor.dims)
+    full = [-1, *dims] if batched else dims
+
+    def matches(shape, pattern) -> bool:
+        return len(shape) == len(pattern) and all(
+            p < 0 or s == p for s, p in zip(shape, pattern, strict=True)
+        )
+
+    if matches(list(array.shape), full):
+        return array
+    if batched and matches(list(array.shape), dims):
+        return array[np.newaxis, ...]
+    if array.ndim == 1 and array.size == int(np.prod(want)):
+        return array.reshape(want)
+    raise _input_error(
+        tensor.name,
+        f"'{tensor.name}' needs shape {full} (-1: any size), or {int(np.prod(want))} values as a flat list; "
+        f"got shape {list(array.shape)}.",
+    )
+
+
+def _from_json(tensor: TensorSignature, data, batched: bool) -> np.ndarray:
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise _input_error(tensor.name, f"'{tensor.name}': not valid JSON ({exc.msg}).") from None
+    dtype = dtypes.from_wire(tensor.dtype).numpy
+    try:
+        array = np.asarray(data, dtype=dtype)
+    except (TypeError, ValueError):
+        raise _input_error(
+            tensor.name, f"'{tensor.name}': give a (nested) list of {tensor.dtype} numbers."
+        ) from None
+    if array.dtype == object or array.ndim == 0:
+        raise _input_error(tensor.name, f"'{tensor.name}': give a (nested) list of {tensor.dtype} numbers.")
+    return _fit_shape(tensor, array, batched)
+
+
+def _decode_image(tensor: TensorSignature, raw: bytes) -> np.ndarray:
+    try:
+        from PIL import Image
+    except ImportError:
+        raise _input_error(
+            tensor.name,
+            f"'{tensor.name}': image files need Pillow, which this platform does not have installed; "
+            "upload a .npy array instead (numpy.save).",
+        ) from None
+    channels_first = tensor.dims[0] in (1, 3)
+    channels = tensor.dims[0] if channels_first else tensor.dims[-1]
+    height, width = (tensor.dims[1], tensor.dims[2]) if channels_first else (tensor.dims[0], tensor.dims[1])
+    try:
+        image = Image.open(io.BytesIO(raw))
+        image = image.convert("RGB" if channels == 3 else "L")
+    except Exception:  # Pillow raises many types for a broken file
+        raise _input_error(
+            tensor.name, f"'{tensor.name}': the file is neither a .npy array nor an image."
+        ) from None
+    if height > 0 and width > 0:
+        image = image.resize((width, height))
+    array = np.asarray(image)
+    array = array[..., np.newaxis] if array.ndim == 2 else array
+    if channels_first:
+        array = array.transpose(2, 0, 1)
+    if tensor.dtype != "UINT8":
+        array = array.astype(np.float32) / 255.0
+    return array.astype(dtypes.from_wire(tensor.dtype).numpy)
+
+
+def _from_file(tensor: TensorSignature, upload, batched: bool) -> np.ndarray:
+    if upload is None:
+        raise _input_error(tensor.name, f"'{tensor.name}': choose a file, or another input mode.")
+    raw = upload.read()
+    if raw.startswith(b"\x93NUMPY"):
+        try:
+            array = np.load(io.BytesIO(raw), allow_pickle=False)
+        except ValueError as exc:
+            raise _input_error(tensor.name, f"'{tensor.name}': unreadable .npy file ({exc}).") from None
+        array = array.astype(dtypes.from_wire(tensor.dtype).numpy, copy=False)
+    elif is_image_shaped(tensor):
+        array = _decode_image(tensor, raw)
+    else:
+        raise _input_error(
+            tensor.name, f"'{tensor.name}': upload a .npy array (numpy.save) of shape {list(tensor.dims)}."
+        )
+    return _fit_shape(tensor, array, batched)
+
+
+def build_inputs(
+    signature: ModelSignature, specs: dict[str, InputSpec], seed: int | None = None
+) -> dict[str, np.ndarray]:
+    """One array per input of the signature; inputs without a spec get random data."""
+    unknown = sorted(set(specs) - {t.name for t in signature.inputs})
+    if unknown:
+        raise ValidationError(
+            {"inputs": [f"The model has no input {', '.join(map(repr, unknown))}; its inputs: "
+                        f"{', '.join(t.name for t in signature.inputs)}."]}
+        )  # fmt: skip
+    rng_seed = seed if seed is not None else int(time.time_ns() % (2**32))
+    random_arrays = samples.example_inputs(signature, seed=rng_seed)
+    arrays = {}
+    for tensor in signature.inputs:
+        spec = specs.get(tensor.name, InputSpec())
+        if spec.mode not in INPUT_MODES:
+            raise _input_error(
+                tensor.name, f"'{spec.mode}' is not an input mode; use {', '.join(INPUT_MODES)}."
+            )
+        if spec.mode == "json":
+            arrays[tensor.name] = _from_json(tensor, spec.data, signature.batched)
+        elif spec.mode == "file":
+            arrays[tensor.name] = _from_file(tensor, spec.upload, signature.batched)
+        else:
+            arrays[tensor.name] = random_arrays[tensor.name]
+    return arrays
+
+
+def summarize_output(name: str, array: np.ndarray) -> dict:
+    """Shape, type and values of one output; top-5 (index, score) when it looks like class scores."""
+    summary: dict = {
+        "name": name,
+        "datatype": dtypes.from_numpy(array.dtype).wire_name if array.dtype != object else "BYTES",
+        "shape": list(array.shape),
+    }
+    flat = array.reshape(-1)
+    if flat.size <= FULL_OUTPUT_LIMIT:
+        summary["data"] = flat.tolist()
+    else:
+        summary["preview"] = flat[:PREVIEW_VALUES].tolist()
+        summary["truncated"] = True
+    scores = array[0] if array.ndim == 2 and array.shape[0] == 1 else array
+    if scores.ndim == 1 and scores.size >= 10 and scores.dtype.kind == "f":
+        top = np.argsort(scores)[::-1][:5]
+        summary["top5"] = [{"index": int(i), "score": float(scores[i])} for i in top]
+    return summary
+
+
+def run_playground(deployment: Deployment, specs: dict[str, InputSpec]) -> PlaygroundResult:
+    """One inference on the deployment's first READY placement, with the latency the client saw."""
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    placement = ready_placement(deployment)
+    if placement is None:
+        raise PlaygroundUnavailable(
+            f"{deployment.model} has no READY instance yet (the deployment is {deployment.state}); "
+            "try again once it is SERVING."
+        )
+    version = placement.served_version
+    signature = ModelSignature.from_dict(version.signature)
+    arrays = build_inputs(signature, specs)
+    inputs = []
+    for tensor in signature.inputs:
+        array = arrays[tensor.name]
+        item = httpclient.InferInput(tensor.name, list(array.shape), tensor.dtype)
+        item.set_data_from_numpy(array)
+        inputs.append(item)
+    instance = placement.instance
+    url = instance.endpoint_url()
+    client = httpclient.InferenceServerClient(
+        url.split("://", 1)[-1], connection_timeout=10, network_timeout=INFER_TIMEOUT
+    )
+    try:
+        started = time.perf_counter()
+        result = client.infer(deployment.triton_model_name(), inputs)
+        latency_ms = (time.perf_counter() - started) * 1000
+    except InferenceServerException as exc:
+        raise PlaygroundUnavailable(f"Triton on {instance} answered: {exc.message()}") from None
+    except OSError as exc:  # connection refused/reset, timeouts (gevent and socket errors derive from it)
+        raise PlaygroundUnavailable(f"Could not reach {instance} at {url}: {exc}") from None
+    finally:
+        client.close()
+    outputs = []
+    for tensor in signature.outputs:
+        array = result.as_numpy(tensor.name)
+        if array is not None:
+            outputs.append(summarize_output(tensor.name, array))
+    return PlaygroundResult(
+        instance=str(instance),
+        endpoint=url,
+        version=version.number,
+        latency_ms=latency_ms,
+        inputs=[
+            {
+                "name": t.name,
+                "mode": specs.get(t.name, InputSpec()).mode,
+                "shape": list(arrays[t.name].shape),
+                "datatype": t.dtype,
+            }
+            for t in signature.inputs
+        ],
+        outputs=outputs,
+    )

@@ -1,0 +1,325 @@
+"""REST API of the fleet: hosts with their NPU inventory and Triton instances, and instance control.
+
+Hosts are platform infrastructure, not team rows, so they live at ``/api/v1/hosts/`` rather than under a
+team. Visibility is ``Host.objects.for_user``: shared hosts and hosts dedicated to one of the caller's teams
+(platform staff see all); another team's dedicated host is a 404. Starting, stopping and restarting an
+instance is for platform staff on shared hosts, and also for the owning team's maintainers and owners on a
+dedicated host; anyone else who can see the instance gets a 403 that says so. Hosts normally register
+themselves through their agent; creating hosts and instances by hand is for staff only.
+"""
+
+from __future__ import annotations
+
+from django.shortcuts import get_object_or_404
+from drf_spectacular.utils import extend_schema, extend_schema_field, inline_serializer
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.exceptions import PermissionDenied
+from rest_framework.response import Response
+
+from apps.deployments.models import DeploymentInstance, DeploymentState
+from apps.fleet import services
+from apps.fleet.models import (
+    Device,
+    ExecutorKind,
+    Host,
+    TritonInstance,
+    host_name_validator,
+    is_platform_staff,
+)
+from apps.teams.models import Action, Team, team_ids_for
+
+
+def require_staff(user, what: str) -> None:
+    if not is_platform_staff(user):
+        raise PermissionDenied(
+            f"Only platform staff may {what} (hosts normally register themselves through their agent)."
+        )
+
+
+def require_operator(user, instance: TritonInstance) -> None:
+    if not instance.host.can_be_operated_by(user):
+        who = (
+            "platform staff"
+            if instance.host.team_id is None
+            else f"platform staff and the maintainers and owners of team '{instance.host.team.slug}'"
+        )
+        raise PermissionDenied(
+            f"Only {who} may start, stop or restart the instances of {instance.host.name}."
+        )
+
+
+class DeviceSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Device
+        fields = [
+            "npu_id",
+            "chip_id",
+            "logical_id",
+            "name",
+            "soc_version",
+            "health",
+            "aicore_percent",
+            "hbm_used_mb",
+            "hbm_total_mb",
+            "memory_used_mb",
+            "memory_total_mb",
+            "power_w",
+            "temperature_c",
+            "updated_at",
+        ]
+        read_only_fields = fields
+
+
+class EndpointsSerializer(serializers.Serializer):
+    http = serializers.CharField(
+        source="endpoint_url", help_text="KServe v2 HTTP/REST (tritonclient.http, curl)."
+    )
+    grpc = serializers.CharField(source="grpc_endpoint", help_text="KServe v2 gRPC (tritonclient.grpc).")
+    metrics = serializers.CharField(source="metrics_url", help_text="Prometheus metrics.")
+
+
+class InstanceSummarySerializer(serializers.ModelSerializer):
+    class Meta:
+        model = TritonInstance
+        fields = ["id", "name", "state", "desired_state", "http_port", "executor"]
+        read_only_fields = fields
+
+
+class InstanceSerializer(serializers.ModelSerializer):
+    host = serializers.CharField(source="host.name", help_text="The host's name.")
+    endpoints = EndpointsSerializer(source="*", read_only=True)
+    can_operate = serializers.SerializerMethodField()
+
+    class Meta:
+        model = TritonInstance
+        fields = [
+            "id",
+            "host",
+            "name",
+            "http_port",
+            "grpc_port",
+            "metrics_port",
+            "device_ids",
+            "executor",
+            "latency_summaries",
+            "desired_state",
+            "state",
+            "pid",
+            "restarts",
+            "last_error",
+            "state_changed_at",
+            "endpoints",
+            "can_operate",
+            "created_at",
+        ]
+        read_only_fields = [
+            "id",
+            "desired_state",
+            "state",
+            "pid",
+            "restarts",
+            "last_error",
+            "state_changed_at",
+            "created_at",
+        ]
+
+    def get_can_operate(self, instance: TritonInstance) -> bool:
+        """Whether the caller may start, stop and restart this instance."""
+        request = self.context.get("request")
+        return bool(request) and instance.host.can_be_operated_by(request.user)
+
+
+class InstanceDeploymentSerializer(serializers.Serializer):
+    team = serializers.CharField(source="deployment.team.slug")
+    deployment = serializers.IntegerField(source="deployment_id")
+    triton_model_name = serializers.CharField(source="deployment.triton_model_name")
+    served_version = serializers.IntegerField(source="served_version.number", allow_null=True, default=None)
+    state = serializers.CharField()
+    last_error = serializers.CharField()
+
+
+class InstanceDetailSerializer(InstanceSerializer):
+    log_tail = serializers.CharField(read_only=True)
+    deployments = serializers.SerializerMethodField()
+
+    class Meta(InstanceSerializer.Meta):
+        fields = [*InstanceSerializer.Meta.fields, "crash_times", "log_tail", "deployments"]
+        read_only_fields = fields
+
+    @extend_schema_field(InstanceDeploymentSerializer(many=True))
+    def get_deployments(self, instance: TritonInstance) -> list[dict]:
+        """The live deployments of the caller's teams on this instance (other teams' stay invisible)."""
+        return InstanceDeploymentSerializer(
+            visible_placements(self.context["request"].user, instance), many=True
+        ).data
+
+
+def visible_placements(user, instance: TritonInstance):
+    return (
+        DeploymentInstance.objects.filter(
+            instance=instance, deployment__team__in=team_ids_for(user, Action.VIEW)
+        )
+        .exclude(deployment__state=DeploymentState.UNDEPLOYED)
+        .select_related("deployment__model__team", "deployment__team", "served_version")
+    )
+
+
+class InstanceCreateSerializer(serializers.Serializer):
+    host = serializers.CharField(help_text="Name of the host the instance runs on.")
+    name = serializers.CharField(max_length=63, validators=[host_name_validator])
+    http_port = serializers.IntegerField(min_value=1, max_value=65535)
+    grpc_port = serializers.IntegerField(min_value=1, max_value=65535)
+    metrics_port = serializers.IntegerField(min_value=1, max_value=65535)
+    device_ids = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False)
+    executor = serializers.ChoiceField(choices=ExecutorKind.choices, default=ExecutorKind.CPU)
+    latency_summaries = serializers.BooleanField(default=False)
+
+
+class HostSerializer(serializers.ModelSerializer):
+    team = serializers.SlugRelatedField(
+        slug_field="slug",
+        queryset=Team.objects.all(),
+        allow_null=True,
+        required=False,
+        help_text="Empty: shared by all teams; a team slug: dedicated to that team.",
+    )
+    status = serializers.CharField(read_only=True, help_text="online when the agent's heartbeat is recent.")
+    heartbeat_age_seconds = serializers.FloatField(read_only=True, allow_null=True)
+    queue = serializers.CharField(read_only=True)
+    device_count = serializers.SerializerMethodField()
+    instances = InstanceSummarySerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Host
+        fields = [
+            "name",
+            "address",
+            "team",
+            "labels",
+            "status",
+            "last_heartbeat_at",
+            "heartbeat_age_seconds",
+            "queue",
+            "npu_driver_version",
+            "facts",
+            "device_count",
+            "instances",
+            "created_at",
+        ]
+        read_only_fields = ["last_heartbeat_at", "npu_driver_version", "facts", "created_at"]
+
+    def get_device_count(self, host: Host) -> int:
+        return len(host.devices.all())
+
+    def validate_name(self, value: str) -> str:
+        if Host.objects.filter(name=value).exists():
+            raise serializers.ValidationError(f"A host named '{value}' already exists.")
+        return value
+
+
+class HostDetailSerializer(HostSerializer):
+    devices = DeviceSerializer(many=True, read_only=True)
+    instances = InstanceSerializer(many=True, read_only=True)
+
+    class Meta(HostSerializer.Meta):
+        fields = [*HostSerializer.Meta.fields, "devices"]
+
+
+class HostViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Hosts the caller's teams may use, with heartbeat status, NPU inventory and instances.
+    POST (platform staff) registers a host by hand."""
+
+    serializer_class = HostSerializer
+    lookup_field = "name"
+    lookup_value_regex = r"[a-z0-9-]+"
+    filterset_fields = ["address"]
+    ordering_fields = ["name", "last_heartbeat_at", "created_at"]
+
+    def get_queryset(self):
+        return (
+            Host.objects.for_user(self.request.user, Action.VIEW)
+            .select_related("team")
+            .prefetch_related("devices", "instances__host__team")
+            .order_by("name")
+        )
+
+    def get_serializer_class(self):
+        return HostDetailSerializer if self.action == "retrieve" else HostSerializer
+
+    def create(self, request, *args, **kwargs):
+        require_staff(request.user, "register hosts")
+        serializer = HostSerializer(data=request.data, context={"request": request})
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        host = services.register_host(
+            name=data["name"], address=data["address"], labels=data.get("labels"), team=data.get("team")
+        )
+        host = self.get_queryset().get(pk=host.pk)
+        return Response(
+            HostSerializer(host, context={"request": request}).data, status=status.HTTP_201_CREATED
+        )
+
+
+ERROR = inline_serializer(
+    "InstanceActionError", {"error": serializers.CharField(), "message": serializers.CharField()}
+)
+
+
+class InstanceViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Triton + GE instances on the hosts the caller may see. The detail has the log tail and the caller's
+    deployments on it. POST start / stop / restart: staff on shared hosts, the owning team's maintainers
+    and owners on dedicated ones; the host's agent acts within a second. POST (staff) creates an instance."""
+
+    serializer_class = InstanceSerializer
+    filterset_fields = ["state", "executor"]
+    ordering_fields = ["name", "state", "created_at"]
+
+    def get_queryset(self):
+        queryset = (
+            TritonInstance.objects.for_user(self.request.user, Action.VIEW)
+            .select_related("host__team")
+            .order_by("host__name", "name")
+        )
+        host = self.request.query_params.get("host")
+        return queryset.filter(host__name=host) if host else queryset
+
+    def get_serializer_class(self):
+        return InstanceDetailSerializer if self.action == "retrieve" else InstanceSerializer
+
+    @extend_schema(request=InstanceCreateSerializer, responses={201: InstanceDetailSerializer})
+    def create(self, request, *args, **kwargs):
+        require_staff(request.user, "create instances")
+        serializer = InstanceCreateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = dict(serializer.validated_data)
+        host = get_object_or_404(Host.objects.all(), name=data.pop("host"))
+        instance = services.create_instance(actor=request.user, host=host, **data)
+        return Response(
+            InstanceDetailSerializer(instance, context={"request": request}).data,
+            status=status.HTTP_201_CREATED,
+        )
+
+    def _act(self, request, verb: str) -> Response:
+        instance = self.get_object()
+        require_operator(request.user, instance)
+        instance = services.request_instance_state(actor=request.user, instance=instance, action=verb)
+        return Response(InstanceDetailSerializer(instance, context={"request": request}).data)
+
+    @extend_schema(request=None, responses={200: InstanceDetailSerializer, 403: ERROR})
+    @action(detail=True, methods=["post"])
+    def start(self, request, pk=None):
+        """Run the instance (also lifts a quarantine)."""
+        return self._act(request, "start")
+
+    @extend_schema(request=None, responses={200: InstanceDetailSerializer, 403: ERROR})
+    @action(detail=True, methods=["post"])
+    def stop(self, request, pk=None):
+        """Stop the instance gracefully: in-flight requests finish."""
+        return self._act(request, "stop")
+
+    @extend_schema(request=None, responses={200: InstanceDetailSerializer, 403: ERROR})
+    @action(detail=True, methods=["post"])
+    def restart(self, request, pk=None):
+        """Restart the tritonserver; the agent loads its deployed models again."""
+        return self._act(request, "restart")
