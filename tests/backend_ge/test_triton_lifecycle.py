@@ -77,6 +77,8 @@ def test_serve_cli_loads_a_seed_style_repository_and_stops_on_ctrl_c(example_rep
     (repo / "mlp" / "1").mkdir(parents=True)
     (repo / "mlp" / "1" / "model.onnx").symlink_to(example_repository / "mlp" / "1" / "model.onnx")
     (repo / "mlp" / "config.pbtxt").write_text(SEED_RESNET_STYLE_CONFIG)
+    (repo / "no_config" / "1").mkdir(parents=True)  # no config.pbtxt at all: completed from the file
+    (repo / "no_config" / "1" / "model.onnx").symlink_to(example_repository / "mlp" / "1" / "model.onnx")
     (repo / "broken").mkdir()
     (repo / "broken" / "config.pbtxt").write_text('name: "broken"\nnot_a_field: 1\n')
     http_port = free_port()
@@ -97,6 +99,7 @@ def test_serve_cli_loads_a_seed_style_repository_and_stops_on_ctrl_c(example_rep
             if line.startswith("Serving HTTP"):
                 break
         assert any(line.startswith("mlp: READY") for line in lines), "".join(lines)
+        assert any(line.startswith("no_config: READY") for line in lines), "".join(lines)
         assert any("skipping broken" in line and "not_a_field" in line for line in lines), "".join(lines)
 
         client = httpclient.InferenceServerClient(f"127.0.0.1:{http_port}")
@@ -104,6 +107,8 @@ def test_serve_cli_loads_a_seed_style_repository_and_stops_on_ctrl_c(example_rep
         item.set_data_from_numpy(np.ones((1, 256), np.float32))
         assert client.infer("mlp", [item]).as_numpy("output").shape == (1, 16)
         assert client.get_model_config("mlp")["backend"] == "ge"
+        assert client.get_model_config("no_config")["max_batch_size"] == 8
+        assert client.infer("no_config", [item]).as_numpy("output").shape == (1, 16)
         client.close()
 
         proc.send_signal(signal.SIGINT)
