@@ -13,8 +13,8 @@ from django.core.exceptions import ValidationError
 from drf_spectacular.utils import extend_schema, extend_schema_field, inline_serializer
 from rest_framework import mixins, serializers, status
 from rest_framework.decorators import action
-from rest_framework.exceptions import APIException
-from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
+from rest_framework.exceptions import APIException, ParseError
+from rest_framework.parsers import BaseParser, FormParser, MultiPartParser
 from rest_framework.response import Response
 
 from apps.core.api import TeamScopedViewSet
@@ -25,6 +25,8 @@ from apps.registry.models import ModelVersion, RegisteredModel
 from apps.teams.models import Action
 
 EVENTS_SHOWN = 100
+# One 224x224 RGB image is 150,528 numbers, about 3 MB of JSON: more than Django's 2.5 MB body limit.
+PLAYGROUND_MAX_JSON_BYTES = 64 * 1024 * 1024
 
 
 class PlacementSerializer(serializers.ModelSerializer):
@@ -183,6 +185,24 @@ ERROR = inline_serializer(
 )
 
 
+class PlaygroundJSONParser(BaseParser):
+    """JSON bodies up to PLAYGROUND_MAX_JSON_BYTES, read from the stream. DRF's JSONParser goes through
+    ``request.body``, which Django caps at DATA_UPLOAD_MAX_MEMORY_SIZE for every view alike."""
+
+    media_type = "application/json"
+
+    def parse(self, stream, media_type=None, parser_context=None):
+        raw = stream.read(PLAYGROUND_MAX_JSON_BYTES + 1) if stream is not None else b""
+        if len(raw) > PLAYGROUND_MAX_JSON_BYTES:
+            raise ParseError(
+                f"The JSON body is larger than {PLAYGROUND_MAX_JSON_BYTES // 2**20} MiB; upload a .npy file instead."
+            )
+        try:
+            return json.loads(raw or b"{}")
+        except ValueError as exc:
+            raise ParseError(f"JSON parse error - {exc}") from None
+
+
 def parse_playground_specs(data, files) -> dict[str, calling.InputSpec]:
     """``inputs`` (a dict, or its JSON text in a form) plus file parts named after inputs."""
     raw = data.get("inputs") if hasattr(data, "get") else None
@@ -305,7 +325,7 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamSc
         },
         responses={200: PlaygroundResultSerializer, 400: ERROR, 409: ERROR, 502: ERROR},
     )
-    @action(detail=True, methods=["post"], parser_classes=[JSONParser, MultiPartParser, FormParser])
+    @action(detail=True, methods=["post"], parser_classes=[PlaygroundJSONParser, MultiPartParser, FormParser])
     def playground(self, request, team_slug=None, pk=None):
         """Run one inference on the first READY instance: random, JSON or .npy inputs; outputs with the
         top-5 classes of a classifier-shaped output, and the latency."""

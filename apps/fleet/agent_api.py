@@ -1,12 +1,13 @@
 """Endpoints for host agents on other machines: the manifest and files of a converted version.
 
 Authenticated with ``X-Agent-Key`` (settings.AGENT_KEY) - agents are platform infrastructure, not team
-members, so user tokens do not apply. Without a configured key the endpoints do not exist (404).
+members, so user tokens do not apply. Without a configured key the endpoints do not exist (404); a wrong key is a 403 that says so.
 """
 
 from __future__ import annotations
 
 import hmac
+from functools import wraps
 from pathlib import Path
 
 from django.conf import settings
@@ -19,10 +20,37 @@ from apps.fleet.repository import file_manifest
 from apps.registry.models import ModelVersion, VersionState
 
 
+class WrongAgentKey(Exception):
+    """The request's X-Agent-Key is not the platform's."""
+
+
 def _check_agent(request) -> None:
-    given = request.headers.get(AGENT_KEY_HEADER, "")
-    if not settings.AGENT_KEY or not hmac.compare_digest(given.encode(), settings.AGENT_KEY.encode()):
+    if not settings.AGENT_KEY:
         raise Http404("no such agent endpoint")
+    given = request.headers.get(AGENT_KEY_HEADER, "")
+    if not hmac.compare_digest(given.encode(), settings.AGENT_KEY.encode()):
+        # A 403 that says what to fix: a 404 would send the operator hunting for a missing version.
+        raise WrongAgentKey
+
+
+def agent_only(view):
+    """Answer 403 with the fix when the key is wrong, 404 when the platform has no agent key at all."""
+
+    @wraps(view)
+    def wrapped(request, *args, **kwargs):
+        try:
+            _check_agent(request)
+        except WrongAgentKey:
+            return JsonResponse(
+                {
+                    "error": "forbidden",
+                    "message": f"Wrong or missing {AGENT_KEY_HEADER}: the agent's AGENT_KEY must equal the platform's.",
+                },
+                status=403,
+            )
+        return view(request, *args, **kwargs)
+
+    return wrapped
 
 
 def _servable(version_id: int) -> Path:
@@ -34,14 +62,14 @@ def _servable(version_id: int) -> Path:
 
 
 @require_GET
+@agent_only
 def version_manifest(request, version_id: int):
-    _check_agent(request)
     return JsonResponse({"version": version_id, "files": file_manifest(_servable(version_id))})
 
 
 @require_GET
+@agent_only
 def version_file(request, version_id: int, path: str):
-    _check_agent(request)
     servable = _servable(version_id).resolve()
     target = (servable / path).resolve()
     # The path comes from the URL: it must stay inside the version's directory.

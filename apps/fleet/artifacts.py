@@ -22,6 +22,14 @@ class ArtifactDownloadError(RepositoryError):
     """The version's files could not be fetched from the platform."""
 
 
+def _reason(response: requests.Response) -> str:
+    """The platform's own explanation (its API error shape), else the start of the body."""
+    try:
+        return str(response.json()["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200]
+
+
 def download_servable(version: ModelVersion, cache_root: Path) -> Path:
     """Download the version's servable directory into ``cache_root/<version id>``, verifying every file."""
     target = cache_root / str(version.pk)
@@ -36,7 +44,8 @@ def download_servable(version: ModelVersion, cache_root: Path) -> Path:
     response = requests.get(f"{base}/manifest", headers=headers, timeout=30)
     if response.status_code != 200:
         raise ArtifactDownloadError(
-            f"{version}: manifest request failed ({response.status_code}): {response.text[:200]}"
+            f"{version}: the platform at {settings.PLATFORM_URL} refused the manifest request "
+            f"(HTTP {response.status_code}): {_reason(response)}"
         )
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = cache_root / f".tmp-{version.pk}-{uuid.uuid4().hex[:8]}"

@@ -137,8 +137,9 @@ def start_agent(tmp_path, artifact_root):
             ARTIFACT_ROOT=str(artifact_root),
             FLEET_ROOT=str(tmp_path / "fleet"),
             DEBUG="1",
-            **{k: str(v) for k, v in extra.items()},
         )
+        # Extra settings may override the defaults above (a remote agent has its own ARTIFACT_ROOT).
+        env.update({k: str(v) for k, v in extra.items()})
         agent = Agent(name, env, tmp_path / f"agent-{name}.log")
         agents.append(agent)
         return agent
