@@ -278,10 +278,51 @@ def _wrap_seed_steps(text: str) -> str:
     return "".join(out) + "\nensemble_scheduling {\n" + "\n".join(steps) + "\n}\n"
 
 
+def _string_field_names() -> frozenset[str]:
+    """Every string-typed field name anywhere in ModelConfig (name, backend, key, string_value, ...)."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    seen, names = set(), set()
+
+    def walk(descriptor) -> None:
+        if descriptor.full_name in seen:
+            return
+        seen.add(descriptor.full_name)
+        for field in descriptor.fields:
+            if field.type == FieldDescriptor.TYPE_STRING:
+                names.add(field.name)
+            elif field.type == FieldDescriptor.TYPE_MESSAGE:
+                walk(field.message_type)
+
+    walk(ModelConfig.DESCRIPTOR)
+    return frozenset(names)
+
+
+_STRING_FIELDS = _string_field_names()
+# `name: resnet50`: a string field followed by a bare word. Enum fields (data_type: TYPE_FP32) are not
+# string fields, and numbers, quoted strings and `{` blocks do not match a bare word.
+_BARE_STRING = re.compile(
+    r"(?<![\w\"'])(" + "|".join(sorted(_STRING_FIELDS)) + r")(\s*:\s*)([A-Za-z_][\w.\-/]*)(?=[\s,\]}]|$)"
+)
+
+
+def _quote_bare_strings(text: str) -> str:
+    """The seed article prints configs with the quotes stripped (``name: resnet50``, ``string_value: 0``);
+    quote bare values of string fields so such a config still parses."""
+
+    def quote(match: re.Match) -> str:
+        return f'{match.group(1)}{match.group(2)}"{match.group(3)}"'
+
+    text = _BARE_STRING.sub(quote, text)
+    # string_value: 0 (a number where a string is expected) is the seed's DEVICE_ID parameter.
+    return re.sub(r"(?<![\w\"'])(string_value\s*:\s*)(-?\d[\w.]*)", r'\1"\2"', text)
+
+
 def parse_config(text: str) -> ModelConfig:
     """Parse ``config.pbtxt`` text with Triton's protobuf; raise :class:`ConfigError` naming the bad field.
 
-    Accepts the seed's ensemble layout (``step`` at top level) by moving the steps where Triton expects them.
+    Accepts the seed's ensemble layout (``step`` at top level) by moving the steps where Triton expects them,
+    and the seed's unquoted strings (``name: resnet50``) by quoting them.
     """
     try:
         return text_format.Parse(text, ModelConfig())
@@ -289,6 +330,9 @@ def parse_config(text: str) -> ModelConfig:
         m = _FIELD_ERROR.search(str(exc))
         if m and m.group(1) == "step":
             return parse_config(_wrap_seed_steps(text))
+        quoted = _quote_bare_strings(text)
+        if quoted != text:
+            return parse_config(quoted)
         raise ConfigError([_parse_error_to_field(exc)]) from None
 
 

@@ -271,6 +271,9 @@ class HostAgent:
             grpc_port=instance.grpc_port,
             metrics_port=instance.metrics_port,
             extra_args=extra,
+            # If this agent is killed outright, Linux interrupts its servers (a graceful stop) instead of
+            # leaving them orphaned on the instance's ports.
+            die_with_parent=True,
         )
 
     def _start_instance(self, instance: TritonInstance, proc: InstanceProcess) -> bool:

@@ -259,3 +259,45 @@ def test_default_batch_gears():
     assert gc.default_batch_gears(8) == [1, 2, 4, 8]
     assert gc.default_batch_gears(12) == [1, 2, 4, 8, 12]
     assert gc.default_batch_gears(1) == [1]
+
+
+# The seed article prints its configs with every quote stripped; users paste them like that.
+SEED_RESNET50_AS_PRINTED = """name: resnet50
+platform: graph_executor
+max_batch_size: 32
+input [ { name: input data_type: TYPE_FP32 format: FORMAT_NCHW dims: [3, 224, 224] } ]
+output [ { name: output data_type: TYPE_FP32 dims: [1000] } ]
+# GE 后端配置
+parameters [ { key: EXECUTOR_TYPE value: { string_value: graph } }, { key: DEVICE_ID value: { string_value: 0 } } ]
+dynamic_batching { preferred_batch_size: [4, 8, 16] max_queue_delay_microseconds: 5000 }
+"""
+
+SEED_ENSEMBLE_AS_PRINTED = """name: preprocess_resnet_postprocess
+platform: ensemble
+step [ { model_name: preprocess model_version: 1 input_map { key: input value: raw_image } output_map { key: output value: preprocessed_image } } ]
+step [ { model_name: resnet50 model_version: 1 input_map { key: input value: preprocessed_image } output_map { key: output value: logits } } ]
+step [ { model_name: postprocess model_version: 1 input_map { key: input value: logits } output_map { key: output value: predictions } } ]
+"""
+
+
+def test_seed_config_without_quotes_parses_and_normalizes():
+    cfg = gc.normalize_config(gc.parse_config(SEED_RESNET50_AS_PRINTED))
+    assert cfg.name == "resnet50" and cfg.backend == "ge" and cfg.platform == ""
+    assert [i.name for i in cfg.input] == ["input"] and list(cfg.input[0].dims) == [3, 224, 224]
+    assert cfg.parameters["EXECUTOR_TYPE"].string_value == "graph"
+    assert cfg.parameters["DEVICE_ID"].string_value == "0"
+    assert list(cfg.dynamic_batching.preferred_batch_size) == [4, 8, 16]
+
+
+def test_seed_ensemble_without_quotes_parses():
+    cfg = gc.parse_config(SEED_ENSEMBLE_AS_PRINTED)
+    steps = cfg.ensemble_scheduling.step
+    assert [s.model_name for s in steps] == ["preprocess", "resnet50", "postprocess"]
+    assert steps[1].input_map["input"] == "preprocessed_image"
+    assert steps[2].output_map["output"] == "predictions"
+
+
+def test_enum_values_are_not_quoted_and_real_errors_still_surface():
+    with pytest.raises(gc.ConfigError) as excinfo:
+        gc.parse_config("name: m\ninput [ { name: x data_type: TYPE_FLOAT32 dims: [1] } ]\n")
+    assert "TYPE_FLOAT32" in str(excinfo.value.errors[0].message)

@@ -60,14 +60,16 @@ def test_start_failure_reports_the_log_tail(tmp_path):
     assert server.stop() is not None
 
 
+# As the seed article prints it: platform graph_executor, EXECUTOR_TYPE/DEVICE_ID, and no quotes at all.
 SEED_RESNET_STYLE_CONFIG = """
-name: "mlp"
-platform: "graph_executor"
+name: mlp
+platform: graph_executor
 max_batch_size: 32
-input [ { name: "input" data_type: TYPE_FP32 dims: [256] } ]
-output [ { name: "output" data_type: TYPE_FP32 dims: [16] } ]
-parameters [ { key: "EXECUTOR_TYPE" value: { string_value: "graph" } },
-             { key: "DEVICE_ID" value: { string_value: "0" } } ]
+input [ { name: input data_type: TYPE_FP32 dims: [256] } ]
+output [ { name: output data_type: TYPE_FP32 dims: [16] } ]
+# GE 后端配置
+parameters [ { key: EXECUTOR_TYPE value: { string_value: graph } },
+             { key: DEVICE_ID value: { string_value: 0 } } ]
 dynamic_batching { preferred_batch_size: [4, 8, 16] max_queue_delay_microseconds: 5000 }
 """
 
