@@ -17,6 +17,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from backend_ge import dtypes
+from backend_ge.seedtext import quote_bare_strings, wrap_seed_steps
 
 GE_BACKEND = "ge"
 SEED_PLATFORM = "graph_executor"  # what the seed article writes instead of a backend name
@@ -236,86 +237,6 @@ def write_config(config: ModelConfig, path: str | Path) -> Path:
 
 _ENUM_ERROR = re.compile(r'Enum type "inference\.(\w+)" has no value named (\w+)')
 _FIELD_ERROR = re.compile(r'has no field named "(\w+)"')
-_STEP_BLOCK = re.compile(r"step\s*:?\s*([\[{])")
-
-
-def _wrap_seed_steps(text: str) -> str:
-    """Move top-level ``step [...]`` blocks (the seed's ensemble layout) into ``ensemble_scheduling``."""
-    out, steps, i, depth, n = [], [], 0, 0, len(text)
-    while i < n:
-        ch = text[i]
-        if ch in "\"'":  # copy quoted strings untouched so brackets inside them do not count
-            j = i + 1
-            while j < n and text[j] != ch:
-                j += 2 if text[j] == "\\" else 1
-            out.append(text[i : j + 1])
-            i = j + 1
-            continue
-        if ch == "#":
-            j = text.find("\n", i)
-            j = n if j < 0 else j
-            out.append(text[i:j])
-            i = j
-            continue
-        m = _STEP_BLOCK.match(text, i) if depth == 0 else None
-        if m and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")):
-            j, d = m.end(), 1
-            while j < n and d:
-                if text[j] in "[{":
-                    d += 1
-                elif text[j] in "]}":
-                    d -= 1
-                j += 1
-            steps.append(text[i:j])
-            i = j
-            continue
-        depth += ch in "[{"
-        depth -= ch in "]}"
-        out.append(ch)
-        i += 1
-    if not steps:
-        return text
-    return "".join(out) + "\nensemble_scheduling {\n" + "\n".join(steps) + "\n}\n"
-
-
-def _string_field_names() -> frozenset[str]:
-    """Every string-typed field name anywhere in ModelConfig (name, backend, key, string_value, ...)."""
-    from google.protobuf.descriptor import FieldDescriptor
-
-    seen, names = set(), set()
-
-    def walk(descriptor) -> None:
-        if descriptor.full_name in seen:
-            return
-        seen.add(descriptor.full_name)
-        for field in descriptor.fields:
-            if field.type == FieldDescriptor.TYPE_STRING:
-                names.add(field.name)
-            elif field.type == FieldDescriptor.TYPE_MESSAGE:
-                walk(field.message_type)
-
-    walk(ModelConfig.DESCRIPTOR)
-    return frozenset(names)
-
-
-_STRING_FIELDS = _string_field_names()
-# `name: resnet50`: a string field followed by a bare word. Enum fields (data_type: TYPE_FP32) are not
-# string fields, and numbers, quoted strings and `{` blocks do not match a bare word.
-_BARE_STRING = re.compile(
-    r"(?<![\w\"'])(" + "|".join(sorted(_STRING_FIELDS)) + r")(\s*:\s*)([A-Za-z_][\w.\-/]*)(?=[\s,\]}]|$)"
-)
-
-
-def _quote_bare_strings(text: str) -> str:
-    """The seed article prints configs with the quotes stripped (``name: resnet50``, ``string_value: 0``);
-    quote bare values of string fields so such a config still parses."""
-
-    def quote(match: re.Match) -> str:
-        return f'{match.group(1)}{match.group(2)}"{match.group(3)}"'
-
-    text = _BARE_STRING.sub(quote, text)
-    # string_value: 0 (a number where a string is expected) is the seed's DEVICE_ID parameter.
-    return re.sub(r"(?<![\w\"'])(string_value\s*:\s*)(-?\d[\w.]*)", r'\1"\2"', text)
 
 
 def parse_config(text: str) -> ModelConfig:
@@ -329,8 +250,8 @@ def parse_config(text: str) -> ModelConfig:
     except text_format.ParseError as exc:
         m = _FIELD_ERROR.search(str(exc))
         if m and m.group(1) == "step":
-            return parse_config(_wrap_seed_steps(text))
-        quoted = _quote_bare_strings(text)
+            return parse_config(wrap_seed_steps(text))
+        quoted = quote_bare_strings(text)
         if quoted != text:
             return parse_config(quoted)
         raise ConfigError([_parse_error_to_field(exc)]) from None
