@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from frontend import conversions, registry, views
+from frontend import conversions, deployments, fleet, registry, views
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
@@ -37,5 +37,33 @@ urlpatterns = [
         "teams/<slug:team_slug>/models/<slug:model_slug>/versions/<int:number>/config/",
         conversions.VersionConfigView.as_view(),
         name="version-config-edit",
+    ),
+    path("teams/<slug:team_slug>/deployments/", deployments.DeploymentListView.as_view(), name="deployments"),
+    path(
+        "teams/<slug:team_slug>/deployments/new/",
+        deployments.DeploymentCreateView.as_view(),
+        name="deployment-new",
+    ),
+    path(
+        "teams/<slug:team_slug>/deployments/<int:pk>/",
+        deployments.DeploymentDetailView.as_view(),
+        name="deployment-detail",
+    ),
+    path(
+        "teams/<slug:team_slug>/deployments/<int:pk>/status/",
+        deployments.DeploymentStatusView.as_view(),
+        name="deployment-status",
+    ),
+    path(
+        "teams/<slug:team_slug>/deployments/<int:pk>/playground/",
+        deployments.PlaygroundView.as_view(),
+        name="deployment-playground",
+    ),
+    path("hosts/", fleet.HostListView.as_view(), name="hosts"),
+    path("hosts/<slug:host_name>/", fleet.HostDetailView.as_view(), name="host-detail"),
+    path(
+        "hosts/<slug:host_name>/instances/<slug:instance_name>/",
+        fleet.InstanceDetailView.as_view(),
+        name="instance-detail",
     ),
 ]

@@ -1,0 +1,241 @@
+"""Deployment pages: list, deploy form, and the deployment page with its live status (htmx polling while a
+deploy, switch or undeploy is in flight), switch/undeploy actions, "How to call it" and the playground."""
+
+from __future__ import annotations
+
+from django import forms
+from django.contrib import messages
+from django.core.exceptions import ValidationError
+from django.db.models import Exists, OuterRef
+from django.http import HttpResponseBadRequest
+from django.shortcuts import get_object_or_404, redirect
+
+from apps.deployments import calling, services
+from apps.deployments.models import Deployment, DeploymentState
+from apps.fleet.models import TritonInstance
+from apps.registry.models import ModelVersion, RegisteredModel, VersionState
+from apps.teams.models import Action
+from backend_ge.config import ModelSignature
+from frontend.pages import TeamPageView
+from frontend.views import add_service_errors
+
+# States in which the agents are still working: the status partial keeps polling.
+IN_FLIGHT = (
+    DeploymentState.PENDING,
+    DeploymentState.DEPLOYING,
+    DeploymentState.SWITCHING,
+    DeploymentState.UNDEPLOYING,
+)
+EVENTS_SHOWN = 30
+
+
+class DeployForm(forms.Form):
+    model = forms.ChoiceField(label="Model")
+    version = forms.TypedChoiceField(coerce=int, label="Version (READY)")
+    instances = forms.TypedMultipleChoiceField(
+        coerce=int, widget=forms.CheckboxSelectMultiple, label="Instances", error_messages={
+            "required": "Pick at least one instance to deploy on."
+        }
+    )  # fmt: skip
+
+    def __init__(self, *args, team, model_slug: str | None, instances, **kwargs):
+        super().__init__(*args, **kwargs)
+        ready = ModelVersion.objects.filter(model=OuterRef("pk"), state=VersionState.READY)
+        self.models = list(
+            RegisteredModel.objects.filter(team=team).filter(Exists(ready)).order_by("name", "pk")
+        )
+        self.fields["model"].choices = [(m.slug, f"{m.name} ({m.slug})") for m in self.models]
+        chosen = next(
+            (m for m in self.models if m.slug == model_slug), self.models[0] if self.models else None
+        )
+        self.chosen_model = chosen
+        versions = chosen.versions.filter(state=VersionState.READY).order_by("-number") if chosen else []
+        self.fields["version"].choices = [(v.number, f"v{v.number}") for v in versions]
+        self.instance_rows = list(instances)
+        self.fields["instances"].choices = [(i.pk, str(i)) for i in self.instance_rows]
+
+
+class DeploymentListView(TeamPageView):
+    template_name = "frontend/deployments/list.html"
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        context["deployments"] = (
+            Deployment.objects.for_user(self.request.user)
+            .filter(team=self.team)
+            .select_related("model__team", "active_version", "target_version")
+            .prefetch_related("placements__instance__host")
+        )
+        return context
+
+
+class DeploymentCreateView(TeamPageView):
+    """Model, one of its READY versions, and the instances to serve on. Changing the model refreshes the
+    version choices through htmx (``hx-select`` picks the field out of this same page)."""
+
+    template_name = "frontend/deployments/new.html"
+    required_action = Action.CHANGE
+
+    def instances(self):
+        return (
+            TritonInstance.objects.usable_by_team(self.team)
+            .select_related("host__team")
+            .order_by("host__name", "name")
+        )
+
+    def make_form(self, data=None) -> DeployForm:
+        source = data if data is not None else self.request.GET
+        initial = {"version": source.get("version")} if data is None else None
+        return DeployForm(
+            data,
+            team=self.team,
+            model_slug=source.get("model"),
+            instances=self.instances(),
+            initial=initial,
+        )
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        form = context.setdefault("form", self.make_form())
+        if not form.is_bound and len(form.instance_rows) == 1:
+            form.initial["instances"] = [form.instance_rows[0].pk]  # the embedded default: nothing to pick
+        return context
+
+    def post(self, request, *args, **kwargs):
+        form = self.make_form(request.POST)
+        if form.is_valid():
+            model = form.chosen_model
+            version = model.versions.get(number=form.cleaned_data["version"])
+            rows = {i.pk: i for i in form.instance_rows}
+            try:
+                deployment = services.deploy_version(
+                    actor=request.user,
+                    model=model,
+                    version=version,
+                    instances=[rows[pk] for pk in form.cleaned_data["instances"]],
+                )
+            except ValidationError as error:
+                add_service_errors(form, error)
+            else:
+                messages.success(request, f"Deploying {version}; this page follows it until it serves.")
+                return redirect("deployment-detail", team_slug=self.team.slug, pk=deployment.pk)
+        return self.render_to_response(self.get_context_data(form=form), status=400)
+
+
+class DeploymentPageView(TeamPageView):
+    def get_deployment(self) -> Deployment:
+        deployments = (
+            Deployment.objects.for_user(self.request.user)
+            .filter(team=self.team)
+            .select_related("model__team", "active_version", "target_version", "created_by")
+        )
+        return get_object_or_404(deployments, pk=self.kwargs["pk"])
+
+    def status_context(self, deployment: Deployment) -> dict:
+        return {
+            "deployment": deployment,
+            "in_flight": deployment.state in IN_FLIGHT,
+            "placements": deployment.placements.select_related("instance__host", "served_version"),
+            "events": deployment.events.select_related("instance__host", "version")[:EVENTS_SHOWN],
+        }
+
+
+class DeploymentDetailView(DeploymentPageView):
+    template_name = "frontend/deployments/detail.html"
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        deployment = self.get_deployment()
+        context.update(self.status_context(deployment))
+        try:
+            context["snippets"] = calling.snippets(deployment)
+        except ValidationError:
+            context["snippets"] = None
+        version = calling.shown_version(deployment)
+        if version is not None and version.signature:
+            signature = ModelSignature.from_dict(version.signature)
+            context["playground_inputs"] = [
+                {
+                    "index": index,
+                    "tensor": tensor,
+                    "shape": [-1, *tensor.dims] if signature.batched else list(tensor.dims),
+                    "image": calling.is_image_shaped(tensor),
+                }
+                for index, tensor in enumerate(signature.inputs)
+            ]
+        context["switch_versions"] = (
+            deployment.model.versions.filter(state=VersionState.READY)
+            .exclude(pk=deployment.active_version_id)
+            .order_by("-number")
+        )
+        context["can_switch"] = deployment.state in (DeploymentState.SERVING, DeploymentState.FAILED)
+        return context
+
+    def post(self, request, *args, **kwargs):
+        self.require(Action.CHANGE)
+        deployment = self.get_deployment()
+        operation = request.POST.get("op", "")
+        try:
+            if operation == "switch":
+                number = request.POST.get("version", "")
+                version = deployment.model.versions.filter(
+                    number=int(number) if number.isdigit() else 0
+                ).first()
+                if version is None:
+                    raise ValidationError({"version": [f"{deployment.model} has no version '{number}'."]})
+                services.switch_version(actor=request.user, deployment=deployment, version=version)
+                messages.success(
+                    request, f"Switching to {version}; the old version serves until it is ready."
+                )
+            elif operation == "undeploy":
+                services.undeploy(actor=request.user, deployment=deployment)
+                messages.success(request, f"Undeploying {deployment.model}.")
+            else:
+                return HttpResponseBadRequest(f"Unknown operation '{operation}'.")
+        except ValidationError as error:
+            messages.error(request, " ".join(error.messages))
+        return redirect("deployment-detail", team_slug=self.team.slug, pk=deployment.pk)
+
+
+class DeploymentStatusView(DeploymentPageView):
+    """The polled partial: state, versions, placements and events. Returned without its trigger once the
+    deployment has settled, which ends the polling."""
+
+    template_name = "frontend/deployments/partials/status.html"
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        context.update(self.status_context(self.get_deployment()))
+        return context
+
+
+class PlaygroundView(DeploymentPageView):
+    """Runs one inference (POST from the htmx form) and returns the result partial. Members of every role
+    may use it, as in the API: inference on the endpoint is open anyway."""
+
+    template_name = "frontend/deployments/partials/playground_result.html"
+    http_method_names = ["post"]
+
+    def post(self, request, *args, **kwargs):
+        deployment = self.get_deployment()
+        version = calling.shown_version(deployment)
+        inputs = ModelSignature.from_dict(version.signature).inputs if version and version.signature else ()
+        specs = {}
+        for index, tensor in enumerate(inputs):
+            mode = request.POST.get(f"mode_{index}", "random")
+            specs[tensor.name] = calling.InputSpec(
+                mode=mode,
+                data=request.POST.get(f"data_{index}", ""),
+                upload=request.FILES.get(f"file_{index}"),
+            )
+        context = {"team": self.team}
+        status = 200
+        try:
+            context["result"] = calling.run_playground(deployment, specs).as_dict()
+        except ValidationError as error:
+            context["errors"], status = error.messages, 400
+        except calling.PlaygroundUnavailable as exc:
+            context["errors"], status = [str(exc)], 409
+        if request.headers.get("HX-Request"):
+            status = 200  # htmx swaps only successful responses; the partial shows the error itself
+        return self.render_to_response(context, status=status)
