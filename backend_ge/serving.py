@@ -26,6 +26,13 @@ from backend_ge.executors.base import TensorSpec
 # Triton's onnxruntime backend fills max_batch_size with a small default when a model can batch; the seed
 # configs use 16-32, so 8 is a middle that keeps per-call memory small on 2-core CPU hosts.
 DEFAULT_MAX_BATCH_SIZE = 8
+# Triton 2.51's python backend counts a request answered with an error response as a *success*
+# (nv_inference_request_success); only an exception out of execute() counts as a failure, and that would
+# fail every request of the batch. So the backend counts its own failed requests in this family, which
+# Triton exposes on its metrics port next to its own; the platform's scraper subtracts them from the
+# successes. Reasons: INVALID_REQUEST (the request does not fit the model) and BACKEND (the model failed).
+FAILURE_METRIC = "ge_inference_request_failure"
+FAILURE_REASONS = ("INVALID_REQUEST", "BACKEND")
 
 
 class ConfigMismatch(ValueError):
@@ -151,6 +158,26 @@ def _wire_name(dtype: np.dtype) -> str:
         return str(dtype)
 
 
+def _failure_counters(pb_utils, model: str, version: str) -> tuple[Any, dict[str, Any]]:
+    """One ``FAILURE_METRIC`` counter per reason; none where the stub has no custom metrics (tests' fakes)."""
+    family_class = getattr(pb_utils, "MetricFamily", None)
+    if family_class is None:
+        return None, {}
+    try:
+        # Instances of one model create the same family and labels; Triton hands them the same counter.
+        family = family_class(
+            name=FAILURE_METRIC,
+            description="Requests the GE backend answered with an error (Triton counts them as successes)",
+            kind=family_class.COUNTER,
+        )
+        return family, {
+            reason: family.Metric(labels={"model": model, "version": version, "reason": reason})
+            for reason in FAILURE_REASONS
+        }
+    except Exception:  # metrics disabled on this server: serving must not depend on them
+        return None, {}
+
+
 class _Input:
     """One model input as the hot path checks it."""
 
@@ -191,6 +218,10 @@ class GeModel:
         ]
         self._invalid_arg = pb_utils.TritonError.INVALID_ARG
         self._internal = pb_utils.TritonError.INTERNAL
+        # The family object stays referenced for as long as its counters are used.
+        self._failure_family, self._failures = _failure_counters(
+            pb_utils, self.name, str(args.get("model_version", ""))
+        )
 
     # -- request checks --------------------------------------------------------------------------------
     def _arrays(self, request) -> list[np.ndarray]:
@@ -235,6 +266,9 @@ class GeModel:
         return self._pb.InferenceResponse(output_tensors=tensors)
 
     def _error(self, message: str, code):
+        counter = self._failures.get("INVALID_REQUEST" if code == self._invalid_arg else "BACKEND")
+        if counter is not None:
+            counter.increment(1)
         return self._pb.InferenceResponse(output_tensors=[], error=self._pb.TritonError(message, code))
 
     # -- execute ---------------------------------------------------------------------------------------

@@ -63,10 +63,13 @@ INSTALLED_APPS = [
     "apps.conversions",
     "apps.fleet",
     "apps.deployments",
+    "apps.monitoring",
     "frontend",
 ]
 
 MIDDLEWARE = [
+    # First: it times the whole request, including the other middleware.
+    "apps.monitoring.platform_metrics.RequestMetricsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -135,6 +138,7 @@ STATICFILES_DIRS = [
     ("vendor/htmx", _NODE_MODULES / "htmx.org" / "dist"),
     ("vendor/pico", _NODE_MODULES / "@picocss" / "pico" / "css"),
     ("vendor/swagger-ui", _NODE_MODULES / "swagger-ui-dist"),
+    ("vendor/uplot", _NODE_MODULES / "uplot" / "dist"),
 ]
 STATIC_MANIFEST = env_bool("STATIC_MANIFEST", not DEBUG)
 STORAGES = {
@@ -171,7 +175,8 @@ SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG)
 CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", not DEBUG)
 SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)
 # Load balancers probe health over plain HTTP inside the private network.
-SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$"]
+# Prometheus scrapes /metrics the same way.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics"]
 SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 31_536_000, minimum=0)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", not DEBUG)
 SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", not DEBUG)
@@ -270,6 +275,31 @@ CELERY_BEAT_SCHEDULE = {
     },
 }
 AUDIT_RETENTION_DAYS = env_int("AUDIT_RETENTION_DAYS", 365, minimum=1)
+
+# --- Monitoring: Triton scraping, rollups, the platform's own /metrics -----------------------------
+METRICS_SCRAPE_INTERVAL = env_int("METRICS_SCRAPE_INTERVAL", 15, minimum=1)
+METRICS_SCRAPE_TIMEOUT = env_int("METRICS_SCRAPE_TIMEOUT", 5, minimum=1)
+# Minute rows become hourly rows after this many days; every row is dropped after the retention.
+METRICS_MINUTE_RETENTION_DAYS = env_int("METRICS_MINUTE_RETENTION_DAYS", 7, minimum=1)
+METRICS_RETENTION_DAYS = env_int("METRICS_RETENTION_DAYS", 90, minimum=1)
+# /metrics answers a Bearer METRICS_TOKEN, or else only these client addresses.
+METRICS_TOKEN = env_str("METRICS_TOKEN") or ""
+METRICS_ALLOWED_IPS = env_list("METRICS_ALLOWED_IPS", ["127.0.0.1", "::1"])
+CELERY_BEAT_SCHEDULE.update(
+    {
+        "scrape-triton-metrics": {
+            "task": "apps.monitoring.tasks.scrape_instances",
+            "schedule": timedelta(seconds=METRICS_SCRAPE_INTERVAL),
+            # A scrape older than its interval is stale: the next one supersedes it.
+            "options": {"queue": "default", "expires": METRICS_SCRAPE_INTERVAL},
+        },
+        "downsample-metrics": {
+            "task": "apps.monitoring.tasks.downsample_metrics",
+            "schedule": timedelta(minutes=30),
+            "options": {"queue": "default"},
+        },
+    }
+)
 
 # --- Demo account created by `manage.py bootstrap_demo` (make run) ---------------------------------
 DEMO_USERNAME = env_str("DEMO_USERNAME") or "admin"

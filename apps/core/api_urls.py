@@ -9,4 +9,5 @@ urlpatterns = [
     path("", include("apps.registry.urls")),
     path("", include("apps.fleet.urls")),
     path("", include("apps.deployments.urls")),
+    path("", include("apps.monitoring.urls")),
 ]

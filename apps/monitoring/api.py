@@ -1,0 +1,183 @@
+"""Chart data as part of the REST API: per model (team-scoped), per instance and for the fleet (scoped like
+hosts). The pages fetch these same endpoints."""
+
+from __future__ import annotations
+
+from django.shortcuts import get_object_or_404
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import serializers, viewsets
+from rest_framework.response import Response
+
+from apps.core.api import TeamScopedViewSet
+from apps.fleet.models import TritonInstance
+from apps.monitoring import rollups, services
+from apps.registry.models import RegisteredModel
+from apps.teams.models import Action
+
+RANGE_PARAMETER = OpenApiParameter(
+    "range",
+    OpenApiTypes.STR,
+    OpenApiParameter.QUERY,
+    enum=list(rollups.RANGES),
+    default="1h",
+    description="How far back: one point per minute (1h, 6h), 5 minutes (24h) or hour (7d).",
+)
+
+
+def points() -> serializers.ListField:
+    """One value per timestamp; null where there is nothing to average."""
+    return serializers.ListField(child=serializers.FloatField(allow_null=True))
+
+
+class RangeQuerySerializer(serializers.Serializer):
+    range = serializers.ChoiceField(choices=list(rollups.RANGES), default="1h")
+
+
+class FrameSerializer(serializers.Serializer):
+    range = serializers.CharField()
+    step_seconds = serializers.IntegerField()
+    start = serializers.DateTimeField()
+    end = serializers.DateTimeField()
+    timestamps = serializers.ListField(child=serializers.IntegerField(), help_text="Unix seconds per point.")
+
+
+class CountsSerializer(serializers.Serializer):
+    requests = serializers.IntegerField()
+    success = serializers.IntegerField(required=False)
+    failure = serializers.IntegerField()
+    error_rate = serializers.FloatField(allow_null=True, required=False)
+
+
+class VersionSeriesSerializer(serializers.Serializer):
+    version = serializers.IntegerField()
+    requests_per_second = points()
+    error_rate = points()
+    avg_latency_ms = points()
+    p50_ms = points()
+    p95_ms = points()
+    p99_ms = points()
+    queue_ms = points()
+    compute_ms = points()
+    avg_batch_size = points()
+    totals = CountsSerializer()
+
+
+class ModelMetricsSerializer(FrameSerializer):
+    team = serializers.CharField()
+    model = serializers.CharField()
+    triton_name = serializers.CharField()
+    latency = serializers.ChoiceField(
+        choices=["quantiles", "average"], help_text="Quantiles where Triton's latency summaries are on."
+    )
+    versions = VersionSeriesSerializer(many=True)
+    totals = CountsSerializer()
+    failure_reasons = serializers.DictField(child=serializers.IntegerField())
+
+
+class DeviceSeriesSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    name = serializers.CharField()
+    hbm_total_mb = serializers.IntegerField(allow_null=True)
+    aicore_percent = points()
+    hbm_used_mb = points()
+
+
+class InstanceMetricsSerializer(FrameSerializer):
+    host = serializers.CharField()
+    instance = serializers.CharField()
+    state = serializers.CharField()
+    latency_summaries = serializers.BooleanField()
+    requests_per_second = points()
+    error_rate = points()
+    cpu_percent = points()
+    scrape_failures = serializers.ListField(child=serializers.IntegerField())
+    devices = DeviceSeriesSerializer(many=True)
+
+
+class FleetTotalsSerializer(serializers.Serializer):
+    requests = serializers.IntegerField()
+    failure = serializers.IntegerField()
+    error_rate = serializers.FloatField(allow_null=True)
+    instances = serializers.IntegerField()
+    instances_ready = serializers.IntegerField()
+    hosts = serializers.IntegerField()
+
+
+class BusyModelSerializer(serializers.Serializer):
+    team = serializers.CharField()
+    model = serializers.CharField()
+    requests = serializers.IntegerField()
+    requests_per_second = serializers.FloatField()
+    error_rate = serializers.FloatField(allow_null=True)
+
+
+class FleetMetricsSerializer(FrameSerializer):
+    requests_per_second = points()
+    error_rate = points()
+    totals = FleetTotalsSerializer()
+    instances_by_state = serializers.DictField(child=serializers.IntegerField())
+    busiest_models = BusyModelSerializer(many=True)
+
+
+def _range(request) -> str:
+    query = RangeQuerySerializer(data=request.query_params)
+    query.is_valid(raise_exception=True)
+    return query.validated_data["range"]
+
+
+@extend_schema(
+    parameters=[
+        OpenApiParameter(
+            "model_slug", OpenApiTypes.STR, OpenApiParameter.PATH, description="The model's slug."
+        ),
+        RANGE_PARAMETER,
+    ]
+)
+class ModelMetricsViewSet(TeamScopedViewSet):
+    """Time series of one model, one line per version (a rollout shows as one line handing over to the next)."""
+
+    queryset = RegisteredModel.objects.all()
+    serializer_class = ModelMetricsSerializer
+    pagination_class = None
+    filter_backends: list = []
+
+    @extend_schema(responses=ModelMetricsSerializer, operation_id="team_model_metrics")
+    def list(self, request, *args, **kwargs):
+        model = get_object_or_404(self.get_queryset(), slug=kwargs["model_slug"])
+        return Response(ModelMetricsSerializer(services.model_metrics(model, _range(request))).data)
+
+
+@extend_schema(
+    parameters=[
+        OpenApiParameter("id", OpenApiTypes.INT, OpenApiParameter.PATH, description="The instance's id."),
+        RANGE_PARAMETER,
+    ]
+)
+class InstanceMetricsViewSet(viewsets.GenericViewSet):
+    """An instance's traffic (of the models the caller may read), CPU use, scrape failures and its NPUs."""
+
+    queryset = TritonInstance.objects.select_related("host")
+    serializer_class = InstanceMetricsSerializer
+    pagination_class = None
+    filter_backends: list = []
+
+    @extend_schema(responses=InstanceMetricsSerializer, operation_id="instance_metrics")
+    def retrieve(self, request, *args, **kwargs):
+        visible = self.get_queryset().for_user(request.user, Action.VIEW)
+        instance = get_object_or_404(visible, pk=kwargs["pk"])
+        data = services.instance_metrics(instance, request.user, _range(request))
+        return Response(InstanceMetricsSerializer(data).data)
+
+
+@extend_schema(parameters=[RANGE_PARAMETER])
+class FleetMetricsViewSet(viewsets.GenericViewSet):
+    """Totals over the instances the caller can see, and the busiest models among those they may read."""
+
+    serializer_class = FleetMetricsSerializer
+    pagination_class = None
+    filter_backends: list = []
+
+    @extend_schema(responses=FleetMetricsSerializer, operation_id="fleet_metrics")
+    def list(self, request, *args, **kwargs):
+        return Response(FleetMetricsSerializer(services.fleet_metrics(request.user, _range(request))).data)

@@ -1,0 +1,324 @@
+"""The scrape cycle: read every READY instance's metrics and statistics, store the interval's traffic.
+
+Network reads run in a thread pool without touching the database, each bounded by
+``METRICS_SCRAPE_TIMEOUT``, so a hung instance delays nobody else; the rows are then written one instance at
+a time, each in its own transaction with the instance's ``ScrapeState`` row locked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from apps.fleet.models import Device, InstanceState, TritonInstance
+from apps.fleet.placement import CANDIDATE_SUFFIX
+from apps.monitoring import parsing
+from apps.monitoring.models import MINUTE, DeviceMetrics, InstanceMetrics, ModelMetrics, ScrapeState
+from apps.registry.models import ModelVersion, RegisteredModel
+
+log = logging.getLogger(__name__)
+
+DURATIONS = ("request_us", "queue_us", "compute_input_us", "compute_infer_us", "compute_output_us")
+COUNTS = ("success", "inferences", "executions")
+
+
+@dataclass
+class Fetched:
+    """The outcome of reading one instance: a reading, or the reason there is none."""
+
+    instance: TritonInstance
+    started_at: datetime
+    server_id: str
+    reading: parsing.Reading | None = None
+    error: str = ""
+
+
+@dataclass
+class CycleResult:
+    instances: int = 0
+    failures: int = 0
+    rows: int = 0
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def _get(url: str, timeout: float) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read()
+
+
+def fetch_instance(instance: TritonInstance, timeout: float | None = None) -> Fetched:
+    """Read ``/metrics`` and ``/v2/models/stats`` of one instance (no database access: runs in a thread)."""
+    timeout = timeout or settings.METRICS_SCRAPE_TIMEOUT
+    fetched = Fetched(instance, timezone.now(), str(instance.pid or ""))
+    try:
+        text = _get(instance.metrics_url(), timeout).decode("utf-8", errors="replace")
+        stats = json.loads(_get(f"{instance.endpoint_url()}/v2/models/stats", timeout))
+        reading = parsing.parse_metrics(text)
+        fetched.reading = parsing.parse_statistics(stats, reading)
+    except (OSError, urllib.error.URLError, ValueError) as exc:  # timeouts and refusals are OSErrors
+        fetched.error = f"{type(exc).__name__}: {exc}"
+    return fetched
+
+
+class ModelNames:
+    """Triton model names back to the platform's models and versions, for one cycle."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, tuple[int, int]] = {}
+        self._versions: dict[tuple[int, int], int] = {}
+        self._loaded_versions: set[int] = set()
+
+    @classmethod
+    def load(cls) -> ModelNames:
+        names = cls()
+        for model_id, team_id, team_slug, slug in RegisteredModel.objects.values_list(
+            "pk", "team_id", "team__slug", "slug"
+        ):
+            names._models[f"{team_slug}__{slug}"] = (model_id, team_id)
+        return names
+
+    def resolve(self, triton_name: str, version: str) -> tuple[int, int, int] | None:
+        """``(team_id, model_id, version_id)``, or None for candidates and names the platform did not make."""
+        if triton_name.endswith(CANDIDATE_SUFFIX):
+            return None  # a switch's smoke test, not client traffic
+        found = self._models.get(triton_name)
+        if found is None or not version.isdigit():
+            return None
+        model_id, team_id = found
+        if model_id not in self._loaded_versions:
+            self._loaded_versions.add(model_id)
+            for number, pk in ModelVersion.objects.filter(model_id=model_id).values_list("number", "pk"):
+                self._versions[(model_id, number)] = pk
+        version_id = self._versions.get((model_id, int(version)))
+        return None if version_id is None else (team_id, model_id, version_id)
+
+
+def minute_of(moment: datetime) -> datetime:
+    return moment.replace(second=0, microsecond=0)
+
+
+def scrape_all(
+    now: datetime | None = None, fetch: Callable[[TritonInstance], Fetched] = fetch_instance
+) -> CycleResult:
+    """One scrape cycle over every READY instance, plus a device sample. Returns what happened."""
+    instances = list(TritonInstance.objects.filter(state=InstanceState.READY).select_related("host"))
+    result = CycleResult(instances=len(instances))
+    if instances:
+        with ThreadPoolExecutor(max_workers=min(16, len(instances))) as pool:
+            fetched = list(pool.map(fetch, instances))
+        names = ModelNames.load()
+        for item in fetched:
+            try:
+                result.rows += record_scrape(item, names, now=now)
+            except Exception:  # one instance's bad data must not cost the others their interval
+                log.exception("recording the scrape of %s failed", item.instance)
+                item.error = item.error or "recording failed"
+            if item.error:
+                result.failures += 1
+                result.errors[str(item.instance)] = item.error
+    sample_devices(now=now)
+    return result
+
+
+def scrape_instance(instance: TritonInstance, now: datetime | None = None) -> int:
+    """Scrape one instance now (tests and the benchmark call this); returns the model rows written."""
+    return record_scrape(fetch_instance(instance), ModelNames.load(), now=now)
+
+
+def record_scrape(fetched: Fetched, names: ModelNames, now: datetime | None = None) -> int:
+    """Turn one reading into minute rows against the instance's previous reading; returns rows written."""
+    instance = fetched.instance
+    bucket = minute_of(now or fetched.started_at)
+    ScrapeState.objects.get_or_create(instance=instance)
+    with transaction.atomic():
+        state = ScrapeState.objects.select_for_update().get(instance=instance)
+        if fetched.reading is None:
+            _count_failure(state, instance, bucket, fetched.error)
+            return 0
+        if state.fetched_at is not None and fetched.started_at <= state.fetched_at:
+            return 0  # an overlapping cycle already applied a newer reading: this one would count twice
+        reading = fetched.reading
+        previous = parsing.Baseline(state.server_id or None, state.counters) if state.has_baseline else None
+        deltas = parsing.counter_deltas(previous, fetched.server_id or None, reading.counters)
+        restarted = previous is not None and fetched.server_id and fetched.server_id != state.server_id
+        owed = parsing.settle_backend_failures(deltas, {} if restarted else state.owed)
+        rows = _write_model_rows(instance, bucket, deltas, reading.quantiles, names)
+        _write_instance_row(instance, bucket, reading)
+        state.server_id = fetched.server_id
+        state.counters = parsing.flatten(reading.counters)
+        state.owed = owed
+        state.has_baseline = True
+        state.fetched_at = fetched.started_at
+        state.last_success_at = fetched.started_at
+        state.last_error = ""
+        state.consecutive_failures = 0
+        state.save()
+    return rows
+
+
+def _count_failure(state: ScrapeState, instance: TritonInstance, bucket: datetime, error: str) -> None:
+    log.warning("scraping %s failed: %s", instance, error)
+    ScrapeState.objects.filter(pk=state.pk).update(
+        last_error=error[:2000],
+        consecutive_failures=F("consecutive_failures") + 1,
+        total_failures=F("total_failures") + 1,
+    )
+    row, _ = InstanceMetrics.objects.get_or_create(period_seconds=MINUTE, bucket=bucket, instance=instance)
+    InstanceMetrics.objects.filter(pk=row.pk).update(
+        scrapes=F("scrapes") + 1, scrape_failures=F("scrape_failures") + 1
+    )
+
+
+def _write_instance_row(instance: TritonInstance, bucket: datetime, reading: parsing.Reading) -> None:
+    row, _ = InstanceMetrics.objects.get_or_create(period_seconds=MINUTE, bucket=bucket, instance=instance)
+    row.scrapes += 1
+    if reading.cpu_utilization is not None:
+        row.cpu_utilization_sum += reading.cpu_utilization
+        row.cpu_samples += 1
+    if reading.cpu_memory_used_bytes is not None:
+        row.cpu_memory_used_bytes = reading.cpu_memory_used_bytes
+    row.save()
+
+
+def _write_model_rows(
+    instance: TritonInstance,
+    bucket: datetime,
+    deltas: dict[parsing.SeriesKey, dict[str, float]],
+    quantiles: dict[parsing.SeriesKey, dict[str, float]],
+    names: ModelNames,
+) -> int:
+    resolved = {}
+    for key in deltas:
+        ids = names.resolve(*key)
+        if ids is not None:
+            resolved[key] = ids
+    if not resolved:
+        return 0
+    existing = {
+        row.version_id: row
+        for row in ModelMetrics.objects.filter(
+            period_seconds=MINUTE,
+            bucket=bucket,
+            instance=instance,
+            version_id__in=[ids[2] for ids in resolved.values()],
+        )
+    }
+    created, updated = [], []
+    for key, (team_id, model_id, version_id) in resolved.items():
+        values = deltas[key]
+        row = existing.get(version_id)
+        if row is None:
+            row = ModelMetrics(
+                period_seconds=MINUTE,
+                bucket=bucket,
+                team_id=team_id,
+                model_id=model_id,
+                version_id=version_id,
+                instance=instance,
+            )
+            created.append(row)
+        else:
+            updated.append(row)
+        _add(row, values, quantiles.get(key))
+    ModelMetrics.objects.bulk_create(created)
+    ModelMetrics.objects.bulk_update(updated, UPDATE_FIELDS)
+    return len(created) + len(updated)
+
+
+UPDATE_FIELDS = [
+    *COUNTS,
+    *DURATIONS,
+    "failure",
+    "failure_reasons",
+    "batch_executions",
+    "p50_us",
+    "p95_us",
+    "p99_us",
+    "quantile_requests",
+]
+
+
+def _add(row: ModelMetrics, values: dict[str, float], quantiles: dict[str, float] | None) -> None:
+    for name in COUNTS:
+        setattr(row, name, getattr(row, name) + int(values.get(name, 0)))
+    for name in DURATIONS:
+        setattr(row, name, getattr(row, name) + values.get(name, 0.0))
+    reasons = dict(row.failure_reasons)
+    for reason, count in parsing.failures(values).items():
+        reasons[reason] = reasons.get(reason, 0) + int(count)
+        row.failure += int(count)
+    row.failure_reasons = reasons
+    batches = dict(row.batch_executions)
+    for size, count in parsing.batch_executions(values).items():
+        batches[size] = batches.get(size, 0) + int(count)
+    row.batch_executions = batches
+    requests = int(values.get("success", 0)) + sum(int(c) for c in parsing.failures(values).values())
+    if quantiles and requests:
+        # Triton's quantiles cover its recent window; weight each scrape's by the requests it saw.
+        weight = row.quantile_requests
+        for field_name, key in (
+            ("p50_us", "request_p50"),
+            ("p95_us", "request_p95"),
+            ("p99_us", "request_p99"),
+        ):
+            value = quantiles.get(key)
+            if value is None:
+                continue
+            old = getattr(row, field_name)
+            setattr(
+                row,
+                field_name,
+                value
+                if old is None or not weight
+                else (old * weight + value * requests) / (weight + requests),
+            )
+        row.quantile_requests = weight + requests
+
+
+def sample_devices(now: datetime | None = None) -> int:
+    """Add the NPUs' current use (from the agents' latest npu-smi inventory) to their minute rows."""
+    now = now or timezone.now()
+    bucket = minute_of(now)
+    devices = list(
+        Device.objects.filter(host__last_heartbeat_at__isnull=False).values_list(
+            "pk", "aicore_percent", "hbm_used_mb", "hbm_total_mb", "memory_used_mb", "memory_total_mb"
+        )
+    )
+    if not devices:
+        return 0
+    rows = {r.device_id: r for r in DeviceMetrics.objects.filter(period_seconds=MINUTE, bucket=bucket)}
+    created, updated = [], []
+    for pk, aicore, hbm_used, hbm_total, mem_used, mem_total in devices:
+        row = rows.get(pk)
+        if row is None:
+            row = DeviceMetrics(period_seconds=MINUTE, bucket=bucket, device_id=pk)
+            created.append(row)
+        else:
+            updated.append(row)
+        row.samples += 1
+        if aicore is not None:
+            row.aicore_percent_sum += aicore
+            row.aicore_samples += 1
+        # 310P cards report device memory instead of HBM (npu-smi's Memory-Usage column).
+        used, total = (hbm_used, hbm_total) if hbm_total else (mem_used, mem_total)
+        if used is not None:
+            row.hbm_used_mb_sum += used
+            row.hbm_samples += 1
+        row.hbm_total_mb = total
+    DeviceMetrics.objects.bulk_create(created)
+    DeviceMetrics.objects.bulk_update(
+        updated,
+        ["samples", "aicore_percent_sum", "aicore_samples", "hbm_used_mb_sum", "hbm_samples", "hbm_total_mb"],
+    )
+    return len(devices)

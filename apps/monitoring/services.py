@@ -1,0 +1,137 @@
+"""The chart payloads behind the metrics pages and their REST endpoints."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from django.db.models import Count, Sum
+
+from apps.fleet.models import Device, InstanceState, TritonInstance, is_platform_staff
+from apps.monitoring import rollups
+from apps.monitoring.models import ModelMetrics
+from apps.registry.models import RegisteredModel
+from apps.teams.models import Action, team_ids_for
+
+
+def check_range(key: str | None) -> rollups.Range:
+    """The named chart range; ValueError names the choices."""
+    key = key or "1h"
+    if key not in rollups.RANGES:
+        raise ValueError(f"range must be one of {', '.join(rollups.RANGES)}, not {key!r}")
+    return rollups.RANGES[key]
+
+
+def _frame(window: rollups.Window) -> dict:
+    return {
+        "range": window.range.key,
+        "step_seconds": window.range.step,
+        "start": window.start,
+        "end": window.end,
+        "timestamps": window.timestamps(),
+    }
+
+
+def visible_rows(user):
+    """Model rows a user may read: their teams' rows; platform staff see every team's."""
+    rows = ModelMetrics.objects.all()
+    return rows if is_platform_staff(user) else rows.filter(team_id__in=team_ids_for(user, Action.VIEW))
+
+
+def model_metrics(model: RegisteredModel, range_key: str | None = None, now: datetime | None = None) -> dict:
+    """One line per version: requests/s, error rate, latency (quantiles where the instances report them,
+    else the average), queue and compute time, average batch size."""
+    window = rollups.Window.ending(check_range(range_key), now)
+    rows = ModelMetrics.objects.filter(model=model)
+    series = rollups.traffic_series(rows, window, "version__number")
+    versions = [{"version": number, **lines} for number, lines in series.items()]
+    has_quantiles = any(v is not None for line in versions for v in line["p99_ms"])
+    totals = {"requests": 0, "success": 0, "failure": 0}
+    for line in versions:
+        for key in totals:
+            totals[key] += line["totals"][key]
+    return {
+        "team": model.team.slug,
+        "model": model.slug,
+        "triton_name": model.triton_model_name(),
+        **_frame(window),
+        "latency": "quantiles" if has_quantiles else "average",
+        "versions": versions,
+        "totals": {**totals, "error_rate": rollups.ratio(totals["failure"], totals["requests"])},
+        "failure_reasons": rollups.failure_reasons(rows, window),
+    }
+
+
+def instance_devices(instance: TritonInstance) -> list[Device]:
+    """The NPUs an instance uses: its ``device_ids`` on its host (all of the host's for an instance without)."""
+    devices = Device.objects.filter(host_id=instance.host_id)
+    if instance.device_ids:
+        devices = devices.filter(logical_id__in=instance.device_ids)
+    return list(devices)
+
+
+def instance_metrics(instance: TritonInstance, user, range_key: str | None = None, now=None) -> dict:
+    window = rollups.Window.ending(check_range(range_key), now)
+    traffic = rollups.traffic_series(visible_rows(user).filter(instance=instance), window, None).get("all")
+    devices = instance_devices(instance)
+    device_lines = rollups.device_series([d.pk for d in devices], window)
+    return {
+        "host": instance.host.name,
+        "instance": instance.name,
+        "state": instance.state,
+        "latency_summaries": instance.latency_summaries,
+        **_frame(window),
+        "requests_per_second": traffic["requests_per_second"] if traffic else [0.0] * window.points,
+        "error_rate": traffic["error_rate"] if traffic else [None] * window.points,
+        **rollups.instance_series(instance.pk, window),
+        "devices": [
+            {
+                "id": d.pk,
+                "name": str(d),
+                "hbm_total_mb": device_lines.get(d.pk, {}).get("hbm_total_mb"),
+                "aicore_percent": device_lines.get(d.pk, {}).get("aicore_percent", [None] * window.points),
+                "hbm_used_mb": device_lines.get(d.pk, {}).get("hbm_used_mb", [None] * window.points),
+            }
+            for d in devices
+        ],
+    }
+
+
+def fleet_metrics(user, range_key: str | None = None, now=None, busiest: int = 10) -> dict:
+    """Totals over the instances a user can see, and the busiest of the models they may read."""
+    window = rollups.Window.ending(check_range(range_key), now)
+    instances = TritonInstance.objects.for_user(user, Action.VIEW)
+    rows = visible_rows(user).filter(instance__in=instances)
+    traffic = rollups.traffic_series(rows, window, None).get("all")
+    in_window = rows.filter(bucket__gte=window.start, bucket__lt=window.end)
+    top = (
+        in_window.values("model_id", "model__slug", "team__slug")
+        .annotate(requests=Sum("success") + Sum("failure"), failures=Sum("failure"))
+        .order_by("-requests", "model__slug")[:busiest]
+    )
+    states = dict(instances.values_list("state").annotate(n=Count("pk")).order_by())
+    totals = in_window.aggregate(success=Sum("success"), failure=Sum("failure"))
+    requests = (totals["success"] or 0) + (totals["failure"] or 0)
+    return {
+        **_frame(window),
+        "requests_per_second": traffic["requests_per_second"] if traffic else [0.0] * window.points,
+        "error_rate": traffic["error_rate"] if traffic else [None] * window.points,
+        "totals": {
+            "requests": requests,
+            "failure": totals["failure"] or 0,
+            "error_rate": rollups.ratio(totals["failure"] or 0, requests),
+            "instances": sum(states.values()),
+            "instances_ready": states.get(InstanceState.READY, 0),
+            "hosts": instances.values("host_id").distinct().count(),
+        },
+        "instances_by_state": {state: states.get(state, 0) for state in InstanceState.values},
+        "busiest_models": [
+            {
+                "team": item["team__slug"],
+                "model": item["model__slug"],
+                "requests": item["requests"] or 0,
+                "requests_per_second": round((item["requests"] or 0) / window.range.seconds, 4),
+                "error_rate": rollups.ratio(item["failures"] or 0, item["requests"] or 0),
+            }
+            for item in top
+        ],
+    }

@@ -1,0 +1,17 @@
+from django.urls import path
+
+from apps.monitoring import api
+
+urlpatterns = [
+    path(
+        "teams/<slug:team_slug>/models/<slug:model_slug>/metrics/",
+        api.ModelMetricsViewSet.as_view({"get": "list"}),
+        name="team-model-metrics",
+    ),
+    path(
+        "instances/<int:pk>/metrics/",
+        api.InstanceMetricsViewSet.as_view({"get": "retrieve"}),
+        name="instance-metrics",
+    ),
+    path("metrics/fleet/", api.FleetMetricsViewSet.as_view({"get": "list"}), name="fleet-metrics"),
+]
