@@ -59,6 +59,10 @@ def endpoints(deployment: Deployment) -> list[str]:
 def snippets(deployment: Deployment) -> dict:
     """Endpoint, Triton model name, a tritonclient script (seed example 3) and a curl command (seed
     example 1, step 5) for the deployment's served version."""
+    if not deployment.is_live():
+        raise ValidationError(
+            {"non_field_errors": ["This deployment was undeployed; there is nothing to call."]}
+        )
     version = shown_version(deployment)
     if version is None or not version.signature:
         raise ValidationError(

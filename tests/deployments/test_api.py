@@ -165,6 +165,13 @@ def test_snippets_describe_the_model_for_viewers(viewer_client, deployment):
     assert "curl -X POST http://127.0.0.1:18100/v2/models/vision__classifier/infer" in body["curl"]
 
 
+def test_snippets_of_an_undeployed_deployment_are_400(owner_client, deployment):
+    Deployment.objects.filter(pk=deployment.pk).update(state=DeploymentState.UNDEPLOYED)
+    response = owner_client.get(f"{BASE}{deployment.pk}/snippets/")
+    assert response.status_code == 400
+    assert response.json()["message"] == "This deployment was undeployed; there is nothing to call."
+
+
 def test_playground_without_a_ready_instance_is_409(viewer_client, deployment):
     response = viewer_client.post(f"{BASE}{deployment.pk}/playground/", {}, format="json")
     assert response.status_code == 409
