@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from frontend import conversions, deployments, fleet, registry, views
+from frontend import conversions, deployments, fleet, monitoring, registry, views
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
@@ -66,4 +66,15 @@ urlpatterns = [
         fleet.InstanceDetailView.as_view(),
         name="instance-detail",
     ),
+    path(
+        "teams/<slug:team_slug>/models/<slug:model_slug>/metrics/",
+        monitoring.ModelMetricsView.as_view(),
+        name="model-metrics",
+    ),
+    path(
+        "hosts/<slug:host_name>/instances/<slug:instance_name>/metrics/",
+        monitoring.InstanceMetricsView.as_view(),
+        name="instance-metrics-page",
+    ),
+    path("fleet/metrics/", monitoring.FleetMetricsView.as_view(), name="fleet-metrics-page"),
 ]

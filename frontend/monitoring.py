@@ -1,0 +1,70 @@
+"""Metrics pages: per model (team-scoped), per instance and the fleet dashboard (scoped like hosts). The
+charts fetch the REST API's metrics endpoints; the pages only lay them out."""
+
+from __future__ import annotations
+
+from django.contrib.auth.mixins import LoginRequiredMixin
+from django.shortcuts import get_object_or_404
+from django.urls import reverse
+from django.views.generic import TemplateView
+
+from apps.fleet.models import TritonInstance
+from apps.monitoring import rollups, services
+from apps.registry.models import RegisteredModel
+from apps.teams.models import Action
+from frontend.pages import TeamPageView
+
+
+def _range_key(request) -> str:
+    key = request.GET.get("range", "1h")
+    return key if key in rollups.RANGES else "1h"
+
+
+class RangeMixin:
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        context["range"] = _range_key(self.request)
+        context["ranges"] = list(rollups.RANGES)
+        return context
+
+
+class ModelMetricsView(RangeMixin, TeamPageView):
+    template_name = "frontend/monitoring/model_metrics.html"
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        model = get_object_or_404(
+            RegisteredModel.objects.filter(team=self.team), slug=self.kwargs["model_slug"]
+        )
+        context["model"] = model
+        context["api_url"] = reverse("team-model-metrics", args=[self.team.slug, model.slug])
+        return context
+
+
+class InstanceMetricsView(RangeMixin, LoginRequiredMixin, TemplateView):
+    template_name = "frontend/monitoring/instance_metrics.html"
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        instance = get_object_or_404(
+            TritonInstance.objects.for_user(self.request.user, Action.VIEW).select_related("host"),
+            host__name=self.kwargs["host_name"],
+            name=self.kwargs["instance_name"],
+        )
+        context["instance"] = instance
+        context["devices"] = services.instance_devices(instance)
+        context["api_url"] = reverse("instance-metrics", args=[instance.pk])
+        return context
+
+
+class FleetMetricsView(RangeMixin, LoginRequiredMixin, TemplateView):
+    template_name = "frontend/monitoring/fleet_metrics.html"
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        context["fleet"] = services.fleet_metrics(self.request.user, _range_key(self.request))
+        context["instances"] = TritonInstance.objects.for_user(self.request.user, Action.VIEW).select_related(
+            "host"
+        )
+        context["api_url"] = reverse("fleet-metrics")
+        return context

@@ -1,0 +1,124 @@
+"""Real tritonservers under a real host agent: exact request counts in the rollups, also across a restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import urllib.error
+import urllib.request
+
+import pytest
+from django.db.models import Sum
+
+from apps.deployments import services
+from apps.fleet.models import Host, InstanceState, TritonInstance
+from apps.monitoring.models import InstanceMetrics, ModelMetrics, ScrapeState
+from apps.monitoring.scraper import scrape_instance
+from backend_ge.runtime import free_port
+from tests.fleet.conftest import wait_for
+from tests.fleet.test_agent import deployment_settled
+from tests.monitoring.builders import infer_body
+
+pytestmark = [pytest.mark.triton, pytest.mark.django_db(transaction=True)]
+
+
+def post(url: str, body: dict) -> int:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def send(instance: TritonInstance, model: str, ok: int, failing: int) -> None:
+    url = f"{instance.endpoint_url()}/v2/models/{model}/infer"
+    codes = [post(url, infer_body(1)) for _ in range(ok)] + [post(url, infer_body(2)) for _ in range(failing)]
+    assert codes == [200] * ok + [500] * failing
+
+
+def totals(version) -> dict:
+    return ModelMetrics.objects.filter(version=version).aggregate(
+        success=Sum("success"), failure=Sum("failure"), inferences=Sum("inferences")
+    )
+
+
+def ready_instance(pk: int, old_pid: int | None = None) -> TritonInstance:
+    def ready():
+        row = TritonInstance.objects.select_related("host").get(pk=pk)
+        return row if row.state == InstanceState.READY and row.pid and row.pid != old_pid else None
+
+    return wait_for(ready, 120, "the instance to be READY")
+
+
+def test_rollups_count_exactly_the_requests_sent_also_across_a_restart(
+    start_agent, make_reshaper_version, owner
+):
+    # The instance exists before its agent starts, with latency summaries on; the agent adopts it.
+    host = Host.objects.create(name="mon-a", address="127.0.0.1")
+    instance = TritonInstance.objects.create(
+        host=host,
+        name="cpu-0",
+        http_port=free_port(),
+        grpc_port=free_port(),
+        metrics_port=free_port(),
+        latency_summaries=True,
+    )
+    agent = start_agent("mon-a", FLEET_RESTART_BASE_DELAY_MS=200)
+    instance = wait_for(lambda: ready_instance(instance.pk), 120, f"READY\n{agent.output()}")
+    version = make_reshaper_version()
+    name = version.model.triton_model_name()
+    deployment = deployment_settled(
+        services.deploy_version(actor=owner, model=version.model, version=version, instances=[instance])
+    )
+    assert deployment.state == "SERVING", deployment.last_error
+
+    assert scrape_instance(instance) == 0  # the first reading is the baseline
+    send(instance, name, ok=7, failing=3)
+    assert scrape_instance(instance) == 1
+    first = totals(version)
+    assert (first["success"], first["failure"]) == (7, 3)
+    assert first["inferences"] == 10  # Triton ran all ten; three failed in the backend
+    rows = ModelMetrics.objects.filter(version=version)
+    assert {r.team_id for r in rows} == {version.model.team_id}
+    reasons: dict = {}
+    for row in rows:
+        for reason, count in row.failure_reasons.items():
+            reasons[reason] = reasons.get(reason, 0) + count
+    assert reasons == {"BACKEND": 3}
+    assert all(r.p99_us and r.p50_us <= r.p99_us for r in rows)  # summaries were on
+    assert all(r.request_us > 0 and r.executions >= 1 for r in rows)
+
+    # Nothing new: a scrape adds nothing.
+    scrape_instance(instance)
+    assert totals(version) == first
+
+    # Kill the server outright; the agent restarts it with the model, its counters start at zero.
+    old_pid = instance.pid
+    os.kill(old_pid, signal.SIGKILL)
+    instance = ready_instance(instance.pk, old_pid)
+    wait_for(
+        lambda: post(f"{instance.endpoint_url()}/v2/models/{name}/infer", infer_body(1)) == 200,
+        60,
+        "the model to be back",
+        interval=0.5,
+    )
+    send(instance, name, ok=3, failing=2)  # plus the one probe above that succeeded
+    scrape_instance(instance)
+    after = totals(version)
+    assert (after["success"], after["failure"]) == (7 + 4, 3 + 2)
+    assert ModelMetrics.objects.filter(version=version, success__lt=0).count() == 0
+    state = ScrapeState.objects.get(instance=instance)
+    assert state.server_id == str(instance.pid) and state.consecutive_failures == 0
+    assert InstanceMetrics.objects.filter(instance=instance).aggregate(n=Sum("scrapes"))["n"] == 4
+
+    # An unreachable instance is a counted failure, not an exception.
+    agent.stop()
+    instance.refresh_from_db()
+    assert scrape_instance(instance) == 0
+    state.refresh_from_db()
+    assert state.consecutive_failures == 1 and state.total_failures == 1 and state.last_error
+    assert totals(version) == after
