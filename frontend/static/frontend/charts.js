@@ -33,7 +33,7 @@
       height: 220,
       series: series,
       scales: { x: { time: true }, y: { range: function (u, min, max) { return [0, max > 0 ? max * 1.1 : 1]; } } },
-      axes: [{}, { size: 60, values: function (u, ticks) { return ticks.map(function (t) { return +t.toFixed(3) + unit; }); } }],
+      axes: [{}, { size: 72, values: function (u, ticks) { return ticks.map(function (t) { return +t.toFixed(3) + unit; }); } }],
       legend: { live: true },
     }, data, el);
     window.metricsCharts[id] = plot;
