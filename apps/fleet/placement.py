@@ -174,8 +174,27 @@ def apply_placement(placement_id: int) -> None:
 def switch_version(
     proc: InstanceProcess, name: str, current: ModelVersion | None, target: ModelVersion
 ) -> None:
-    """Candidate load + smoke test, then old+new, then new only. Leaves the old version serving on failure."""
+    """Candidate load + smoke test, then old+new, then new only. Leaves the old version serving on failure.
+
+    A first deploy (nothing served under ``name`` yet) has no traffic to protect: it loads under the served name
+    directly and is smoke-tested there, which halves the cost of deploying many models.
+    """
     server = proc.server
+    if current is None:
+        try:
+            _materialize(proc, name, [target])
+            server.load_model(name)
+            _wait_model_ready(server, name, target.number)
+            smoke_test(server, name, target)
+        except BaseException:
+            try:
+                server.unload_model(name)
+            except TritonError as exc:
+                log.info("unloading %s after a failed first deploy: %s", name, exc)
+            finally:
+                remove_model(proc.repository, name)
+            raise
+        return
     candidate = name + CANDIDATE_SUFFIX
     try:
         _materialize(proc, candidate, [target])

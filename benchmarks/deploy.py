@@ -1,0 +1,256 @@
+"""Deploy benchmark: platform overhead of a deploy, and the seed's "100 models at once" on one instance.
+
+1. Deploy latency: ``deploy_version()`` (what the deploy API calls) until the deployment is SERVING, minus
+   Triton's own load time for the same model measured directly on a separate tritonserver (target: platform
+   overhead <= 1 s).
+2. N small models (default 100) deployed to one instance: total time, the instance's memory (tritonserver
+   plus its python backend stubs), and whether every model answers READY.
+
+Everything runs here: a scratch database and Celery's filesystem broker under a temp directory (or
+``--database-url``), a real ``manage.py hostagent`` process, real tritonservers. Bounded by ``--timeout``.
+
+    .venv/bin/python benchmarks/deploy.py [--models 100] [--database-url postgres://...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", type=int, default=100, help="models deployed to one instance")
+    parser.add_argument("--latency-runs", type=int, default=3)
+    parser.add_argument("--database-url", default="", help="default: a scratch SQLite file")
+    parser.add_argument("--timeout", type=float, default=1200, help="give up after this many seconds")
+    return parser.parse_args()
+
+
+def setup_environment(args: argparse.Namespace) -> Path:
+    scratch = Path(tempfile.mkdtemp(prefix="deploy-bench-"))
+    os.environ.update(
+        DEBUG="1",
+        VAR_DIR=str(scratch),
+        DATABASE_URL=args.database_url or f"sqlite:///{scratch / 'db.sqlite3'}",
+        CELERY_BROKER_URL="filesystem://",
+        CELERY_RESULT_BACKEND=f"file://{scratch / 'results'}",
+        DJANGO_SETTINGS_MODULE="serving_platform.settings",
+    )
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    if args.database_url:  # a reused database: start from an empty fleet
+        from apps.fleet.models import Host
+        from apps.registry.models import RegisteredModel
+
+        RegisteredModel.objects.all().delete()
+        Host.objects.all().delete()
+    return scratch
+
+
+def small_model_bytes(seed: int) -> bytes:
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((16, 8)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["input", "w"], ["output"])],
+        "small",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 16])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", 8])],
+        initializer=[helper.make_tensor("w", TensorProto.FLOAT, w.shape, w.flatten().tolist())],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def make_versions(team, owner, count: int, prefix: str, scratch: Path) -> list:
+    from apps.registry.models import ModelVersion, RegisteredModel, SourceFormat, VersionState
+    from backend_ge.convert import prepare_onnx
+
+    versions = []
+    for i in range(count):
+        model = RegisteredModel.objects.create(
+            team=team, name=f"{prefix} {i}", slug=f"{prefix}-{i}", created_by=owner
+        )
+        version = ModelVersion.objects.create(
+            model=model, number=1, state=VersionState.CONVERTING, source_format=SourceFormat.ONNX
+        )
+        source = scratch / f"{prefix}-{i}.onnx"
+        source.write_bytes(small_model_bytes(i))
+        prepared = prepare_onnx(
+            source, version.servable_dir() / "1", name=model.triton_model_name(), max_batch_size=8
+        )
+        version.signature = prepared.signature.to_dict()
+        version.config_text = (version.servable_dir() / "config.pbtxt").read_text()
+        version.state = VersionState.READY
+        version.save()
+        versions.append(version)
+    return versions
+
+
+def direct_load_seconds(version, scratch: Path, runs: int) -> float:
+    """Triton's own time to load the model: a separate tritonserver, the same files, load -> READY."""
+    from apps.fleet.repository import materialize_model
+    from backend_ge.runtime import TritonServer
+
+    repository = scratch / "direct-repository"
+    name = version.model.triton_model_name()
+    materialize_model(repository, name, {version.number: version.servable_dir()}, version.config_text)
+    timings = []
+    with TritonServer(repository, workdir=scratch / "direct") as server:
+        server.start()
+        for _ in range(runs):
+            started = time.perf_counter()
+            server.load_model(name)
+            while not server.is_model_ready(name, str(version.number)):
+                time.sleep(0.01)
+            timings.append(time.perf_counter() - started)
+            server.unload_model(name)
+            while server.is_model_ready(name):
+                time.sleep(0.05)
+    return statistics.median(timings)
+
+
+def wait(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise SystemExit(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def group_rss_mb(pid: int) -> float:
+    """Resident memory of a process and everything in its process group (tritonserver + stubs)."""
+    total_kb = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) != pid:
+                continue
+            for line in (proc / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total_kb += int(line.split()[1])
+        except (OSError, ProcessLookupError, ValueError):
+            continue
+    return total_kb / 1024
+
+
+def main() -> int:
+    args = parse_args()
+    scratch = setup_environment(args)
+    from django.contrib.auth import get_user_model
+    from django.db import transaction
+
+    from apps.deployments import services
+    from apps.deployments.models import Deployment, DeploymentState
+    from apps.fleet.models import InstanceState, TritonInstance
+    from apps.teams import services as team_services
+    from backend_ge.runtime import free_port
+
+    owner = get_user_model().objects.create_user("bench", password="bench-password-1")
+    team = team_services.create_team(actor=owner, name="Bench", slug=f"bench-{os.getpid()}")
+    team.quota_deployed_models = args.models + args.latency_runs + 10
+    team.save()
+    ports = [free_port() for _ in range(3)]
+    log_path = scratch / "agent.log"
+    agent = subprocess.Popen(
+        [sys.executable, "manage.py", "hostagent", "--name", "bench", "--ensure-instance",
+         f"cpu-0:{ports[0]}:{ports[1]}:{ports[2]}", "--concurrency", "4"],
+        cwd=ROOT, env=os.environ.copy(), stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + args.timeout
+    try:
+        instance = wait(
+            lambda: TritonInstance.objects.filter(host__name="bench", state=InstanceState.READY).first(),
+            120,
+            "the agent's instance",
+        )
+
+        def deploy_and_wait(versions) -> float:
+            started = time.perf_counter()
+            deployments = []
+            for version in versions:
+                with transaction.atomic():
+                    deployments.append(
+                        services.deploy_version(
+                            actor=owner, model=version.model, version=version, instances=[instance]
+                        )
+                    )
+            ids = [d.pk for d in deployments]
+            wait(
+                lambda: (
+                    Deployment.objects.filter(pk__in=ids, state=DeploymentState.SERVING).count() == len(ids)
+                    or Deployment.objects.filter(pk__in=ids, state=DeploymentState.FAILED).exists()
+                    and "failed"
+                ),
+                max(10.0, deadline - time.monotonic()),
+                f"{len(ids)} deployment(s) to be SERVING",
+            )
+            failed = Deployment.objects.filter(pk__in=ids, state=DeploymentState.FAILED)
+            if failed.exists():
+                raise SystemExit(f"deploy failed: {failed.first().last_error}")
+            return time.perf_counter() - started
+
+        latency_versions = make_versions(team, owner, args.latency_runs, "latency", scratch)
+        direct = direct_load_seconds(latency_versions[0], scratch, args.latency_runs)
+        deploy_times = [deploy_and_wait([version]) for version in latency_versions]
+        deploy_median = statistics.median(deploy_times)
+
+        many = make_versions(team, owner, args.models, "many", scratch)
+        total = deploy_and_wait(many)
+        import tritonclient.http as httpclient
+
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports[0]}")
+        ready = sum(client.is_model_ready(v.model.triton_model_name()) for v in many)
+        client.close()
+        pid = TritonInstance.objects.get(pk=instance.pk).pid
+        rss = group_rss_mb(pid)
+
+        print("\nDeploy benchmark (one CPU instance, real tritonserver + host agent)")
+        print(f"  Triton's own load time (direct, median of {args.latency_runs}):   {direct * 1000:8.0f} ms")
+        print(
+            f"  deploy_version() -> SERVING (median of {len(deploy_times)}):       {deploy_median * 1000:8.0f} ms"
+        )
+        print(
+            f"  platform overhead:                                  {(deploy_median - direct) * 1000:8.0f} ms  (target <= 1000 ms)"
+        )
+        print(
+            f"  {args.models} models deployed to one instance:          {total:8.1f} s total, {total / args.models * 1000:.0f} ms per model"
+        )
+        print(f"  READY afterwards:                                   {ready}/{args.models}")
+        print(
+            f"  instance memory (tritonserver + stubs, RSS):        {rss:8.0f} MiB ({rss / max(1, args.models + args.latency_runs):.1f} MiB per model)"
+        )
+        return 0 if ready == args.models else 1
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        try:
+            agent.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(agent.pid, signal.SIGKILL)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
