@@ -67,3 +67,41 @@ def test_job_page_shows_live_progress_until_ready(
     page.wait_for_selector("#config_text")
     assert "max_batch_size: 8" in page.input_value("#config_text")
     assert ConversionJob.objects.filter(version=version).count() == 1
+
+
+def test_upload_through_the_page_converts_to_ready(
+    page,  # noqa: F811
+    live_server,
+    start_worker,
+    mlp_bytes,
+    owner,
+    team,
+    tmp_path,
+    monkeypatch,
+):
+    """The whole path a user takes: drag a model onto the upload page, the page lands on the conversion job,
+    a real worker converts it (no atc here: the ONNX path), and the job page follows it to READY."""
+    from apps.registry import services as registry_services
+    from apps.registry.models import ModelVersion
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no atc on this worker: the ONNX path
+    worker = start_worker(PATH="/usr/bin:/bin")
+    registry_services.create_model(actor=owner, team=team, name="Tiny MLP", slug="tiny-mlp")
+    model_file = tmp_path / "tiny.onnx"
+    model_file.write_bytes(mlp_bytes)
+
+    page.goto(f"{live_server.url}/login/")
+    page.fill("input[name=username]", owner.username)
+    page.fill("input[name=password]", PASSWORD)
+    page.click("button[type=submit]")
+    page.goto(f"{live_server.url}/teams/vision/models/tiny-mlp/upload/")
+    page.set_input_files("#file-input", str(model_file))
+    page.click("#upload-button")
+    page.wait_for_url("**/teams/vision/conversions/*/", timeout=60_000)
+    page.wait_for_selector("#job-progress[data-state=SUCCEEDED]", timeout=90_000)
+    assert page.inner_text("#version-state") == "READY", worker.output()
+    assert int(page.inner_text("#job-progress-value")) == 100
+    page.screenshot(path=str(SCREENSHOTS / "upload-converted-ready.png"), full_page=True)
+    version = ModelVersion.objects.get(model__slug="tiny-mlp")
+    assert version.state == "READY" and version.toolchain == "onnx"
+    assert (version.servable_dir() / "1" / "model.onnx").is_file()
