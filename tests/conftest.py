@@ -3,6 +3,10 @@ to another team, and API clients for each."""
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 from rest_framework.test import APIClient
 
@@ -103,3 +107,34 @@ def subprocess_database_url() -> str:
     user = db["USER"] or "postgres"
     auth = f"{user}:{db['PASSWORD']}@" if db["PASSWORD"] else f"{user}@"
     return f"postgres://{auth}{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+
+
+# --- headless Chromium (Debian's package; Playwright cannot download browsers here) --------------------
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+SCREENSHOTS = Path(__file__).resolve().parents[1] / "var" / "screenshots"
+requires_chromium = pytest.mark.skipif(
+    not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (apt install chromium)"
+)
+
+
+@pytest.fixture
+def page(live_server):
+    """A Playwright page in headless Chromium, for tests against the live server."""
+    from playwright.sync_api import sync_playwright
+
+    # Playwright's sync API runs an event loop in this thread; the test's own ORM calls are still sync.
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--no-first-run"],
+        )  # fmt: skip
+        context = browser.new_context(viewport={"width": 1280, "height": 1000})
+        page = context.new_page()
+        page.set_default_timeout(15_000)
+        yield page
+        context.close()
+        browser.close()
+    os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)

@@ -7,13 +7,10 @@ import pytest
 
 from apps.registry import services
 from apps.registry.models import ModelVersion, SourceFormat
-from tests.browser import test_team_flow
+from tests.conftest import SCREENSHOTS, requires_chromium
 from tests.registry import builders
 
-page = test_team_flow.page  # the headless Chromium fixture
-SCREENSHOTS = test_team_flow.SCREENSHOTS
-
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, requires_chromium]
 
 
 def test_upload_page_resumes_after_a_network_error(

@@ -1,51 +1,12 @@
 """The UI shell in headless Chromium: log in, switch team, create a token and see it once, see the audit
 event. Screenshots land under var/screenshots/ (ignored by git)."""
 
-import os
-import shutil
-from pathlib import Path
-
 import pytest
 
 from apps.teams.models import ApiToken, Membership, Role
+from tests.conftest import SCREENSHOTS, requires_chromium
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-SCREENSHOTS = Path(__file__).resolve().parents[2] / "var" / "screenshots"
-
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(
-        not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (apt install chromium)"
-    ),
-]
-
-
-@pytest.fixture
-def page(live_server):
-    from playwright.sync_api import sync_playwright
-
-    # Playwright's sync API runs an event loop in this thread; the test's own ORM calls are still sync.
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--no-first-run",
-            ],
-        )
-        context = browser.new_context(viewport={"width": 1280, "height": 900})
-        page = context.new_page()
-        page.set_default_timeout(15_000)
-        yield page
-        context.close()
-        browser.close()
-    os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+pytestmark = [pytest.mark.browser, requires_chromium]
 
 
 def test_login_switch_team_create_token_once_and_see_audit(page, live_server, owner, team, other_team):

@@ -10,18 +10,17 @@ from django.db import transaction
 
 from apps.conversions import services
 from apps.conversions.models import ConversionJob
-from tests.browser.test_team_flow import CHROMIUM, SCREENSHOTS, page  # noqa: F401 - the shared browser fixture
-from tests.conftest import PASSWORD
+from tests.conftest import PASSWORD, SCREENSHOTS, requires_chromium
 
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(not CHROMIUM or not __import__("os").path.exists(CHROMIUM), reason="no chromium"),
+    requires_chromium,
 ]
 
 
 def test_job_page_shows_live_progress_until_ready(
-    page,  # noqa: F811
+    page,
     live_server,
     start_worker,
     make_version,
@@ -70,7 +69,7 @@ def test_job_page_shows_live_progress_until_ready(
 
 
 def test_upload_through_the_page_converts_to_ready(
-    page,  # noqa: F811
+    page,
     live_server,
     start_worker,
     mlp_bytes,

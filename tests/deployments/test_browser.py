@@ -3,26 +3,23 @@ under var/screenshots/."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from apps.deployments.models import Deployment, DeploymentState
 from apps.fleet.models import InstanceState, TritonInstance
-from tests.browser.test_team_flow import CHROMIUM, SCREENSHOTS, page  # noqa: F401 - the shared browser fixture
-from tests.conftest import PASSWORD
+from tests.conftest import PASSWORD, SCREENSHOTS, requires_chromium
 from tests.fleet.conftest import wait_for
 
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.triton,
     pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed"),
+    requires_chromium,
 ]
 
 
 def test_deploy_from_the_ui_and_run_the_playground(
-    page,  # noqa: F811
+    page,
     live_server,
     start_agent,
     make_ready_version,

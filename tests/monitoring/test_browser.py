@@ -2,49 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-from pathlib import Path
-
 import pytest
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-SCREENSHOTS = Path(__file__).resolve().parents[2] / "var" / "screenshots"
+from tests.conftest import SCREENSHOTS, requires_chromium
 
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.django_db(transaction=True),
-    pytest.mark.skipif(
-        not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (apt install chromium)"
-    ),
+    requires_chromium,
 ]
-
-
-@pytest.fixture
-def page(live_server):
-    from playwright.sync_api import sync_playwright
-
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--no-first-run",
-            ],
-        )
-        context = browser.new_context(viewport={"width": 1280, "height": 1000})
-        page = context.new_page()
-        page.set_default_timeout(15_000)
-        yield page
-        context.close()
-        browser.close()
-    os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
 
 
 def login(page, live_server, username: str) -> None:
