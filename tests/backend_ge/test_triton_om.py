@@ -32,6 +32,14 @@ def __getattr__(name):
     return getattr(_runtime, name)
 
 
+def finalize():
+    # Report right here as well as at exit: the python backend may end an unloaded stub without running
+    # its exit handlers, and finalize is the last call a well-behaved executor makes.
+    ret = _runtime.finalize()
+    _report()
+    return ret
+
+
 @atexit.register
 def _report():
     path = os.environ.get("GE_FAKE_ACL_REPORT")
