@@ -166,3 +166,11 @@ def test_token_list_filters_active(owner_client, make_token):
         t["name"] for t in owner_client.get("/api/v1/teams/vision/tokens/?active=true").json()["results"]
     ]
     assert names == ["new"]
+
+
+def test_secret_with_underscores_authenticates(make_token, monkeypatch):
+    monkeypatch.setattr("apps.teams.services.secrets.token_urlsafe", lambda n: "ab_cd_" + "x" * 37)
+    token, plaintext = make_token()
+    assert plaintext == f"{token.display_prefix}_ab_cd_{'x' * 37}"
+    assert bearer_client(plaintext).get("/api/v1/me/").status_code == 200
+    assert bearer_client(plaintext[:-1]).get("/api/v1/me/").status_code == 401
