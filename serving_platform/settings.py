@@ -267,6 +267,10 @@ CELERY_BEAT_SCHEDULE = {
         "task": "apps.audit.tasks.prune_audit_events",
         "schedule": timedelta(hours=6),
     },
+    "expire-abandoned-uploads": {
+        "task": "apps.registry.tasks.expire_abandoned_uploads",
+        "schedule": timedelta(hours=1),
+    },
     "recover-stale-conversions": {
         "task": "apps.conversions.tasks.recover_stale_conversions",
         "schedule": timedelta(minutes=1),
@@ -275,6 +279,7 @@ CELERY_BEAT_SCHEDULE = {
     },
 }
 AUDIT_RETENTION_DAYS = env_int("AUDIT_RETENTION_DAYS", 365, minimum=1)
+UPLOAD_ABANDON_AFTER_HOURS = env_int("UPLOAD_ABANDON_AFTER_HOURS", 48, minimum=1)
 
 # --- Monitoring: Triton scraping, rollups, the platform's own /metrics -----------------------------
 METRICS_SCRAPE_INTERVAL = env_int("METRICS_SCRAPE_INTERVAL", 15, minimum=1)

@@ -20,6 +20,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import BinaryIO
 
@@ -27,6 +28,7 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import Max
+from django.utils import timezone
 from django.utils.text import slugify
 
 from apps.audit.services import record
@@ -477,3 +479,19 @@ def abort_upload(*, actor, session: UploadSession) -> None:
             version.delete()
         session.part_path().unlink(missing_ok=True)
         shutil.rmtree(version.storage_dir(), ignore_errors=True)
+
+
+def expire_abandoned_uploads(now=None) -> int:
+    """Cancel uploads nobody touched for UPLOAD_ABANDON_AFTER_HOURS: their part files would otherwise fill
+    the artifact disk. Returns how many were cancelled; one busy or vanished upload does not stop the rest."""
+    cutoff = (now or timezone.now()) - timedelta(hours=settings.UPLOAD_ABANDON_AFTER_HOURS)
+    cancelled = 0
+    for session in UploadSession.objects.filter(state=UploadState.OPEN, updated_at__lt=cutoff).select_related(
+        "version__model__team"
+    ):
+        try:
+            abort_upload(actor=None, session=session)
+        except UploadConflict:
+            continue  # a client is writing to it right now, or it was completed meanwhile
+        cancelled += 1
+    return cancelled
