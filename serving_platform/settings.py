@@ -111,6 +111,14 @@ DATABASES = {
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # A file, not memory: tests start workers and agents as separate processes that share the test database.
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test-db.sqlite3")}
+    # The embedded default has five processes writing (web, worker, beat, agent threads): WAL lets readers
+    # and one writer work at once, IMMEDIATE transactions take the write lock up front instead of failing
+    # half-way, and writers wait for each other instead of raising "database is locked".
+    DATABASES["default"]["OPTIONS"] = {
+        "timeout": 20,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

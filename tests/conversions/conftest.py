@@ -19,6 +19,7 @@ from django.db import connection
 
 from apps.registry.models import ModelVersion, RegisteredModel, SourceFormat, VersionState
 from backend_ge import examples
+from tests.conftest import subprocess_database_url
 
 ROOT = Path(__file__).resolve().parents[2]
 ATC_FIXTURES = ROOT / "tests" / "backend_ge" / "fixtures" / "atc"
@@ -143,13 +144,7 @@ def wait_for(predicate, timeout: float, interval: float = 0.1, message: str = "c
 def worker_env(artifact_root: Path, **extra) -> dict:
     """The environment of a worker subprocess: the test database, the test's artifact root, the test's PATH."""
     env = os.environ.copy()
-    db = connection.settings_dict
-    if db["ENGINE"].endswith("postgresql"):
-        user = db["USER"] or "postgres"
-        auth = f"{user}:{db['PASSWORD']}@" if db["PASSWORD"] else f"{user}@"
-        env["DATABASE_URL"] = (
-            f"postgres://{auth}{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
-        )
+    env["DATABASE_URL"] = subprocess_database_url()
     env["ARTIFACT_ROOT"] = str(artifact_root)
     env.setdefault("DEBUG", "1")
     env.update({k: str(v) for k, v in extra.items()})
