@@ -17,6 +17,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from backend_ge import dtypes
+from backend_ge.files import atomic_write
 from backend_ge.seedtext import quote_bare_strings, wrap_seed_steps
 
 GE_BACKEND = "ge"
@@ -217,19 +218,7 @@ def render_config(config: ModelConfig) -> str:
 
 def write_config(config: ModelConfig, path: str | Path) -> Path:
     """Write ``config.pbtxt`` atomically: a reader never sees half a file."""
-    import os
-    import tempfile
-
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".config.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(render_config(config))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, render_config(config))
 
 
 # --------------------------------------------------------------------------------------------- parse

@@ -21,7 +21,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from pathlib import Path
 
 from backend_ge import config as gc
 from backend_ge import dtypes
+from backend_ge.files import atomic_write
 
 FRAMEWORKS = {"caffe": 0, "mindspore": 1, "tensorflow": 3, "onnx": 5}
 FRAMEWORK_BY_SUFFIX = {".prototxt": 0, ".air": 1, ".pb": 3, ".onnx": 5}
@@ -325,17 +325,6 @@ def _wire_of(signature: gc.ModelSignature, name: str) -> str:
     return next(t.dtype for t in signature.inputs if t.name == name)
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def prepare_onnx(
     source: str | os.PathLike,
     version_dir: str | os.PathLike,
@@ -352,7 +341,7 @@ def prepare_onnx(
     version_dir = Path(version_dir)
     version_dir.mkdir(parents=True, exist_ok=True)
     target = version_dir / "model.onnx"
-    _atomic_write_bytes(target, model.SerializeToString())
+    atomic_write(target, model.SerializeToString())
     cfg = config_path = None
     if write_config:
         model_dir = version_dir.parent

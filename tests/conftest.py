@@ -138,3 +138,16 @@ def page(live_server):
         context.close()
         browser.close()
     os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+
+
+def wait_for(predicate, timeout: float, message: str = "condition", interval: float = 0.1):
+    """Poll ``predicate`` until it returns something truthy (returned), or fail after ``timeout`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {message}")

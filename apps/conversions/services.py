@@ -3,10 +3,7 @@ with ``transaction.on_commit`` so a worker never sees a job row that was rolled 
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
-from pathlib import Path
 
 from django.core.exceptions import ValidationError
 from django.db import transaction
@@ -14,6 +11,7 @@ from django.db import transaction
 from apps.audit.services import record
 from apps.conversions.models import ConversionJob, JobState
 from apps.registry.models import ModelVersion, VersionState
+from backend_ge.files import atomic_write
 
 # ATC's documented choices; anything else would only fail minutes later inside the worker.
 PRECISION_MODES = (
@@ -135,18 +133,6 @@ def rerun_conversion(*, actor, version: ModelVersion, options: dict | None = Non
         )
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def check_config_text(version: ModelVersion, text: str):
     """Parse, normalize and validate a config for this version; returns the config or raises ConfigError.
 
@@ -190,6 +176,6 @@ def update_config(*, actor, version: ModelVersion, text: str) -> ModelVersion:
         )
         # Written last inside the transaction: if the write fails the row rolls back with it, and a
         # rename means Triton never reads half a file.
-        _atomic_write_text(version.servable_dir() / "config.pbtxt", rendered)
+        atomic_write(version.servable_dir() / "config.pbtxt", rendered)
     version.config_text = rendered
     return version

@@ -131,16 +131,6 @@ def fake_atc(tmp_path, monkeypatch):
                     os.kill(int(line.split()[0]), signal.SIGKILL)
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.1, message: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {message}")
-
-
 def worker_env(artifact_root: Path, **extra) -> dict:
     """The environment of a worker subprocess: the test database, the test's artifact root, the test's PATH."""
     env = os.environ.copy()

@@ -15,7 +15,7 @@ from apps.conversions import runner, services
 from apps.conversions.models import ConversionJob, JobState
 from apps.registry.models import SourceFormat, VersionState
 from backend_ge import config as gc
-from tests.conversions.conftest import wait_for
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -14,7 +14,7 @@ from apps.conversions import services, tasks
 from apps.conversions.models import ConversionJob, JobState
 from apps.registry.models import VersionState
 from backend_ge import config as gc
-from tests.conversions.conftest import wait_for
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -32,7 +32,10 @@ def test_onnx_conversion_on_a_real_worker_makes_the_version_ready(
     with transaction.atomic():  # as the upload does: enqueued only once this commits
         job = services.start_conversion(actor=owner, version=version)
     row = wait_for(
-        lambda: (r := job_row(job.pk)).is_finished() and r, 90, 0.2, f"job to finish\n{worker.output()}"
+        lambda: (r := job_row(job.pk)).is_finished() and r,
+        90,
+        f"job to finish\n{worker.output()}",
+        interval=0.2,
     )
     assert row.state == JobState.SUCCEEDED, row.error + worker.output()
     version.refresh_from_db()
@@ -62,16 +65,21 @@ def test_worker_killed_mid_conversion_is_recovered_and_completes(
     version = make_version({"model.onnx": mlp_bytes})
     with transaction.atomic():
         job = services.start_conversion(actor=owner, version=version)
-    wait_for(lambda: _pids(fake_atc), 60, 0.2, f"atc to start\n{first.output()}")
-    wait_for(lambda: "ATC start working" in job_row(job.pk).log, 10, 0.1, "the first line on the row")
+    wait_for(lambda: _pids(fake_atc), 60, f"atc to start\n{first.output()}", interval=0.2)
+    wait_for(
+        lambda: "ATC start working" in job_row(job.pk).log, 10, "the first line on the row", interval=0.1
+    )
     os.kill(first.process.pid, signal.SIGKILL)
     first.process.wait(10)
     assert job_row(job.pk).state == JobState.RUNNING
     second = start_worker(CONVERSION_HEARTBEAT_TIMEOUT=2)
     # What celery beat does every minute; the first sweeps find the dead worker's heartbeat still fresh.
-    wait_for(lambda: tasks.recover_stale_conversions(), 15, 0.5, "the heartbeat to go stale")
+    wait_for(lambda: tasks.recover_stale_conversions(), 15, "the heartbeat to go stale", interval=0.5)
     row = wait_for(
-        lambda: (r := job_row(job.pk)).is_finished() and r, 90, 0.2, f"the retried job\n{second.output()}"
+        lambda: (r := job_row(job.pk)).is_finished() and r,
+        90,
+        f"the retried job\n{second.output()}",
+        interval=0.2,
     )
     assert row.state == JobState.SUCCEEDED and row.attempts == 2, row.error
     assert "Attempt 2 of 3" in row.log and row.worker.startswith(second.queue)
@@ -91,15 +99,15 @@ def test_pool_process_killed_mid_conversion_is_redelivered_and_completes(
     version = make_version({"model.onnx": mlp_bytes})
     with transaction.atomic():
         job = services.start_conversion(actor=owner, version=version)
-    pids = wait_for(lambda: _pids(fake_atc), 60, 0.2, f"atc to start\n{worker.output()}")
+    pids = wait_for(lambda: _pids(fake_atc), 60, f"atc to start\n{worker.output()}", interval=0.2)
     pool_process = pids[0][1]  # atc's parent: the pool process executing the task
     assert pool_process != worker.process.pid
     os.kill(pool_process, signal.SIGKILL)
     row = wait_for(
         lambda: (r := job_row(job.pk)).is_finished() and r,
         120,
-        0.3,
         f"the redelivered job\n{worker.output()}",
+        interval=0.3,
     )
     assert row.state == JobState.SUCCEEDED and row.attempts == 2, row.error + worker.output()
     assert "Attempt 2 of 3" in row.log

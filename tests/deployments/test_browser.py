@@ -7,8 +7,7 @@ import pytest
 
 from apps.deployments.models import Deployment, DeploymentState
 from apps.fleet.models import InstanceState, TritonInstance
-from tests.conftest import PASSWORD, SCREENSHOTS, requires_chromium
-from tests.fleet.conftest import wait_for
+from tests.conftest import PASSWORD, SCREENSHOTS, requires_chromium, wait_for
 
 pytestmark = [
     pytest.mark.browser,

@@ -14,7 +14,8 @@ import pytest
 
 from apps.deployments.models import Deployment, DeploymentState
 from apps.fleet.models import InstanceState, TritonInstance
-from tests.fleet.conftest import expected_output, wait_for
+from tests.conftest import wait_for
+from tests.fleet.conftest import expected_output
 
 pytestmark = [pytest.mark.triton, pytest.mark.django_db(transaction=True)]
 

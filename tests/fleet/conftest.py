@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -147,13 +146,3 @@ def start_agent(tmp_path, artifact_root):
     yield _start
     for agent in agents:
         agent.stop()
-
-
-def wait_for(predicate, timeout: float, message: str, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {message}")

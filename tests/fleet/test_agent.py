@@ -17,7 +17,8 @@ from apps.deployments.models import Deployment, DeploymentState, PlacementState
 from apps.fleet.models import Host, InstanceState, TritonInstance
 from apps.registry.models import ModelVersion
 from backend_ge import config as gc
-from tests.fleet.conftest import expected_output, wait_for
+from tests.conftest import wait_for
+from tests.fleet.conftest import expected_output
 
 pytestmark = [pytest.mark.triton, pytest.mark.django_db(transaction=True)]
 

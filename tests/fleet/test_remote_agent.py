@@ -10,7 +10,7 @@ import pytest
 from apps.deployments import services
 from apps.deployments.models import Deployment, DeploymentState, PlacementState
 from apps.fleet.models import InstanceState, TritonInstance
-from tests.fleet.conftest import wait_for
+from tests.conftest import wait_for
 from tests.fleet.test_agent import seed_example_3
 
 KEY = "agent-secret-for-tests"

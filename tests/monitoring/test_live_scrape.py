@@ -16,7 +16,7 @@ from apps.fleet.models import Host, InstanceState, TritonInstance
 from apps.monitoring.models import InstanceMetrics, ModelMetrics, ScrapeState
 from apps.monitoring.scraper import scrape_instance
 from backend_ge.runtime import free_port
-from tests.fleet.conftest import wait_for
+from tests.conftest import wait_for
 from tests.fleet.test_agent import deployment_settled
 from tests.monitoring.builders import infer_body
 

@@ -6,38 +6,87 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('registry', '0001_initial'),
+        ("registry", "0001_initial"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='ConversionJob',
+            name="ConversionJob",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('toolchain', models.CharField(blank=True, choices=[('atc', 'Ascend ATC'), ('onnx', 'ONNX preparation (CPU)'), ('torchscript', 'TorchScript -> ONNX'), ('none', 'No conversion (.om)')], max_length=20)),
-                ('options', models.JSONField(blank=True, default=dict)),
-                ('command', models.JSONField(blank=True, default=list, help_text='argv of the external tool, when one runs.')),
-                ('state', models.CharField(choices=[('QUEUED', 'Queued'), ('RUNNING', 'Running'), ('SUCCEEDED', 'Succeeded'), ('FAILED', 'Failed')], default='QUEUED', max_length=20)),
-                ('stage', models.CharField(blank=True, max_length=100)),
-                ('progress', models.PositiveSmallIntegerField(default=0)),
-                ('log', models.TextField(blank=True)),
-                ('error', models.TextField(blank=True)),
-                ('exit_code', models.IntegerField(blank=True, null=True)),
-                ('attempts', models.PositiveSmallIntegerField(default=0)),
-                ('worker', models.CharField(blank=True, max_length=200)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('started_at', models.DateTimeField(blank=True, null=True)),
-                ('finished_at', models.DateTimeField(blank=True, null=True)),
-                ('created_by', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to=settings.AUTH_USER_MODEL)),
-                ('version', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='conversion_jobs', to='registry.modelversion')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "toolchain",
+                    models.CharField(
+                        blank=True,
+                        choices=[
+                            ("atc", "Ascend ATC"),
+                            ("onnx", "ONNX preparation (CPU)"),
+                            ("torchscript", "TorchScript -> ONNX"),
+                            ("none", "No conversion (.om)"),
+                        ],
+                        max_length=20,
+                    ),
+                ),
+                ("options", models.JSONField(blank=True, default=dict)),
+                (
+                    "command",
+                    models.JSONField(
+                        blank=True, default=list, help_text="argv of the external tool, when one runs."
+                    ),
+                ),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("QUEUED", "Queued"),
+                            ("RUNNING", "Running"),
+                            ("SUCCEEDED", "Succeeded"),
+                            ("FAILED", "Failed"),
+                        ],
+                        default="QUEUED",
+                        max_length=20,
+                    ),
+                ),
+                ("stage", models.CharField(blank=True, max_length=100)),
+                ("progress", models.PositiveSmallIntegerField(default=0)),
+                ("log", models.TextField(blank=True)),
+                ("error", models.TextField(blank=True)),
+                ("exit_code", models.IntegerField(blank=True, null=True)),
+                ("attempts", models.PositiveSmallIntegerField(default=0)),
+                ("worker", models.CharField(blank=True, max_length=200)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("started_at", models.DateTimeField(blank=True, null=True)),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "created_by",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="+",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
+                (
+                    "version",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="conversion_jobs",
+                        to="registry.modelversion",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created_at', '-id'],
+                "ordering": ["-created_at", "-id"],
             },
         ),
     ]
