@@ -3,8 +3,12 @@ to another team, and API clients for each."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
+import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -151,3 +155,66 @@ def wait_for(predicate, timeout: float, message: str = "condition", interval: fl
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:g}s waiting for {message}")
+
+
+# --- a fake `atc` on PATH that replays recorded real ATC runs (no CANN here) ----------------------------
+ATC_FIXTURES = Path(__file__).resolve().parent / "backend_ge" / "fixtures" / "atc"
+EXIT_CODES = {k: v["exit"] for k, v in json.loads((ATC_FIXTURES / "fixtures.json").read_text()).items()}
+
+# Replays a recorded ATC output line by line with its exit code and, like ATC, writes <output>.om on success.
+# FAKE_ATC_SLEEP_ONCE: sleep that long on the first run only (marker file), to be killed mid-conversion.
+FAKE_ATC = """#!{python}
+import json, os, sys, time
+with open(os.environ["FAKE_ATC_ARGV"], "w") as fh:
+    json.dump(sys.argv[1:], fh)
+with open(os.environ["FAKE_ATC_ARGV"] + ".pids", "a") as fh:
+    fh.write(f"{{os.getpid()}} {{os.getppid()}}\\n")
+marker = os.environ["FAKE_ATC_ARGV"] + ".ran"
+once = float(os.environ.get("FAKE_ATC_SLEEP_ONCE", "0"))
+first = not os.path.exists(marker)
+open(marker, "a").close()
+if once and first:
+    print("ATC start working now, please wait for a moment.", flush=True)
+    time.sleep(once)
+time.sleep(float(os.environ.get("FAKE_ATC_SLEEP", "0")))
+code = int(os.environ["FAKE_ATC_EXIT"])
+for line in open(os.environ["FAKE_ATC_FIXTURE"], encoding="utf-8"):
+    print(line, end="", flush=True)
+    time.sleep(float(os.environ.get("FAKE_ATC_LINE_DELAY", "0")))
+output = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--output=")), "")
+if code == 0 and output:
+    os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
+    with open(output + ".om", "wb") as fh:
+        fh.write(b"fake om compiled by the test atc")
+sys.exit(code)
+"""
+
+
+@pytest.fixture
+def fake_atc(tmp_path, monkeypatch):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    atc = bindir / "atc"
+    atc.write_text(FAKE_ATC.format(python=sys.executable))
+    atc.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    argv_file = tmp_path / "atc-argv.json"
+    monkeypatch.setenv("FAKE_ATC_ARGV", str(argv_file))
+
+    def replay(name: str, **env):
+        monkeypatch.setenv("FAKE_ATC_FIXTURE", str(ATC_FIXTURES / f"{name}.txt"))
+        monkeypatch.setenv("FAKE_ATC_EXIT", str(EXIT_CODES[name]))
+        for key, value in env.items():
+            monkeypatch.setenv(key, str(value))
+        return argv_file
+
+    replay.path = str(atc)
+    replay.argv_file = argv_file
+    yield replay
+    # A killed worker leaves its atc orphaned (ATC runs in its own session): stop the ones this test started.
+    pids = Path(str(argv_file) + ".pids")
+    if pids.exists():
+        for line in pids.read_text().split("\n"):
+            if line.strip():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(line.split()[0]), signal.SIGKILL)

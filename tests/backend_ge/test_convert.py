@@ -4,7 +4,6 @@ and the ``convert`` command line."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -17,41 +16,6 @@ from backend_ge import config as gc
 from backend_ge import convert
 
 FIXTURES = Path(__file__).parent / "fixtures" / "atc"
-EXIT_CODES = {k: v["exit"] for k, v in json.loads((FIXTURES / "fixtures.json").read_text()).items()}
-
-FAKE_ATC = """#!{python}
-# Replays a recorded ATC output (tests/backend_ge/fixtures/atc) line by line, with its exit code.
-import json, os, sys, time
-with open(os.environ["FAKE_ATC_ARGV"], "w") as fh:
-    json.dump(sys.argv[1:], fh)
-time.sleep(float(os.environ.get("FAKE_ATC_SLEEP", "0")))
-for line in open(os.environ["FAKE_ATC_FIXTURE"], encoding="utf-8"):
-    print(line, end="", flush=True)
-    time.sleep(float(os.environ.get("FAKE_ATC_LINE_DELAY", "0")))
-sys.exit(int(os.environ["FAKE_ATC_EXIT"]))
-"""
-
-
-@pytest.fixture
-def fake_atc(tmp_path, monkeypatch):
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    atc = bindir / "atc"
-    atc.write_text(FAKE_ATC.format(python=sys.executable))
-    atc.chmod(0o755)
-    monkeypatch.setenv("PATH", str(bindir) + ":/usr/bin:/bin")
-    argv_file = tmp_path / "argv.json"
-    monkeypatch.setenv("FAKE_ATC_ARGV", str(argv_file))
-
-    def replay(name: str, **env):
-        monkeypatch.setenv("FAKE_ATC_FIXTURE", str(FIXTURES / f"{name}.txt"))
-        monkeypatch.setenv("FAKE_ATC_EXIT", str(EXIT_CODES[name]))
-        for key, value in env.items():
-            monkeypatch.setenv(key, str(value))
-        return argv_file
-
-    replay.path = str(atc)
-    return replay
 
 
 def test_command_matches_the_reference_form():
