@@ -183,7 +183,7 @@ for line in open(os.environ["FAKE_ATC_FIXTURE"], encoding="utf-8"):
     time.sleep(float(os.environ.get("FAKE_ATC_LINE_DELAY", "0")))
 output = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--output=")), "")
 # Only where the caller prepared the output directory: a replay must never litter the working tree.
-if code == 0 and output and os.path.isdir(os.path.dirname(output) or "."):
+if code == 0 and output and os.path.isdir(os.path.dirname(output)):
     with open(output + ".om", "wb") as fh:
         fh.write(b"fake om compiled by the test atc")
 sys.exit(code)
