@@ -24,6 +24,7 @@ from django.conf import settings
 from django.db import close_old_connections
 from django.utils import timezone
 
+from apps.core.errors import public_error
 from apps.fleet.models import Host, InstanceState, TritonInstance
 from backend_ge.runtime import TritonError, TritonServer
 
@@ -296,6 +297,9 @@ class HostAgent:
     def _set_state(self, instance_id: int, state: str | None = None, **fields) -> None:
         if state is not None:
             fields.update(state=state, state_changed_at=timezone.now())
+        if fields.get("last_error"):
+            # Tenants read it: no host paths or tracebacks (those go to the log under an error id).
+            fields["last_error"] = public_error(fields["last_error"])
         TritonInstance.objects.filter(pk=instance_id).update(**fields)
 
     def _kill_orphans(self) -> None:

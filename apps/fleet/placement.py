@@ -17,6 +17,7 @@ from pathlib import Path
 from django.conf import settings
 from django.db import transaction
 
+from apps.core.errors import public_error
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet.agent import InstanceProcess, current_agent
 from apps.fleet.models import TritonInstance
@@ -158,7 +159,7 @@ def apply_placement(placement_id: int) -> None:
                 target,
             )
         except (TritonError, RepositoryError, SmokeTestError, OSError) as exc:
-            message = str(exc)
+            message = public_error(exc)
             _event(
                 placement,
                 "load_failed",
@@ -257,14 +258,15 @@ def reconcile_instance(instance: TritonInstance, proc: InstanceProcess) -> None:
             server.load_model(name)
         except (TritonError, RepositoryError, OSError) as exc:
             _failed_loads[key] = time.monotonic() + LOAD_RETRY_AFTER
+            message = public_error(exc)
             with transaction.atomic():
                 DeploymentInstance.objects.filter(pk=placement.pk).update(
-                    state=PlacementState.FAILED, last_error=str(exc)
+                    state=PlacementState.FAILED, last_error=message
                 )
                 _event(
                     placement,
                     "reload_failed",
-                    f"reloading {version} on {instance} failed: {exc}",
+                    f"reloading {version} on {instance} failed: {message}",
                     version=version,
                 )
             continue
