@@ -14,7 +14,7 @@ from django.views.generic import TemplateView
 
 from apps.deployments.models import DeploymentInstance, DeploymentState
 from apps.fleet import services
-from apps.fleet.models import Host, TritonInstance
+from apps.fleet.models import Host, TritonInstance, is_platform_staff
 from apps.teams.models import Action, team_ids_for
 
 INSTANCE_ACTIONS = ("start", "stop", "restart")
@@ -52,7 +52,8 @@ class HostDetailView(LoginRequiredMixin, TemplateView):
 
 
 class InstanceDetailView(LoginRequiredMixin, TemplateView):
-    """An instance's state, last error and log tail. Start/stop/restart post through htmx and get the state
+    """An instance's state, last error, the caller's placements on it (with their errors) and, for
+    platform staff, the log tail. Start/stop/restart post through htmx and get the state
     partial back; it polls itself while the agent moves the instance, and stops once it has arrived."""
 
     template_name = "frontend/fleet/instance_detail.html"
@@ -82,6 +83,8 @@ class InstanceDetailView(LoginRequiredMixin, TemplateView):
             instance=instance,
             host=instance.host,
             can_operate=instance.host.can_be_operated_by(self.request.user),
+            # A shared instance's log names every team's models, their load errors and host paths.
+            show_log_tail=is_platform_staff(self.request.user),
             placements=placements,
         )
         return context

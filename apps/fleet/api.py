@@ -140,12 +140,19 @@ class InstanceDeploymentSerializer(serializers.Serializer):
 
 
 class InstanceDetailSerializer(InstanceSerializer):
-    log_tail = serializers.CharField(read_only=True)
+    log_tail = serializers.SerializerMethodField()
     deployments = serializers.SerializerMethodField()
 
     class Meta(InstanceSerializer.Meta):
         fields = [*InstanceSerializer.Meta.fields, "crash_times", "log_tail", "deployments"]
         read_only_fields = fields
+
+    @extend_schema_field(serializers.CharField(allow_null=True))
+    def get_log_tail(self, instance: TritonInstance) -> str | None:
+        """The server's last output lines: platform staff only (null for others). A shared instance's log
+        names every team's models, their load errors and host paths."""
+        request = self.context.get("request")
+        return instance.log_tail if request and is_platform_staff(request.user) else None
 
     @extend_schema_field(InstanceDeploymentSerializer(many=True))
     def get_deployments(self, instance: TritonInstance) -> list[dict]:

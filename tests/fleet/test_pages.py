@@ -69,7 +69,7 @@ def test_another_teams_dedicated_host_and_instance_pages_are_404(client, viewer,
 def test_instance_page_shows_log_and_buttons_only_to_operators(client, viewer, shared):
     client.force_login(viewer)
     html = client.get("/hosts/npu-1/instances/npu-0/").content.decode()
-    assert '<pre class="log-tail" id="instance-log">I0101 Started HTTPService' in html
+    assert 'id="instance-log"' not in html and "I0101 Started HTTPService" not in html
     assert "hx-post" not in html
     assert client.post("/hosts/npu-1/instances/npu-0/", {"op": "stop"}).status_code == 403
     assert TritonInstance.objects.get(name="npu-0").desired_state == "RUNNING"
