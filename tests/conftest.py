@@ -4,11 +4,9 @@ to another team, and API clients for each."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from rest_framework.test import APIClient
 
 from apps.teams import services
 from apps.teams.models import Role
+from backend_ge import fakes
 from tests.factories import MembershipFactory, TeamFactory, UserFactory
 
 PASSWORD = "correct horse battery staple"
@@ -157,47 +156,17 @@ def wait_for(predicate, timeout: float, message: str = "condition", interval: fl
     raise AssertionError(f"timed out after {timeout:g}s waiting for {message}")
 
 
-# --- a fake `atc` on PATH that replays recorded real ATC runs (no CANN here) ----------------------------
-ATC_FIXTURES = Path(__file__).resolve().parent / "backend_ge" / "fixtures" / "atc"
-EXIT_CODES = {k: v["exit"] for k, v in json.loads((ATC_FIXTURES / "fixtures.json").read_text()).items()}
-
-# Replays a recorded ATC output line by line with its exit code and, like ATC, writes <output>.om on success.
-# FAKE_ATC_SLEEP_ONCE: sleep that long on the first run only (marker file), to be killed mid-conversion.
-FAKE_ATC = """#!{python}
-import json, os, sys, time
-with open(os.environ["FAKE_ATC_ARGV"], "w") as fh:
-    json.dump(sys.argv[1:], fh)
-with open(os.environ["FAKE_ATC_ARGV"] + ".pids", "a") as fh:
-    fh.write(f"{{os.getpid()}} {{os.getppid()}}\\n")
-marker = os.environ["FAKE_ATC_ARGV"] + ".ran"
-once = float(os.environ.get("FAKE_ATC_SLEEP_ONCE", "0"))
-first = not os.path.exists(marker)
-open(marker, "a").close()
-if once and first:
-    print("ATC start working now, please wait for a moment.", flush=True)
-    time.sleep(once)
-time.sleep(float(os.environ.get("FAKE_ATC_SLEEP", "0")))
-code = int(os.environ["FAKE_ATC_EXIT"])
-for line in open(os.environ["FAKE_ATC_FIXTURE"], encoding="utf-8"):
-    print(line, end="", flush=True)
-    time.sleep(float(os.environ.get("FAKE_ATC_LINE_DELAY", "0")))
-output = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--output=")), "")
-# Only where the caller prepared the output directory: a replay must never litter the working tree.
-if code == 0 and output and os.path.isdir(os.path.dirname(output)):
-    with open(output + ".om", "wb") as fh:
-        fh.write(b"fake om compiled by the test atc")
-sys.exit(code)
-"""
+# --- a fake `atc` on PATH that replays recorded real ATC runs (no CANN here): backend_ge/fakes/atc.py ------
+ATC_FIXTURES = fakes.ATC_RECORDINGS
+EXIT_CODES = fakes.atc_exit_codes()
 
 
 @pytest.fixture
 def fake_atc(tmp_path, monkeypatch):
     bindir = tmp_path / "bin"
-    bindir.mkdir()
-    atc = bindir / "atc"
-    atc.write_text(FAKE_ATC.format(python=sys.executable))
-    atc.chmod(0o755)
+    atc = fakes.install_tools(bindir, ("atc",))["atc"]
     monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv(fakes.ENV_FLAG, "1")
     argv_file = tmp_path / "atc-argv.json"
     monkeypatch.setenv("FAKE_ATC_ARGV", str(argv_file))
 

@@ -13,9 +13,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from backend_ge import config as gc
-from backend_ge import convert
+from backend_ge import convert, fakes
 
-FIXTURES = Path(__file__).parent / "fixtures" / "atc"
+FIXTURES = fakes.ATC_RECORDINGS
 
 
 def test_command_matches_the_reference_form():

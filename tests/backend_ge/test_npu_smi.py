@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from backend_ge import fakes
 from backend_ge.npu_smi import (
     NpuProcess,
     NpuSmiError,
@@ -21,7 +22,7 @@ from backend_ge.npu_smi import (
     read_inventory,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures" / "npu_smi"
+FIXTURES = fakes.NPU_SMI_RECORDINGS
 
 
 def fixture(name: str) -> str:
