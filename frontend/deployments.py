@@ -7,9 +7,10 @@ from django import forms
 from django.contrib import messages
 from django.core.exceptions import ValidationError
 from django.db.models import Exists, OuterRef
-from django.http import HttpResponseBadRequest
-from django.shortcuts import get_object_or_404, redirect
+from django.http import HttpResponse, HttpResponseBadRequest
+from django.shortcuts import get_object_or_404, redirect, render
 
+from apps.core.body_limits import limit_body
 from apps.deployments import calling, services
 from apps.deployments.models import Deployment, DeploymentState
 from apps.fleet.models import TritonInstance
@@ -209,12 +210,20 @@ class DeploymentStatusView(DeploymentPageView):
         return context
 
 
+@limit_body("PLAYGROUND_MAX_BYTES")
 class PlaygroundView(DeploymentPageView):
     """Runs one inference (POST from the htmx form) and returns the result partial. Members of every role
-    may use it, as in the API: inference on the endpoint is open anyway."""
+    may use it, as in the API: inference on the endpoint is open anyway. Bodies over PLAYGROUND_MAX_BYTES
+    are refused before they are read (apps.core.body_limits)."""
 
     template_name = "frontend/deployments/partials/playground_result.html"
     http_method_names = ["post"]
+
+    @classmethod
+    def body_too_large(cls, request, message: str) -> HttpResponse:
+        # htmx swaps only successful responses; the partial shows the error itself.
+        status = 200 if request.headers.get("HX-Request") else 413
+        return render(request, cls.template_name, {"errors": [message]}, status=status)
 
     def post(self, request, *args, **kwargs):
         deployment = self.get_deployment()

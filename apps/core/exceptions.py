@@ -12,6 +12,14 @@ from rest_framework.response import Response
 from rest_framework.views import exception_handler
 
 
+class RequestTooLarge(exceptions.APIException):
+    """413: the body is larger than the endpoint accepts (see apps.core.body_limits)."""
+
+    status_code = status.HTTP_413_REQUEST_ENTITY_TOO_LARGE
+    default_code = "too_large"
+    default_detail = "The request body is too large."
+
+
 def _first_message(detail) -> str:
     if isinstance(detail, dict):
         for field, value in detail.items():
@@ -57,7 +65,10 @@ def page_not_found(request, exception=None):
 
     if _wants_json(request):
         return JsonResponse(
-            {"error": "not_found", "message": f"No API endpoint at {request.path}; see /api/docs/ for the endpoints."},
+            {
+                "error": "not_found",
+                "message": f"No API endpoint at {request.path}; see /api/docs/ for the endpoints.",
+            },
             status=404,
         )
     return html_page_not_found(request, exception)
@@ -69,7 +80,10 @@ def server_error(request):
 
     if _wants_json(request):
         return JsonResponse(
-            {"error": "server_error", "message": "The server failed to handle this request; it has been logged."},
+            {
+                "error": "server_error",
+                "message": "The server failed to handle this request; it has been logged.",
+            },
             status=500,
         )
     return html_server_error(request)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from drf_spectacular.utils import extend_schema, extend_schema_field, inline_serializer
 from rest_framework import mixins, serializers, status
@@ -18,6 +19,8 @@ from rest_framework.parsers import BaseParser, FormParser, MultiPartParser
 from rest_framework.response import Response
 
 from apps.core.api import TeamScopedViewSet
+from apps.core.body_limits import limit_body, too_large_message
+from apps.core.exceptions import RequestTooLarge
 from apps.deployments import calling, services
 from apps.deployments.models import Deployment, DeploymentEvent, DeploymentInstance
 from apps.fleet.models import TritonInstance
@@ -25,8 +28,6 @@ from apps.registry.models import ModelVersion, RegisteredModel
 from apps.teams.models import Action
 
 EVENTS_SHOWN = 100
-# One 224x224 RGB image is 150,528 numbers, about 3 MB of JSON: more than Django's 2.5 MB body limit.
-PLAYGROUND_MAX_JSON_BYTES = 64 * 1024 * 1024
 
 
 class PlacementSerializer(serializers.ModelSerializer):
@@ -186,17 +187,18 @@ ERROR = inline_serializer(
 
 
 class PlaygroundJSONParser(BaseParser):
-    """JSON bodies up to PLAYGROUND_MAX_JSON_BYTES, read from the stream. DRF's JSONParser goes through
-    ``request.body``, which Django caps at DATA_UPLOAD_MAX_MEMORY_SIZE for every view alike."""
+    """JSON bodies up to PLAYGROUND_MAX_BYTES, read from the stream. DRF's JSONParser goes through
+    ``request.body``, which Django caps at DATA_UPLOAD_MAX_MEMORY_SIZE (2.5 MiB) for every view alike, and
+    one 224x224 RGB image is 150,528 numbers, about 3 MB of JSON. BodyLimitMiddleware has refused a larger
+    declared body already; reading one byte more than the limit keeps this bounded on its own too."""
 
     media_type = "application/json"
 
     def parse(self, stream, media_type=None, parser_context=None):
-        raw = stream.read(PLAYGROUND_MAX_JSON_BYTES + 1) if stream is not None else b""
-        if len(raw) > PLAYGROUND_MAX_JSON_BYTES:
-            raise ParseError(
-                f"The JSON body is larger than {PLAYGROUND_MAX_JSON_BYTES // 2**20} MiB; upload a .npy file instead."
-            )
+        limit = settings.PLAYGROUND_MAX_BYTES
+        raw = stream.read(limit + 1) if stream is not None else b""
+        if len(raw) > limit:
+            raise RequestTooLarge(too_large_message(limit))
         try:
             return json.loads(raw or b"{}")
         except ValueError as exc:
@@ -323,8 +325,9 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamSc
                 "additionalProperties": {"type": "string", "format": "binary"},
             },
         },
-        responses={200: PlaygroundResultSerializer, 400: ERROR, 409: ERROR, 502: ERROR},
+        responses={200: PlaygroundResultSerializer, 400: ERROR, 409: ERROR, 413: ERROR, 502: ERROR},
     )
+    @limit_body("PLAYGROUND_MAX_BYTES")
     @action(detail=True, methods=["post"], parser_classes=[PlaygroundJSONParser, MultiPartParser, FormParser])
     def playground(self, request, team_slug=None, pk=None):
         """Run one inference on the first READY instance: random, JSON or .npy inputs; outputs with the

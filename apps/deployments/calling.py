@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from django.conf import settings
 from django.core.exceptions import ValidationError
 
 from apps.deployments.models import Deployment, DeploymentInstance, PlacementState
@@ -156,7 +158,26 @@ def _fit_shape(tensor: TensorSignature, array: np.ndarray, batched: bool) -> np.
     )
 
 
-def _from_json(tensor: TensorSignature, data, batched: bool) -> np.ndarray:
+class ElementBudget:
+    """How many input values one playground request may still build (PLAYGROUND_MAX_ELEMENTS in all): a
+    model's declared dims, a .npy header and JSON lists are all checked against it before the memory for
+    them is taken."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = settings.PLAYGROUND_MAX_ELEMENTS if limit is None else limit
+        self.left = self.limit
+
+    def take(self, tensor: TensorSignature, count: int, what: str) -> None:
+        if count > self.left:
+            raise _input_error(
+                tensor.name,
+                f"'{tensor.name}': {what} has {count:,} values; the playground takes at most {self.limit:,} "
+                "values per request. Call the model through its endpoint (see the snippets) for bigger inputs.",
+            )
+        self.left -= count
+
+
+def _from_json(tensor: TensorSignature, data, batched: bool, budget: ElementBudget) -> np.ndarray:
     if isinstance(data, str):
         try:
             data = json.loads(data)
@@ -171,10 +192,11 @@ def _from_json(tensor: TensorSignature, data, batched: bool) -> np.ndarray:
         ) from None
     if array.dtype == object or array.ndim == 0:
         raise _input_error(tensor.name, f"'{tensor.name}': give a (nested) list of {tensor.dtype} numbers.")
+    budget.take(tensor, int(array.size), "the JSON list")
     return _fit_shape(tensor, array, batched)
 
 
-def _decode_image(tensor: TensorSignature, raw: bytes) -> np.ndarray:
+def _decode_image(tensor: TensorSignature, raw: bytes, budget: ElementBudget) -> np.ndarray:
     try:
         from PIL import Image
     except ImportError:
@@ -188,7 +210,10 @@ def _decode_image(tensor: TensorSignature, raw: bytes) -> np.ndarray:
     height, width = (tensor.dims[1], tensor.dims[2]) if channels_first else (tensor.dims[0], tensor.dims[1])
     try:
         image = Image.open(io.BytesIO(raw))
+        budget.take(tensor, image.width * image.height * channels, "the image")
         image = image.convert("RGB" if channels == 3 else "L")
+    except ValidationError:
+        raise
     except Exception:  # Pillow raises many types for a broken file
         raise _input_error(
             tensor.name, f"'{tensor.name}': the file is neither a .npy array nor an image."
@@ -204,18 +229,48 @@ def _decode_image(tensor: TensorSignature, raw: bytes) -> np.ndarray:
     return array.astype(dtypes.from_wire(tensor.dtype).numpy)
 
 
-def _from_file(tensor: TensorSignature, upload, batched: bool) -> np.ndarray:
+def _read_npy(tensor: TensorSignature, upload, budget: ElementBudget) -> np.ndarray:
+    """The array of a .npy upload. Its header is checked first - a plain numeric dtype, a shape within the
+    budget, a file exactly as long as the header says - so an oversized array is refused unread."""
+    unreadable = f"'{tensor.name}': unreadable .npy file"
+    upload.seek(0)
+    try:
+        version = np.lib.format.read_magic(upload)
+        header = (
+            np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        )
+        shape, _, dtype = header(upload, max_header_size=10_000)
+    except (ValueError, SyntaxError, EOFError) as exc:
+        raise _input_error(tensor.name, f"{unreadable} ({exc}).") from None
+    if dtype.hasobject or dtype.kind not in "biuf":
+        raise _input_error(tensor.name, f"'{tensor.name}': the .npy file must hold numbers, not {dtype}.")
+    count = math.prod(shape)  # Python ints: a hostile header cannot overflow the check
+    budget.take(tensor, count, f"the .npy file (shape {list(shape)})")
+    if upload.size != upload.tell() + count * dtype.itemsize:
+        raise _input_error(tensor.name, f"{unreadable}: its length does not match its header.")
+    upload.seek(0)
+    try:
+        array = np.load(upload, allow_pickle=False)
+    except (ValueError, OSError) as exc:
+        raise _input_error(tensor.name, f"{unreadable} ({exc}).") from None
+    return array.astype(dtypes.from_wire(tensor.dtype).numpy, copy=False)
+
+
+def _from_file(tensor: TensorSignature, upload, batched: bool, budget: ElementBudget) -> np.ndarray:
     if upload is None:
         raise _input_error(tensor.name, f"'{tensor.name}': choose a file, or another input mode.")
-    raw = upload.read()
-    if raw.startswith(b"\x93NUMPY"):
-        try:
-            array = np.load(io.BytesIO(raw), allow_pickle=False)
-        except ValueError as exc:
-            raise _input_error(tensor.name, f"'{tensor.name}': unreadable .npy file ({exc}).") from None
-        array = array.astype(dtypes.from_wire(tensor.dtype).numpy, copy=False)
+    limit = settings.PLAYGROUND_MAX_BYTES
+    if upload.size > limit:  # also checked on the request; a file part is never read past the limit
+        raise _input_error(
+            tensor.name, f"'{tensor.name}': the file is larger than the playground's {limit / 2**20:g} MiB."
+        )
+    upload.seek(0)
+    magic = upload.read(6)
+    if magic == b"\x93NUMPY":
+        array = _read_npy(tensor, upload, budget)
     elif is_image_shaped(tensor):
-        array = _decode_image(tensor, raw)
+        upload.seek(0)
+        array = _decode_image(tensor, upload.read(), budget)
     else:
         raise _input_error(
             tensor.name, f"'{tensor.name}': upload a .npy array (numpy.save) of shape {list(tensor.dims)}."
@@ -234,7 +289,7 @@ def build_inputs(
                         f"{', '.join(t.name for t in signature.inputs)}."]}
         )  # fmt: skip
     rng_seed = seed if seed is not None else int(time.time_ns() % (2**32))
-    random_arrays = samples.example_inputs(signature, seed=rng_seed)
+    budget = ElementBudget()
     arrays = {}
     for tensor in signature.inputs:
         spec = specs.get(tensor.name, InputSpec())
@@ -243,11 +298,15 @@ def build_inputs(
                 tensor.name, f"'{spec.mode}' is not an input mode; use {', '.join(INPUT_MODES)}."
             )
         if spec.mode == "json":
-            arrays[tensor.name] = _from_json(tensor, spec.data, signature.batched)
+            arrays[tensor.name] = _from_json(tensor, spec.data, signature.batched, budget)
         elif spec.mode == "file":
-            arrays[tensor.name] = _from_file(tensor, spec.upload, signature.batched)
+            arrays[tensor.name] = _from_file(tensor, spec.upload, signature.batched, budget)
         else:
-            arrays[tensor.name] = random_arrays[tensor.name]
+            # The model's declared dims are a tenant's numbers too: checked before the array is made.
+            shape = samples.request_shape(tensor, signature.batched)
+            budget.take(tensor, math.prod(shape), f"random data of shape {shape}")
+            one = ModelSignature(inputs=(tensor,), outputs=(), batched=signature.batched)
+            arrays[tensor.name] = samples.example_inputs(one, seed=rng_seed)[tensor.name]
     return arrays
 
 
