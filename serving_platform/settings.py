@@ -74,6 +74,8 @@ MIDDLEWARE = [
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
+    # Before the CSRF check, which parses a form body: a body over its view's limit is refused unread.
+    "apps.core.body_limits.BodyLimitMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
@@ -166,6 +168,12 @@ WHITENOISE_USE_FINDERS = not STATIC_MANIFEST
 ARTIFACT_ROOT = Path(env_str("ARTIFACT_ROOT") or VAR_DIR / "artifacts").resolve()
 # Largest model upload accepted (bytes); archives may unpack to twice that.
 UPLOAD_MAX_BYTES = env_int("UPLOAD_MAX_BYTES", 8 * 1024**3, minimum=1)
+
+# --- Playground: one inference from the web UI or the API, run inside a web worker ------------------
+# Largest request body (JSON or multipart with .npy files) and most input values per request, so one
+# request cannot grow a web worker by more than a few hundred MiB.
+PLAYGROUND_MAX_BYTES = env_int("PLAYGROUND_MAX_BYTES", 16 * 1024**2, minimum=1024)
+PLAYGROUND_MAX_ELEMENTS = env_int("PLAYGROUND_MAX_ELEMENTS", 4 * 1024**2, minimum=1)
 
 # --- Fleet: host agents ----------------------------------------------------------------------------
 FLEET_ROOT = Path(env_str("FLEET_ROOT") or VAR_DIR / "fleet").resolve()
