@@ -23,6 +23,7 @@ from backend_ge.seedtext import quote_bare_strings, wrap_seed_steps
 GE_BACKEND = "ge"
 SEED_PLATFORM = "graph_executor"  # what the seed article writes instead of a backend name
 ENSEMBLE_PLATFORM = "ensemble"
+SEED_DEVICE_PARAMETERS = ("DEVICE_ID", "device_ids")
 EXECUTORS = ("auto", "acl", "onnxruntime")
 DYNAMIC = -1
 
@@ -267,13 +268,16 @@ def _parse_error_to_field(exc: text_format.ParseError) -> FieldError:
 def normalize_config(config: ModelConfig) -> ModelConfig:
     """Rewrite seed-style configs for this backend: ``platform: "graph_executor"`` -> ``backend: "ge"``.
 
-    Parameters such as ``EXECUTOR_TYPE`` and ``DEVICE_ID`` are kept; a copy is returned.
+    The seed's ``EXECUTOR_TYPE`` is kept; its ``DEVICE_ID``/``device_ids`` (device pinning) is dropped from a
+    seed-style config, since the platform picks the devices at placement. A copy is returned.
     """
     out = ModelConfig()
     out.CopyFrom(config)
     if out.platform == SEED_PLATFORM:
         out.platform = ""
         out.backend = GE_BACKEND
+        for key in SEED_DEVICE_PARAMETERS:
+            out.parameters.pop(key, None)
     return out
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from backend_ge.executors.base import Executor, ExecutorError, TensorSpec
 
 __all__ = [
+    "EXECUTOR_NAMES",
     "Executor",
     "ExecutorError",
     "TensorSpec",
@@ -38,6 +39,8 @@ _ALIASES = {
     "ort": "onnxruntime",
     "cpu": "onnxruntime",
 }
+# Every value the EXECUTOR (or EXECUTOR_TYPE) parameter accepts, compared lower-case.
+EXECUTOR_NAMES = frozenset(_ALIASES)
 
 
 def acl_available() -> bool:

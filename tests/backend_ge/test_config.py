@@ -54,11 +54,11 @@ def fields(errors) -> set[str]:
     return {e.field for e in errors}
 
 
-def test_seed_resnet50_normalizes_to_ge_backend_and_keeps_parameters():
+def test_seed_resnet50_normalizes_to_ge_backend_keeps_executor_and_drops_device_pinning():
     cfg = gc.load_config(SEED_RESNET50, expected_name="resnet50")
     assert cfg.backend == "ge" and cfg.platform == ""
     assert cfg.parameters["EXECUTOR_TYPE"].string_value == "graph"
-    assert cfg.parameters["DEVICE_ID"].string_value == "0"
+    assert "DEVICE_ID" not in cfg.parameters  # the platform picks devices at placement
     assert list(cfg.dynamic_batching.preferred_batch_size) == [4, 8, 16]
     assert cfg.input[0].format == mc.ModelInput.FORMAT_NCHW
 
@@ -285,7 +285,7 @@ def test_seed_config_without_quotes_parses_and_normalizes():
     assert cfg.name == "resnet50" and cfg.backend == "ge" and cfg.platform == ""
     assert [i.name for i in cfg.input] == ["input"] and list(cfg.input[0].dims) == [3, 224, 224]
     assert cfg.parameters["EXECUTOR_TYPE"].string_value == "graph"
-    assert cfg.parameters["DEVICE_ID"].string_value == "0"
+    assert "DEVICE_ID" not in cfg.parameters
     assert list(cfg.dynamic_batching.preferred_batch_size) == [4, 8, 16]
 
 
