@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PYTHON ?= python3
 export DEBUG ?= 1
 
-.PHONY: run test install migrate demo lint deploy-check clean
+.PHONY: run test install migrate demo lint deploy-check npu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ lint: install
 deploy-check: install
 	DEBUG=0 SECRET_KEY=$$($(PY) -c 'import secrets;print(secrets.token_urlsafe(64))') ALLOWED_HOSTS=platform.example.com \
 		$(PY) manage.py check --deploy --fail-level WARNING
+
+## On an Ascend host (CANN's set_env.sh sourced): compile, run, serve and benchmark on the NPU; a table + JSON.
+## NPU_CHECK_ARGS="--fake" runs it against the project's fakes, e.g. on a machine without an NPU.
+npu-check: $(VENV)/.installed
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m backend_ge npu-check --json var/npu-check.json $(NPU_CHECK_ARGS)
 
 clean:
 	rm -rf var/celery var/staticfiles

@@ -1,4 +1,5 @@
-"""``python -m backend_ge``: serve a model repository, convert models, benchmark, write example models."""
+"""``python -m backend_ge``: serve a model repository, convert models, benchmark, write example models, check
+an NPU host (``npu-check``)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         from backend_ge import bench
 
         return bench.main(argv[1:])
+    if argv and argv[0] == "npu-check":
+        from backend_ge import npucheck
+
+        return npucheck.main(argv[1:])
 
     parser = argparse.ArgumentParser(prog="python -m backend_ge", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ex.set_defaults(func=_examples)
     sub.add_parser("convert", help="convert a model (ATC to .om, or ONNX preparation); see convert --help")
     sub.add_parser("bench", help="load-test a served model; see bench --help")
+    sub.add_parser("npu-check", help="validate this Ascend host end to end; see npu-check --help")
     args = parser.parse_args(argv)
     return args.func(args)
 
