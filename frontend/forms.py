@@ -24,6 +24,11 @@ class RoleForm(forms.Form):
 class TokenForm(forms.Form):
     name = forms.CharField(max_length=100, help_text="Where the token is used, e.g. 'CI pipeline'.")
     read_only = forms.BooleanField(required=False, label="Read-only")
+    inference_only = forms.BooleanField(
+        required=False,
+        label="Inference only",
+        help_text="Calls models through the gateway; the management API refuses it.",
+    )
     expires_in_days = forms.IntegerField(
         required=False,
         min_value=1,

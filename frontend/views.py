@@ -192,6 +192,7 @@ class TeamSettingsView(TeamPageView):
                     team=self.team,
                     name=form.cleaned_data["name"],
                     read_only=form.cleaned_data["read_only"],
+                    inference_only=form.cleaned_data["inference_only"],
                     expires_at=timezone.now() + timedelta(days=days) if days else None,
                 )
             except ValidationError as error:

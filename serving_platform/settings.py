@@ -64,6 +64,7 @@ INSTALLED_APPS = [
     "apps.fleet",
     "apps.deployments",
     "apps.monitoring",
+    "apps.gateway",
     "frontend",
 ]
 
@@ -321,6 +322,23 @@ CELERY_BEAT_SCHEDULE.update(
         },
     }
 )
+
+# --- Inference gateway: HAProxy in front of every Triton instance (apps.gateway) ------------------
+GATEWAY_BIND = env_str("GATEWAY_BIND") or "127.0.0.1:8080"
+GATEWAY_GRPC_BIND = env_str("GATEWAY_GRPC_BIND") or "127.0.0.1:8081"
+# HAProxy's Prometheus exporter; the platform scrapes it (keep it private).
+GATEWAY_STATS_BIND = env_str("GATEWAY_STATS_BIND") or "127.0.0.1:8404"
+GATEWAY_METRICS_URL = env_str("GATEWAY_METRICS_URL") or f"http://{GATEWAY_STATS_BIND}/metrics"
+# What users copy into their clients (snippets, playground, README); TLS terminates here in production.
+GATEWAY_PUBLIC_URL = env_str("GATEWAY_PUBLIC_URL") or "http://127.0.0.1:8080"
+GATEWAY_PUBLIC_GRPC = env_str("GATEWAY_PUBLIC_GRPC") or "127.0.0.1:8081"
+GATEWAY_DIR = Path(env_str("GATEWAY_DIR") or VAR_DIR / "gateway").resolve()
+GATEWAY_HAPROXY = env_str("GATEWAY_HAPROXY") or "haproxy"
+GATEWAY_THREADS = env_int("GATEWAY_THREADS", 1, minimum=1)
+GATEWAY_SYNC_INTERVAL_MS = env_int("GATEWAY_SYNC_INTERVAL_MS", 1000, minimum=50)
+GATEWAY_CHECK_INTERVAL_MS = env_int("GATEWAY_CHECK_INTERVAL_MS", 500, minimum=100)
+# Team.quota_requests_per_second of a new team.
+GATEWAY_DEFAULT_REQUESTS_PER_SECOND = env_int("GATEWAY_DEFAULT_REQUESTS_PER_SECOND", 1000, minimum=1)
 
 # --- Demo account created by `manage.py bootstrap_demo` (make run) ---------------------------------
 DEMO_USERNAME = env_str("DEMO_USERNAME") or "admin"

@@ -7,6 +7,7 @@ team's dedicated host is a 404.
 
 from __future__ import annotations
 
+import secrets
 from datetime import timedelta
 
 from django.core.validators import RegexValidator
@@ -154,6 +155,11 @@ class ExecutorKind(models.TextChoices):
     NPU = "npu", "NPU (pyACL)"
 
 
+def new_instance_api_key() -> str:
+    """The secret every Triton API but health requires on one instance (hex: also a valid HAProxy name)."""
+    return secrets.token_hex(24)
+
+
 class InstanceQuerySet(HostQuerySet):
     def for_user(self, user, action: str = Action.VIEW):
         return self.filter(host__in=Host.objects.for_user(user, action))
@@ -193,6 +199,8 @@ class TritonInstance(models.Model):
     last_error = models.TextField(blank=True)
     log_tail = models.TextField(blank=True)
     state_changed_at = models.DateTimeField(default=timezone.now)
+    # Only the gateway and the platform hold it: Triton refuses every API but health without it.
+    api_key = models.CharField(max_length=64, default=new_instance_api_key, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = InstanceQuerySet.as_manager()

@@ -145,6 +145,7 @@ class ApiTokenSerializer(serializers.ModelSerializer):
             "name",
             "prefix",
             "read_only",
+            "inference_only",
             "status",
             "created_by",
             "created_at",
@@ -167,7 +168,7 @@ class ApiTokenFilter(filters.FilterSet):
 
     class Meta:
         model = ApiToken
-        fields = ["read_only", "active"]
+        fields = ["read_only", "inference_only", "active"]
 
 
 class ApiTokenViewSet(
@@ -197,6 +198,7 @@ class ApiTokenViewSet(
             name=data["name"],
             read_only=data.get("read_only", False),
             expires_at=data.get("expires_at"),
+            inference_only=data.get("inference_only", False),
         )
         token.token = plaintext
         return Response(ApiTokenCreatedSerializer(token).data, status=status.HTTP_201_CREATED)

@@ -48,6 +48,11 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
             raise exceptions.AuthenticationFailed(
                 f"API token {token.display_prefix} expired at {token.expires_at:%Y-%m-%d %H:%M} UTC; create a new one."
             )
+        if token.inference_only:
+            raise exceptions.PermissionDenied(
+                f"API token {token.display_prefix} is an inference-only token: it calls models through the "
+                "inference gateway and cannot use the management API."
+            )
         user = token.created_by
         if not user.is_active or not Membership.objects.filter(team=token.team, user=user).exists():
             raise exceptions.AuthenticationFailed(

@@ -81,6 +81,10 @@ slug_validator = RegexValidator(
 )
 
 
+def default_requests_per_second() -> int:
+    return settings.GATEWAY_DEFAULT_REQUESTS_PER_SECOND
+
+
 class Team(models.Model):
     """A tenant: its members share models, deployments and tokens; nobody else sees them."""
 
@@ -90,7 +94,13 @@ class Team(models.Model):
     # The chip ATC compiles for unless a conversion says otherwise (`npu-smi info` Name with "Ascend" prefixed).
     default_soc_version = models.CharField(max_length=32, default="Ascend310P3")
     quota_deployed_models = models.PositiveIntegerField(default=50, help_text="Models deployed at once.")
-    quota_instances = models.PositiveIntegerField(default=8, help_text="Triton instances the team's deployments use.")
+    quota_instances = models.PositiveIntegerField(
+        default=8, help_text="Triton instances the team's deployments use."
+    )
+    quota_requests_per_second = models.PositiveIntegerField(
+        default=default_requests_per_second,
+        help_text="Inference requests per second through the gateway, over all the team's models and tokens.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = TeamQuerySet.as_manager()
@@ -145,6 +155,8 @@ class ApiToken(models.Model):
     prefix = models.CharField(max_length=16, unique=True)
     secret_hash = models.CharField(max_length=64)
     read_only = models.BooleanField(default=False)
+    # Inference-only tokens call models through the gateway and nothing else: the management API refuses them.
+    inference_only = models.BooleanField(default=False)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens"
     )

@@ -143,7 +143,13 @@ def _new_prefix() -> str:
 
 
 def create_token(
-    *, actor, team: Team, name: str, read_only: bool = False, expires_at: datetime | None = None
+    *,
+    actor,
+    team: Team,
+    name: str,
+    read_only: bool = False,
+    expires_at: datetime | None = None,
+    inference_only: bool = False,
 ) -> tuple[ApiToken, str]:
     """Create a token; returns it with its plaintext, which is never stored and cannot be shown again."""
     name = name.strip()
@@ -160,6 +166,7 @@ def create_token(
             prefix=prefix,
             secret_hash=hash_token_secret(secret),
             read_only=read_only,
+            inference_only=inference_only,
             created_by=actor,
             expires_at=expires_at,
         )
@@ -171,6 +178,7 @@ def create_token(
             details={
                 "name": name,
                 "read_only": read_only,
+                "inference_only": inference_only,
                 "expires_at": expires_at.isoformat() if expires_at else None,
             },
         )

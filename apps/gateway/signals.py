@@ -1,0 +1,29 @@
+"""Pokes: after a commit that changes what the gateway routes, it syncs at once instead of at its next tick.
+
+Deployments, placements and tokens are written by other apps' services; their audit events and deployment
+events are written in the same transactions, so listening to those rows covers deploy, switch, undeploy,
+placement changes, token creation and revocation, and membership changes without touching those services.
+"""
+
+from __future__ import annotations
+
+from django.db import transaction
+from django.db.models.signals import post_delete, post_save
+from django.dispatch import receiver
+
+from apps.audit.models import AuditEvent
+from apps.deployments.models import Deployment, DeploymentEvent
+from apps.fleet.models import TritonInstance
+from apps.gateway.services import poke_gateway
+from apps.teams.models import ApiToken, Team
+
+
+@receiver(post_save, sender=AuditEvent, dispatch_uid="gateway-audit")
+@receiver(post_save, sender=Deployment, dispatch_uid="gateway-deployment")
+@receiver(post_save, sender=DeploymentEvent, dispatch_uid="gateway-deployment-event")
+@receiver(post_save, sender=ApiToken, dispatch_uid="gateway-token")
+@receiver(post_save, sender=Team, dispatch_uid="gateway-team")
+@receiver(post_delete, sender=Team, dispatch_uid="gateway-team-deleted")
+@receiver(post_delete, sender=TritonInstance, dispatch_uid="gateway-instance-deleted")
+def _poke_after_commit(**kwargs) -> None:
+    transaction.on_commit(poke_gateway)

@@ -1,0 +1,131 @@
+"""What the gateway should route, read from the database: the one place that decides who reaches what.
+
+* A live deployment (not undeploying) is a backend ``d<id>`` with one server per placement, and a route
+  ``<team>/d<id>/<version>`` in ``models.map``. A placement is in rotation when its instance is READY and it serves
+  the version clients are pinned to; during a switch (the only time two versions are served) requests are not
+  pinned and every placement that serves something stays in rotation, so no request meets a half-switched instance.
+* Tokens that may infer: every active team token whose creator is still an active member (read-only ones too,
+  as viewers may run models), and inference-only tokens. Expired tokens stay in the map with their expiry so
+  the gateway can say so; revoked ones are removed.
+* gRPC carries the model name inside the body, which HAProxy cannot check, so a team's gRPC goes only to
+  instances on hosts dedicated to that team (``g<team id>``): never to a shared instance.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.conf import settings
+from django.db.models import F
+from django.utils import timezone
+
+from apps.deployments.models import Deployment, DeploymentState, PlacementState
+from apps.fleet.models import InstanceState, TritonInstance
+from apps.gateway.haproxy import NEVER_EXPIRES, GatewayState, Options, Server
+from apps.teams.models import ApiToken, Team
+
+# Triton's header for every restricted API; the gRPC form is what Triton reads for restricted protocols.
+INSTANCE_KEY_HEADER = "x-ge-instance-key"
+GRPC_INSTANCE_KEY_HEADER = f"triton-grpc-protocol-{INSTANCE_KEY_HEADER}"
+# Expired tokens are kept this long so a client hears "expired" rather than "invalid".
+EXPIRED_TOKENS_KEPT = timedelta(days=7)
+
+
+def options() -> Options:
+    return Options(
+        directory=settings.GATEWAY_DIR,
+        bind=settings.GATEWAY_BIND,
+        grpc_bind=settings.GATEWAY_GRPC_BIND,
+        stats_bind=settings.GATEWAY_STATS_BIND,
+        key_header=INSTANCE_KEY_HEADER,
+        grpc_key_header=GRPC_INSTANCE_KEY_HEADER,
+        default_limit=settings.GATEWAY_DEFAULT_REQUESTS_PER_SECOND,
+        threads=settings.GATEWAY_THREADS,
+        check_interval_ms=settings.GATEWAY_CHECK_INTERVAL_MS,
+    )
+
+
+def backend_name(deployment_id: int) -> str:
+    return f"d{deployment_id}"
+
+
+def grpc_backend_name(team_id: int) -> str:
+    return f"g{team_id}"
+
+
+def _routed_version(deployment: Deployment) -> int | None:
+    """The version unversioned requests are pinned to; 0 = not pinned (switching); None = not routed."""
+    if deployment.state == DeploymentState.SWITCHING:
+        return 0
+    version = deployment.active_version or deployment.target_version
+    return version.number if version is not None else None
+
+
+def _add_http_routes(state: GatewayState) -> None:
+    deployments = (
+        Deployment.objects.exclude(state__in=(DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED))
+        .select_related("team", "model", "active_version", "target_version")
+        .prefetch_related("placements__instance__host", "placements__served_version")
+    )
+    for deployment in deployments:
+        version = _routed_version(deployment)
+        if version is None:
+            continue
+        name = backend_name(deployment.pk)
+        servers = []
+        for placement in deployment.placements.all():
+            if placement.state == PlacementState.UNLOADED:
+                continue
+            instance = placement.instance
+            server = Server(instance.api_key, instance.host.address, instance.http_port)
+            servers.append(server)
+            served = placement.served_version
+            in_rotation = (
+                instance.state == InstanceState.READY
+                and served is not None
+                and (version == 0 or served.number == version)
+            )
+            state.weights[(name, server.key)] = 100 if in_rotation else 0
+        state.backends[name] = tuple(sorted(servers))
+        state.routes[deployment.triton_model_name()] = f"{deployment.team.slug}/{name}/{version}"
+
+
+def _add_grpc_routes(state: GatewayState) -> None:
+    dedicated = TritonInstance.objects.filter(host__team__isnull=False).select_related("host")
+    for instance in dedicated:
+        name = grpc_backend_name(instance.host.team_id)
+        server = Server(
+            instance.api_key, instance.host.address, instance.grpc_port, check_port=instance.http_port
+        )
+        state.grpc_backends[name] = tuple(sorted((*state.grpc_backends.get(name, ()), server)))
+        state.weights[(name, server.key)] = 100 if instance.state == InstanceState.READY else 0
+    for team_id, slug in Team.objects.filter(hosts__isnull=False).values_list("pk", "slug").distinct():
+        if grpc_backend_name(team_id) in state.grpc_backends:
+            state.grpc_routes[slug] = grpc_backend_name(team_id)
+
+
+def _add_tokens(state: GatewayState) -> None:
+    now = timezone.now()
+    tokens = (
+        ApiToken.objects.filter(
+            revoked_at__isnull=True,
+            created_by__is_active=True,
+            created_by__memberships__team=F("team"),
+        )
+        .exclude(expires_at__lt=now - EXPIRED_TOKENS_KEPT)
+        .values_list("prefix", "secret_hash", "team__slug", "expires_at")
+    )
+    for prefix, secret_hash, team, expires_at in tokens:
+        expires = int(expires_at.timestamp()) if expires_at is not None else NEVER_EXPIRES
+        state.tokens[f"{prefix}:{secret_hash}"] = f"{team}:{expires}"
+
+
+def desired_state() -> GatewayState:
+    state = GatewayState()
+    _add_http_routes(state)
+    _add_grpc_routes(state)
+    _add_tokens(state)
+    state.limits = {
+        slug: str(rps) for slug, rps in Team.objects.values_list("slug", "quota_requests_per_second")
+    }
+    return state
