@@ -17,7 +17,7 @@ from apps.conversions.services import INPUT_FORMATS, PRECISION_MODES
 from apps.registry import services
 from apps.registry.formats import EXTENSIONS
 from apps.registry.models import RegisteredModel, TaskType
-from apps.registry.options import SERVING_DEFAULTS
+from apps.registry.options import MAX_INSTANCES, SERVING_DEFAULTS
 from apps.teams.models import Action
 from frontend.pages import TeamPageView
 from frontend.views import add_service_errors
@@ -173,6 +173,7 @@ class ModelUploadView(ModelPageView):
         context = super().get_context_data(**kwargs)
         context.update(
             serving=SERVING_DEFAULTS,
+            max_instances=MAX_INSTANCES,
             precision_modes=PRECISION_MODES,
             input_formats=INPUT_FORMATS,
             extensions=", ".join(EXTENSIONS),

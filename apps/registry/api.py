@@ -126,7 +126,7 @@ class UploadCreateSerializer(serializers.Serializer):
     )
     serving_options = serializers.JSONField(
         required=False,
-        help_text="max_batch_size, preferred_batch_sizes, max_queue_delay_us, instance_count, device_ids.",
+        help_text="max_batch_size, preferred_batch_sizes, max_queue_delay_us, instance_count (devices are chosen at placement).",
     )
     conversion_options = serializers.JSONField(
         required=False, help_text="soc_version, precision_mode, input_format, input_shape."

@@ -8,11 +8,13 @@ The layout the conversion job reads (``source/`` of a version):
 ``tensorflow``            ``model.pb``
 ``torchscript``           ``model.pt`` (zip checked, never unpickled)
 ``om``                    ``model.om``
-``triton_repository``     ``config.pbtxt`` (normalized for backend "ge") + ``1/model.<ext>``
+``triton_repository``     ``config.pbtxt`` (rebuilt from the fields a tenant may set) + ``1/model.<ext>``
+                          (+ the external data ``1/model.onnx`` references, inside ``1/``)
 ========================  ================================================================
 
-Every check only reads headers and structure: nothing is unpickled or executed, and external ONNX data
-is never loaded.
+An archive holds the model and nothing else: any other file (a script, a shared library, a second model,
+a symbolic link) is refused by name. Every check only reads headers and structure: nothing is unpickled or
+executed, and external ONNX data is never loaded.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from pathlib import Path, PurePosixPath
 from apps.registry.archives import ArchiveRejected, Limits, extract_archive, unwrap_single_directory
 from apps.registry.models import SourceFormat
 from apps.registry.onnx_check import OnnxRejected, check_onnx, check_onnx_in_child
+from apps.registry.options import MAX_INSTANCES, UPLOADED_CONFIG_NAME
+from backend_ge import config as gc
+from backend_ge.served_config import build_served_config
 
 ARCHIVE = "archive"
 # Name ending -> what the upload claims to be; archives are resolved after extraction.
@@ -71,14 +76,37 @@ def claimed_format(filename: str) -> str:
     raise ValueError(f"'{filename}' has no supported extension; upload one of: {accepted}.")
 
 
-def _onnx(path: Path, root: Path, shown: str) -> None:
+def _onnx(path: Path, root: Path, shown: str) -> list[str]:
+    """Check an ONNX graph; returns its external-data files relative to ``root``."""
     try:
         if path.stat().st_size > ONNX_IN_PROCESS_MAX_BYTES:
-            check_onnx_in_child(path, root, shown)
-        else:
-            check_onnx(path, root, shown)
+            return check_onnx_in_child(path, root, shown)
+        return check_onnx(path, root, shown)
     except OnnxRejected as exc:
         raise FormatRejected(str(exc), exc.entry) from None
+
+
+def check_only_model_files(source: Path, allowed: set[str], what: str) -> None:
+    """Refuse every entry of an unpacked upload that is not one of ``allowed`` (POSIX paths relative to
+    ``source``) or a directory holding one: scripts, libraries, second models and links never get stored.
+    Links are named first, then files, then directories that hold nothing allowed."""
+    parents = {str(parent) for name in allowed for parent in PurePosixPath(name).parents} - {"."}
+    links, files, dirs = [], [], []
+    for directory, dirnames, filenames in os.walk(source, followlinks=False):
+        for name in dirnames + filenames:
+            path = Path(directory) / name
+            shown = path.relative_to(source).as_posix()
+            if path.is_symlink():
+                links.append(shown)
+            elif path.is_dir():
+                dirs.append(shown)
+            else:
+                files.append(shown)
+    if links:
+        shown = sorted(links)[0]
+        raise FormatRejected(f"'{shown}' is a symbolic link; upload regular files only", shown)
+    for shown in sorted(n for n in files if n not in allowed) + sorted(n for n in dirs if n not in parents):
+        raise FormatRejected(f"'{shown}' is not part of the model: {what}; remove it and upload again", shown)
 
 
 def check_torchscript(path: Path, shown: str) -> None:
@@ -146,8 +174,6 @@ def check_model_file(fmt: str, path: Path, root: Path, shown: str) -> None:
 
 
 def _check_triton_dir(source: Path) -> None:
-    from backend_ge import config as gc
-
     candidates = (
         sorted(p for p in (source / "1").glob("model.*") if p.is_file()) if (source / "1").is_dir() else []
     )
@@ -160,21 +186,46 @@ def _check_triton_dir(source: Path) -> None:
         )
     model = models[0]
     fmt = _INNER_SUFFIX_FORMAT[model.suffix]
-    check_model_file(fmt, model, source, f"1/{model.name}")
+    allowed = {"config.pbtxt", f"1/{model.name}"}
+    # Links would not survive the checks below; refuse them before anything reads through one.
+    check_only_model_files(source, allowed | _every_regular_file(source), _TRITON_LAYOUT)
+    if fmt == SourceFormat.ONNX:
+        # External data must sit in the version directory, beside the graph that reads it.
+        allowed |= {f"1/{name}" for name in _onnx(model, source / "1", f"1/{model.name}")}
+    else:
+        check_model_file(fmt, model, source, f"1/{model.name}")
+    check_only_model_files(source, allowed, _TRITON_LAYOUT)
     try:
         text = (source / "config.pbtxt").read_text(encoding="utf-8")
-        cfg = gc.normalize_config(gc.parse_config(text))
     except UnicodeDecodeError:
         raise FormatRejected("config.pbtxt is not UTF-8 text", "config.pbtxt") from None
+    try:
+        # The name is the platform's (team--model): the conversion job sets it.
+        cfg = build_served_config(
+            text,
+            name=UPLOADED_CONFIG_NAME,
+            max_instance_count=MAX_INSTANCES,
+            require_io=fmt == SourceFormat.OM,
+        )
     except gc.ConfigError as exc:
         raise FormatRejected(f"config.pbtxt: {exc}", "config.pbtxt") from None
-    if cfg.platform == "ensemble":
-        raise FormatRejected("ensembles are not models: upload each model of the ensemble", "config.pbtxt")
-    # The name is the platform's to choose (team--model), so only the rest is validated here.
-    errors = [e for e in gc.validate_config(cfg, require_io=fmt == SourceFormat.OM) if e.field != "name"]
-    if errors:
-        raise FormatRejected(f"config.pbtxt: {errors[0]}", "config.pbtxt")
     (source / "config.pbtxt").write_text(gc.render_config(cfg), encoding="utf-8")
+
+
+_TRITON_LAYOUT = (
+    "a Triton model directory holds config.pbtxt and 1/model.<ext> (with the external data an ONNX model "
+    "references) only"
+)
+_ONNX_LAYOUT = "an ONNX archive holds one .onnx file and the external data it references only"
+
+
+def _every_regular_file(source: Path) -> set[str]:
+    return {
+        (Path(d) / f).relative_to(source).as_posix()
+        for d, _, files in os.walk(source, followlinks=False)
+        for f in files
+        if not (Path(d) / f).is_symlink()
+    }
 
 
 def _resolve_archive(source: Path) -> str:
@@ -190,10 +241,12 @@ def _resolve_archive(source: Path) -> str:
             f"Triton model directory (config.pbtxt + 1/model.*){hint}",
             top[1].name if len(top) > 1 else "",
         )
+    check_only_model_files(source, _every_regular_file(source), _ONNX_LAYOUT)
     if top[0].name != "model.onnx":
         # External-data locations are relative to the folder, not the file, so renaming is safe.
         top[0].rename(source / "model.onnx")
-    _onnx(source / "model.onnx", source, top[0].name)
+    external = _onnx(source / "model.onnx", source, top[0].name)
+    check_only_model_files(source, {"model.onnx", *external}, _ONNX_LAYOUT)
     return SourceFormat.ONNX_ARCHIVE
 
 

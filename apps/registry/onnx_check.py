@@ -23,9 +23,10 @@ class OnnxRejected(ValueError):
         super().__init__(message)
 
 
-def check_onnx(model_path: Path, root: Path, shown_name: str) -> None:
+def check_onnx(model_path: Path, root: Path, shown_name: str) -> list[str]:
     """Parse the graph (external data not loaded) and require every external-data location to be a
-    file inside ``root``; raises :class:`OnnxRejected`."""
+    file inside ``root``; raises :class:`OnnxRejected`. Returns the external-data files the graph reads,
+    relative to ``root`` (POSIX paths), so a caller can refuse every other file."""
     import onnx
     from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
 
@@ -41,6 +42,7 @@ def check_onnx(model_path: Path, root: Path, shown_name: str) -> None:
         raise OnnxRejected(f"'{shown_name}' has an empty graph", shown_name)
     root_real = os.path.realpath(root)
     base = model_path.parent
+    referenced: set[str] = set()
     for tensor in _get_all_tensors(model):
         if not uses_external_data(tensor):
             continue
@@ -74,9 +76,11 @@ def check_onnx(model_path: Path, root: Path, shown_name: str) -> None:
             raise OnnxRejected(
                 f"tensor '{tensor.name}' reads past the end of external data file '{location}'", location
             )
+        referenced.add(Path(os.path.relpath(target, root_real)).as_posix())
+    return sorted(referenced)
 
 
-def check_onnx_in_child(model_path: Path, root: Path, shown_name: str, timeout: float = 600) -> None:
+def check_onnx_in_child(model_path: Path, root: Path, shown_name: str, timeout: float = 600) -> list[str]:
     """:func:`check_onnx` in a child Python, so parsing a multi-GB graph costs the caller no memory."""
     import subprocess
 
@@ -96,16 +100,17 @@ def check_onnx_in_child(model_path: Path, root: Path, shown_name: str, timeout: 
         ) from None
     if not result.get("ok"):
         raise OnnxRejected(result["message"], result.get("entry", shown_name))
+    return list(result.get("external_data", []))
 
 
 def _main(argv: list[str]) -> int:
     model, root, shown = argv
     try:
-        check_onnx(Path(model), Path(root), shown)
+        external = check_onnx(Path(model), Path(root), shown)
     except OnnxRejected as exc:
         print(json.dumps({"ok": False, "message": str(exc), "entry": exc.entry}))
         return 0
-    print(json.dumps({"ok": True}))
+    print(json.dumps({"ok": True, "external_data": external}))
     return 0
 
 

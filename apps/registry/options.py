@@ -4,17 +4,25 @@ from __future__ import annotations
 
 from django.core.exceptions import ValidationError
 
+from backend_ge import config as gc
+from backend_ge.served_config import (
+    MAX_BATCH_SIZE,
+    MAX_INSTANCE_COUNT,
+    MAX_QUEUE_DELAY_US,
+    build_served_config,
+)
+
 # What the conversion job hands to backend_ge.config.generate_config. Defaults match the seed's models.
+# Devices are not among them: the platform assigns an instance's devices at placement.
 SERVING_DEFAULTS: dict = {
     "max_batch_size": 8,
     "preferred_batch_sizes": [],
     "max_queue_delay_us": 100,
     "instance_count": 1,
-    "device_ids": [0],
 }
-MAX_BATCH_SIZE = 1024
-MAX_QUEUE_DELAY_US = 10_000_000
-MAX_INSTANCES = 64
+MAX_INSTANCES = MAX_INSTANCE_COUNT
+# The name an uploaded config carries until the conversion job gives it the model's Triton name.
+UPLOADED_CONFIG_NAME = "model"
 
 
 def _int(value, field: str, low: int, high: int, errors: dict) -> int | None:
@@ -50,6 +58,8 @@ def check_serving_options(options: dict | None) -> dict:
     errors: dict[str, list[str]] = {
         key: [f"Unknown serving option; use {', '.join(SERVING_DEFAULTS)}."] for key in unknown
     }
+    if "device_ids" in errors:
+        errors["device_ids"] = ["Devices are chosen by the platform at placement: the instance's devices."]
     merged = {**SERVING_DEFAULTS, **{k: v for k, v in options.items() if v is not None and v != ""}}
     out = {
         "max_batch_size": _int(merged["max_batch_size"], "max_batch_size", 0, MAX_BATCH_SIZE, errors),
@@ -60,7 +70,6 @@ def check_serving_options(options: dict | None) -> dict:
             merged["max_queue_delay_us"], "max_queue_delay_us", 0, MAX_QUEUE_DELAY_US, errors
         ),
         "instance_count": _int(merged["instance_count"], "instance_count", 1, MAX_INSTANCES, errors),
-        "device_ids": _int_list(merged["device_ids"], "device_ids", 0, 255, errors),
     }
     if out["max_batch_size"] is not None and any(
         p > out["max_batch_size"] for p in out["preferred_batch_sizes"]
@@ -68,23 +77,17 @@ def check_serving_options(options: dict | None) -> dict:
         errors.setdefault("preferred_batch_sizes", []).append(
             f"Preferred batch sizes cannot exceed the max batch size ({out['max_batch_size']})."
         )
-    if not out["device_ids"] and "device_ids" not in errors:
-        errors["device_ids"] = ["Give at least one device id, e.g. 0."]
     if errors:
         raise ValidationError(errors)
     return out
 
 
 def check_om_config(text: str) -> str:
-    """The config.pbtxt sent with a lone .om: parsed, normalized (seed style accepted), inputs and outputs
-    required (an .om's signature comes from here on a host without the NPU). Returns the rendered text."""
-    from backend_ge import config as gc
-
+    """The config.pbtxt sent with a lone .om, as the platform will serve it: only the fields a tenant may set
+    (seed style accepted), inputs and outputs required (an .om's signature comes from here on a host without
+    the NPU). Returns the rendered text; ValidationError lists each refused field path."""
     try:
-        cfg = gc.normalize_config(gc.parse_config(text))
+        cfg = build_served_config(text, name=UPLOADED_CONFIG_NAME, max_instance_count=MAX_INSTANCES)
     except gc.ConfigError as exc:
-        raise ValidationError({"config_text": [str(exc)]}) from None
-    errors = [e for e in gc.validate_config(cfg, require_io=True) if e.field != "name"]
-    if errors:
-        raise ValidationError({"config_text": [str(e) for e in errors]})
+        raise ValidationError({"config_text": [str(e) for e in exc.errors]}) from None
     return gc.render_config(cfg)

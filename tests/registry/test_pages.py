@@ -74,7 +74,6 @@ def test_upload_page_has_dropzone_progress_and_options(owner_web, model):
         "preferred_batch_sizes",
         "max_queue_delay_us",
         "instance_count",
-        "device_ids",
     ):
         assert f'name="{name}"' in html
     assert 'value="Ascend310P3"' in html

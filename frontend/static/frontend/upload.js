@@ -95,7 +95,7 @@
       const value = (name) => (data.get(name) || "").toString().trim();
       const serving = {};
       ["max_batch_size", "max_queue_delay_us", "instance_count"].forEach((k) => { if (value(k) !== "") serving[k] = Number(value(k)); });
-      ["preferred_batch_sizes", "device_ids"].forEach((k) => {
+      ["preferred_batch_sizes"].forEach((k) => {
         serving[k] = value(k) ? value(k).split(",").map((s) => s.trim()).filter(Boolean).map(Number) : [];
       });
       const conversion = {};
