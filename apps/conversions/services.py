@@ -134,18 +134,21 @@ def rerun_conversion(*, actor, version: ModelVersion, options: dict | None = Non
 
 
 def check_config_text(version: ModelVersion, text: str):
-    """Parse, normalize and validate a config for this version; returns the config or raises ConfigError.
+    """The config this version would be served with, or ConfigError listing every refused field path.
 
-    The name must be the version's Triton model name and the tensors must match the stored signature.
+    Built from only the fields a tenant may set (backend_ge.served_config): the name is the version's Triton
+    model name whatever the text says, and the tensors must match the stored signature.
     """
     from backend_ge import config as gc
+    from backend_ge.served_config import MAX_INSTANCE_COUNT, build_served_config
 
-    cfg = gc.normalize_config(gc.parse_config(text))
     signature = gc.ModelSignature.from_dict(version.signature) if version.signature else None
-    errors = gc.validate_config(cfg, expected_name=version.model.triton_model_name(), signature=signature)
-    if errors:
-        raise gc.ConfigError(errors)
-    return cfg
+    return build_served_config(
+        text,
+        name=version.model.triton_model_name(),
+        max_instance_count=MAX_INSTANCE_COUNT,
+        signature=signature,
+    )
 
 
 def update_config(*, actor, version: ModelVersion, text: str) -> ModelVersion:

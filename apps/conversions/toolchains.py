@@ -20,6 +20,7 @@ from apps.registry.models import ModelVersion, SourceFormat
 from backend_ge import config as gc
 from backend_ge import convert
 from backend_ge.convert import ConversionError
+from backend_ge.served_config import MAX_INSTANCE_COUNT, build_served_config
 
 MODEL_VERSION_DIR = "1"
 DEFAULT_MAX_BATCH_SIZE = 8
@@ -95,7 +96,6 @@ def generate_config(ctx: ConversionContext, signature: gc.ModelSignature, **extr
         preferred_batch_sizes=[b for b in s.get("preferred_batch_sizes") or () if b <= max_batch_size],
         max_queue_delay_us=s.get("max_queue_delay_us"),
         instance_count=int(s.get("instance_count") or 1),
-        device_ids=list(s.get("device_ids") or ()),
         **extra,
     )
     return checked_config(ctx, cfg, signature, require_io=bool(signature.outputs))
@@ -108,23 +108,32 @@ def checked_config(
     *,
     require_io: bool = True,
 ) -> gc.ModelConfig:
-    errors = gc.validate_config(cfg, expected_name=ctx.model_name, signature=signature, require_io=require_io)
-    if errors:
-        raise ConversionError("The model config is not valid: " + "; ".join(str(e) for e in errors))
-    return cfg
+    """The config the version is served with: built from only the fields a tenant may set, with the
+    platform's name and backend, checked against the model's signature (backend_ge.served_config)."""
+    try:
+        return build_served_config(
+            cfg,
+            name=ctx.model_name,
+            max_instance_count=MAX_INSTANCE_COUNT,
+            signature=signature,
+            require_io=require_io,
+        )
+    except gc.ConfigError as exc:
+        raise ConversionError(
+            "The model config is not valid: " + "; ".join(str(e) for e in exc.errors)
+        ) from None
 
 
-def _load_uploaded_config(ctx: ConversionContext) -> gc.ModelConfig:
+def _load_uploaded_config(ctx: ConversionContext, *, require_io: bool = False) -> gc.ModelConfig:
     path = _find_config(ctx.version)
     try:
-        cfg = gc.normalize_config(gc.parse_config(path.read_text(encoding="utf-8", errors="replace")))
+        cfg = gc.parse_config(path.read_text(encoding="utf-8", errors="replace"))
     except gc.ConfigError as exc:
         raise ConversionError(f"The uploaded config.pbtxt cannot be parsed: {exc}") from None
     if cfg.name != ctx.model_name:
         # Triton names models after their directory, which the platform derives; the uploaded name is a label.
         ctx.log.info("Config name %r replaced by the platform's model name %r", cfg.name, ctx.model_name)
-        cfg.name = ctx.model_name
-    return cfg
+    return checked_config(ctx, cfg, None, require_io=require_io)
 
 
 def _model_dir(ctx: ConversionContext) -> Path:
@@ -290,8 +299,7 @@ def convert_torchscript(ctx: ConversionContext) -> ConversionResult:
 
 def convert_om(ctx: ConversionContext) -> ConversionResult:
     ctx.stage("reading the uploaded config", 30)
-    cfg = _load_uploaded_config(ctx)
-    checked_config(ctx, cfg, None)
+    cfg = _load_uploaded_config(ctx, require_io=True)
     source = _find_source(ctx.version, (".om",))
     shutil.copyfile(source, _model_dir(ctx) / "model.om")
     ctx.log.info("Compiled .om: no conversion; the signature comes from the uploaded config")
@@ -308,8 +316,9 @@ def convert_triton_directory(ctx: ConversionContext) -> ConversionResult:
     source = candidates[-1]
     suffix = source.suffix.lower()
     if suffix == ".om":
+        cfg = checked_config(ctx, cfg, None)
         shutil.copyfile(source, _model_dir(ctx) / "model.om")
-        return ConversionResult(Toolchain.NONE, gc.signature_from_config(checked_config(ctx, cfg, None)), cfg)
+        return ConversionResult(Toolchain.NONE, gc.signature_from_config(cfg), cfg)
     if suffix != ".onnx":
         raise ConversionError(
             f"The Triton model directory holds {source.name}; the GE backend serves model.onnx or model.om."
