@@ -10,7 +10,7 @@ from django.db.models import Exists, OuterRef
 from django.http import HttpResponse, HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, redirect, render
 
-from apps.core.body_limits import limit_body
+from apps.core.body_limits import PLAYGROUND_HINT, limit_body
 from apps.deployments import calling, services
 from apps.deployments.models import Deployment, DeploymentState
 from apps.fleet.models import TritonInstance
@@ -210,7 +210,7 @@ class DeploymentStatusView(DeploymentPageView):
         return context
 
 
-@limit_body("PLAYGROUND_MAX_BYTES")
+@limit_body("PLAYGROUND_MAX_BYTES", PLAYGROUND_HINT)
 class PlaygroundView(DeploymentPageView):
     """Runs one inference (POST from the htmx form) and returns the result partial. Members of every role
     may use it, as in the API: inference on the endpoint is open anyway. Bodies over PLAYGROUND_MAX_BYTES

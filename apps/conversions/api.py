@@ -11,7 +11,7 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from apps.conversions import services
-from apps.conversions.models import ConversionJob, JobState
+from apps.conversions.models import ConversionJob, JobState, Toolchain
 from apps.core.api import TeamScopedViewSet
 from apps.registry.models import ModelVersion
 from apps.teams.models import Action
@@ -23,6 +23,8 @@ class ConversionJobSerializer(serializers.ModelSerializer):
     version_state = serializers.CharField(source="version.state", read_only=True)
     created_by = serializers.CharField(source="created_by.username", read_only=True, default=None)
     finished = serializers.BooleanField(source="is_finished", read_only=True)
+    # Empty until the job has picked its toolchain: the schema must allow "" as well.
+    toolchain = serializers.ChoiceField(choices=Toolchain.choices, allow_blank=True, read_only=True)
 
     class Meta:
         model = ConversionJob

@@ -14,28 +14,41 @@ from collections.abc import Callable
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from rest_framework import exceptions, status
 
 LIMIT_ATTRIBUTE = "body_limit_setting"
+HINT_ATTRIBUTE = "body_limit_hint"
+PLAYGROUND_HINT = (
+    "Send smaller inputs (a .npy file is far smaller than JSON numbers), or call the model through its "
+    "endpoint with tritonclient for big inputs."
+)
 
 
-def limit_body(setting_name: str) -> Callable:
+class RequestTooLarge(exceptions.APIException):
+    """413 in the API's error shape (apps.core.exceptions): the body is larger than the endpoint accepts.
+    Defined here, not in apps.core.exceptions: that module imports DRF's views, which load the parsers."""
+
+    status_code = status.HTTP_413_REQUEST_ENTITY_TOO_LARGE
+    default_code = "too_large"
+    default_detail = "The request body is too large."
+
+
+def limit_body(setting_name: str, hint: str = "") -> Callable:
     """Mark a view function, a DRF action or a view class as accepting at most ``settings.<setting_name>``
-    bytes of body."""
+    bytes of body; ``hint`` tells the client what to do instead."""
 
     def mark(target):
         setattr(target, LIMIT_ATTRIBUTE, setting_name)
+        setattr(target, HINT_ATTRIBUTE, hint)
         return target
 
     return mark
 
 
-def too_large_message(limit: int, length: int | None = None) -> str:
+def too_large_message(limit: int, length: int | None = None, hint: str = "") -> str:
     size = f" (this one is {length / 2**20:.1f} MiB)" if length else ""
-    return (
-        f"The request body is larger than the {limit / 2**20:g} MiB this endpoint accepts{size}. "
-        "Send smaller inputs (a .npy file is far smaller than JSON numbers), or call the model through "
-        "its endpoint with tritonclient for big inputs."
-    )
+    text = f"The request body is larger than the {limit / 2**20:g} MiB this endpoint accepts{size}."
+    return f"{text} {hint}" if hint else text
 
 
 def _target(view_func, method: str):
@@ -69,7 +82,7 @@ class BodyLimitMiddleware:
             length = 0
         if length <= limit:
             return None
-        message = too_large_message(limit, length)
+        message = too_large_message(limit, length, getattr(target, HINT_ATTRIBUTE, ""))
         hook = getattr(target, "body_too_large", None)
         if hook is not None:
             return hook(request, message)

@@ -6,18 +6,14 @@ so a client or the UI can show them next to the inputs.
 
 from __future__ import annotations
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig, TooManyFieldsSent, TooManyFilesSent
 from django.core.exceptions import ValidationError as DjangoValidationError
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler
 
-
-class RequestTooLarge(exceptions.APIException):
-    """413: the body is larger than the endpoint accepts (see apps.core.body_limits)."""
-
-    status_code = status.HTTP_413_REQUEST_ENTITY_TOO_LARGE
-    default_code = "too_large"
-    default_detail = "The request body is too large."
+from apps.core.body_limits import RequestTooLarge, too_large_message
 
 
 def _first_message(detail) -> str:
@@ -32,6 +28,11 @@ def _first_message(detail) -> str:
 
 
 def api_exception_handler(exc, context):
+    if isinstance(exc, RequestDataTooBig):
+        # Django's cap on request.body (JSON, forms): otherwise an HTML 400 page from Django itself.
+        exc = RequestTooLarge(too_large_message(settings.DATA_UPLOAD_MAX_MEMORY_SIZE))
+    elif isinstance(exc, TooManyFieldsSent | TooManyFilesSent):
+        exc = exceptions.ValidationError({"non_field_errors": [f"{exc} Send fewer form fields or files."]})
     if isinstance(exc, DjangoValidationError):
         detail = exc.message_dict if hasattr(exc, "error_dict") else {"non_field_errors": exc.messages}
         exc = exceptions.ValidationError(detail)

@@ -19,8 +19,7 @@ from rest_framework.parsers import BaseParser, FormParser, MultiPartParser
 from rest_framework.response import Response
 
 from apps.core.api import TeamScopedViewSet
-from apps.core.body_limits import limit_body, too_large_message
-from apps.core.exceptions import RequestTooLarge
+from apps.core.body_limits import PLAYGROUND_HINT, RequestTooLarge, limit_body, too_large_message
 from apps.deployments import calling, services
 from apps.deployments.models import Deployment, DeploymentEvent, DeploymentInstance
 from apps.fleet.models import TritonInstance
@@ -32,7 +31,7 @@ EVENTS_SHOWN = 100
 
 class PlacementSerializer(serializers.ModelSerializer):
     instance = serializers.IntegerField(source="instance_id")
-    instance_name = serializers.CharField(source="instance.__str__", help_text="host/instance")
+    instance_name = serializers.CharField(source="instance", help_text="host/instance")
     instance_state = serializers.CharField(source="instance.state")
     endpoint = serializers.CharField(source="instance.endpoint_url")
     served_version = serializers.IntegerField(source="served_version.number", allow_null=True, default=None)
@@ -53,7 +52,9 @@ class PlacementSerializer(serializers.ModelSerializer):
 
 
 class EventSerializer(serializers.ModelSerializer):
-    instance = serializers.CharField(source="instance.__str__", allow_null=True, default=None)
+    # A CharField renders the instance as str(instance) ("host/instance"); an event of the whole deployment
+    # has none (null), where "instance.__str__" would have rendered None's bound method.
+    instance = serializers.CharField(allow_null=True, help_text="host/instance, or null")
     version = serializers.IntegerField(source="version.number", allow_null=True, default=None)
 
     class Meta:
@@ -198,7 +199,7 @@ class PlaygroundJSONParser(BaseParser):
         limit = settings.PLAYGROUND_MAX_BYTES
         raw = stream.read(limit + 1) if stream is not None else b""
         if len(raw) > limit:
-            raise RequestTooLarge(too_large_message(limit))
+            raise RequestTooLarge(too_large_message(limit, hint=PLAYGROUND_HINT))
         try:
             return json.loads(raw or b"{}")
         except ValueError as exc:
@@ -327,7 +328,7 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamSc
         },
         responses={200: PlaygroundResultSerializer, 400: ERROR, 409: ERROR, 413: ERROR, 502: ERROR},
     )
-    @limit_body("PLAYGROUND_MAX_BYTES")
+    @limit_body("PLAYGROUND_MAX_BYTES", PLAYGROUND_HINT)
     @action(detail=True, methods=["post"], parser_classes=[PlaygroundJSONParser, MultiPartParser, FormParser])
     def playground(self, request, team_slug=None, pk=None):
         """Run one inference on the first READY instance: random, JSON or .npy inputs; outputs with the

@@ -142,8 +142,9 @@ class ModelMetricsViewSet(TeamScopedViewSet):
     pagination_class = None
     filter_backends: list = []
 
+    # "retrieve", not "list": the answer is one object, and drf-spectacular documents a list action as an array.
     @extend_schema(responses=ModelMetricsSerializer, operation_id="team_model_metrics")
-    def list(self, request, *args, **kwargs):
+    def retrieve(self, request, *args, **kwargs):
         model = get_object_or_404(self.get_queryset(), slug=kwargs["model_slug"])
         return Response(ModelMetricsSerializer(services.model_metrics(model, _range(request))).data)
 
@@ -179,5 +180,5 @@ class FleetMetricsViewSet(viewsets.GenericViewSet):
     filter_backends: list = []
 
     @extend_schema(responses=FleetMetricsSerializer, operation_id="fleet_metrics")
-    def list(self, request, *args, **kwargs):
+    def retrieve(self, request, *args, **kwargs):
         return Response(FleetMetricsSerializer(services.fleet_metrics(request.user, _range(request))).data)

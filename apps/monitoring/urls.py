@@ -5,7 +5,7 @@ from apps.monitoring import api
 urlpatterns = [
     path(
         "teams/<slug:team_slug>/models/<slug:model_slug>/metrics/",
-        api.ModelMetricsViewSet.as_view({"get": "list"}),
+        api.ModelMetricsViewSet.as_view({"get": "retrieve"}),
         name="team-model-metrics",
     ),
     path(
@@ -13,5 +13,5 @@ urlpatterns = [
         api.InstanceMetricsViewSet.as_view({"get": "retrieve"}),
         name="instance-metrics",
     ),
-    path("metrics/fleet/", api.FleetMetricsViewSet.as_view({"get": "list"}), name="fleet-metrics"),
+    path("metrics/fleet/", api.FleetMetricsViewSet.as_view({"get": "retrieve"}), name="fleet-metrics"),
 ]

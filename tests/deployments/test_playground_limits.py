@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
-from apps.core.exceptions import RequestTooLarge
+from apps.core.body_limits import RequestTooLarge
 from apps.deployments import calling, services
 from apps.deployments.api import PlaygroundJSONParser
 from apps.deployments.models import Deployment, PlacementState
