@@ -229,6 +229,11 @@ SPECTACULAR_SETTINGS = {
     # Swagger UI from npm (frontend/package.json), not from a CDN: the platform often runs air-gapped.
     "SWAGGER_UI_DIST": STATIC_URL + "vendor/swagger-ui",
     "SWAGGER_UI_FAVICON_HREF": STATIC_URL + "vendor/swagger-ui/favicon-32x32.png",
+    # The common error responses (401/403/404/400/413) of every operation, declared in one place.
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "apps.core.schema.declare_error_responses",
+    ],
     # Several models have a `state`; name each choice set after its model instead of a hash.
     "ENUM_NAME_OVERRIDES": {
         "VersionStateEnum": "apps.registry.models.VersionState",
@@ -279,6 +284,8 @@ CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_RESULT_EXPIRES = timedelta(days=1)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celery" / "beat-schedule")
+# Whatever the broker: beat dies at start when its schedule's directory is missing (a fresh VAR_DIR).
+Path(CELERY_BEAT_SCHEDULE_FILENAME).parent.mkdir(parents=True, exist_ok=True)
 CELERY_BEAT_SCHEDULE = {
     "prune-audit-events": {
         "task": "apps.audit.tasks.prune_audit_events",
