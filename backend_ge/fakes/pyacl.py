@@ -21,12 +21,15 @@ import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 
 from backend_ge import dtypes
+
+if TYPE_CHECKING:  # the stubs' runtime tree has onnxruntime but not onnx
+    import onnx
 
 ACL_SUCCESS = 0
 ACL_ERROR_INVALID_PARAM = 100000
@@ -70,7 +73,7 @@ class _Model:
             )
 
     def _tensor(self, t) -> dict:
-        dt = dtypes.from_onnx(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(_ORT_TYPES[t.type])))
+        dt = dtypes.from_numpy(_ORT_TYPES[t.type])
         shape = [d if isinstance(d, int) and d > 0 else -1 for d in t.shape]
         if self.gears:
             shape[0] = -1
