@@ -143,17 +143,20 @@ class TeamSettingsView(TeamPageView):
         self.require(Action.MANAGE)
         form = MemberForm(request.POST)
         if form.is_valid():
+            identifier, role = form.cleaned_data["user"], form.cleaned_data["role"]
             try:
                 membership = services.add_member(
-                    actor=request.user,
-                    team=self.team,
-                    user_identifier=form.cleaned_data["user"],
-                    role=form.cleaned_data["role"],
+                    actor=request.user, team=self.team, user_identifier=identifier, role=role
                 )
             except ValidationError as error:
                 add_service_errors(form, error)
             else:
-                return self._done(f"{membership.user.get_username()} added as {membership.role}.")
+                if services.may_learn_accounts(request.user):
+                    return self._done(f"{membership.user.get_username()} added as {membership.role}.")
+                # One message whether the account exists or not (see services.add_member).
+                return self._done(
+                    services.member_request_message(team=self.team, user_identifier=identifier, role=role)
+                )
         return self._invalid(member_form=form)
 
     def op_change_role(self, request):

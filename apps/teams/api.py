@@ -113,11 +113,28 @@ class MembershipViewSet(
         "destroy": Action.MANAGE,
     }
 
-    def perform_create(self, serializer):
+    @extend_schema(
+        request=MembershipSerializer,
+        responses={
+            201: MembershipSerializer,
+            202: inline_serializer("MemberRequest", {"message": serializers.CharField()}),
+        },
+    )
+    def create(self, request, *args, **kwargs):
+        """Add an existing account. Platform staff get the membership (201), or a 400 for an unknown account;
+        a team owner gets one message (202) whether the account exists or not."""
+        serializer = MembershipSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
-        serializer.instance = services.add_member(
-            actor=self.request.user, team=self.team, user_identifier=data["user"], role=data["role"]
+        membership = services.add_member(
+            actor=request.user, team=self.team, user_identifier=data["user"], role=data["role"]
         )
+        if services.may_learn_accounts(request.user):
+            return Response(MembershipSerializer(membership).data, status=status.HTTP_201_CREATED)
+        message = services.member_request_message(
+            team=self.team, user_identifier=data["user"], role=data["role"]
+        )
+        return Response({"message": message}, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(request=MembershipRoleSerializer, responses=MembershipSerializer)
     def partial_update(self, request, team_slug=None, pk=None):

@@ -77,9 +77,31 @@ def _check_role(role: str) -> Role:
         raise ValidationError({"role": [f"'{role}' is not a role; use one of: {choices}."]}) from None
 
 
-def add_member(*, actor, team: Team, user_identifier: str, role: str) -> Membership:
+def may_learn_accounts(actor) -> bool:
+    """Whether ``actor`` may learn which accounts exist: platform staff in a session (the rule of
+    ``apps.fleet.models.is_platform_staff``), never a team owner or an API token."""
+    return bool(actor.is_staff and getattr(actor, "api_token", None) is None)
+
+
+def member_request_message(*, team: Team, user_identifier: str, role: str) -> str:
+    """What a team owner is told after asking to add someone: the same whether the account exists or not."""
+    return (
+        f"If an account with the username or email '{user_identifier.strip()}' exists, it is now a "
+        f"{Role(role).value} of {team.name}."
+    )
+
+
+def add_member(*, actor, team: Team, user_identifier: str, role: str) -> Membership | None:
+    """Add an existing account to the team. An unknown username or email is an error only for platform staff
+    (``may_learn_accounts``); for anyone else it returns None, so that the answer an owner gets - see
+    ``member_request_message`` - does not tell whether the account exists."""
     role = _check_role(role)
-    user = _find_user(user_identifier)
+    try:
+        user = _find_user(user_identifier)
+    except ValidationError:
+        if may_learn_accounts(actor):
+            raise
+        return None
     with transaction.atomic():
         if Membership.objects.filter(team=team, user=user).exists():
             raise ValidationError({"user": [f"{user.get_username()} is already a member of {team.name}."]})

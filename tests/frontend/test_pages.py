@@ -142,10 +142,22 @@ def test_add_member_and_change_role(owner_web, team):
     )
     membership.refresh_from_db()
     assert membership.role == "maintainer"
-    response = owner_web.post(
-        "/teams/vision/settings/", {"op": "add_member", "user": "ghost", "role": "viewer"}
-    )
-    assert response.status_code == 400 and "No user with the username" in response.content.decode()
+
+
+def test_adding_a_member_shows_one_message_whether_the_account_exists_or_not(owner_web, team):
+    from tests.factories import UserFactory
+
+    UserFactory(username="nina")
+    shown = []
+    for identifier in ("nina", "ghost"):
+        response = owner_web.post(
+            "/teams/vision/settings/", {"op": "add_member", "user": identifier, "role": "viewer"}, follow=True
+        )
+        html = response.content.decode()
+        assert response.status_code == 200 and "No user with" not in html
+        shown.append(html.count(f"If an account with the username or email &#x27;{identifier}&#x27; exists"))
+    assert shown == [1, 1]
+    assert Membership.objects.filter(team=team, user__username="nina").exists()
 
 
 def test_unknown_operation_is_400(owner_web, team):

@@ -90,8 +90,11 @@ def test_owner_adds_member_by_email(owner_client, team):
     response = owner_client.post(
         "/api/v1/teams/vision/members/", {"user": "NINA@example.com", "role": "maintainer"}, format="json"
     )
-    assert response.status_code == 201, response.json()
-    assert response.json()["username"] == "nina"
+    assert response.status_code == 202, response.json()
+    assert response.json() == {
+        "message": "If an account with the username or email 'NINA@example.com' exists, it is now a "
+        "maintainer of Vision."
+    }
     assert Membership.objects.get(team=team, user__username="nina").role == "maintainer"
     assert AuditEvent.objects.filter(action="member.added", details__user="nina").exists()
 
@@ -126,11 +129,44 @@ def test_invalid_role_is_400_with_field_message(owner_client, team):
     assert not Membership.objects.filter(user__username="nina").exists()
 
 
-def test_unknown_user_and_duplicate_member_are_400(owner_client, viewer):
-    response = owner_client.post(
-        "/api/v1/teams/vision/members/", {"user": "ghost", "role": "viewer"}, format="json"
+def test_an_owner_gets_one_answer_whether_the_account_exists_or_not(owner_client, team):
+    UserFactory(username="nina", email="nina@example.com")
+    answers = {}
+    for identifier in ("nina", "ghost", "nina@example.com", "ghost@example.com"):
+        response = owner_client.post(
+            "/api/v1/teams/vision/members/", {"user": identifier, "role": "viewer"}, format="json"
+        )
+        if identifier.startswith("nina"):
+            Membership.objects.filter(team=team, user__username="nina").delete()  # to add her again
+        body = response.json()
+        answers[identifier] = (
+            response.status_code,
+            body["message"].replace(identifier, "<who>"),
+            tuple(body),
+        )
+    assert len(set(answers.values())) == 1, answers
+    assert answers["ghost"] == (
+        202, "If an account with the username or email '<who>' exists, it is now a viewer of Vision.", ("message",)
+    )  # fmt: skip
+    assert not Membership.objects.filter(team=team, user__username="ghost").exists()
+
+
+def test_platform_staff_learn_that_an_account_is_unknown(client, team):
+    ops = UserFactory(username="ops", is_staff=True)
+    Membership.objects.create(team=team, user=ops, role=Role.OWNER)
+    client.force_login(ops)
+    response = client.post(
+        "/api/v1/teams/vision/members/", {"user": "ghost", "role": "viewer"}, content_type="application/json"
     )
     assert response.status_code == 400 and "ghost" in response.json()["fields"]["user"][0]
+    UserFactory(username="nina")
+    added = client.post(
+        "/api/v1/teams/vision/members/", {"user": "nina", "role": "viewer"}, content_type="application/json"
+    )
+    assert added.status_code == 201 and added.json()["username"] == "nina"
+
+
+def test_a_duplicate_member_is_400(owner_client, viewer):
     response = owner_client.post(
         "/api/v1/teams/vision/members/", {"user": "vera", "role": "viewer"}, format="json"
     )
