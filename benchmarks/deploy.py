@@ -4,7 +4,9 @@
    Triton's own load time for the same model measured directly on a separate tritonserver (target: platform
    overhead <= 1 s).
 2. N small models (default 100) deployed to one instance: total time, the instance's memory (tritonserver
-   plus its python backend stubs), and whether every model answers READY.
+   plus its python backend stubs), and whether every model is ready in Triton exactly when the database says
+   SERVING - right after the last deploy and again ``--recheck-after`` (30) s later, so a reconcile that undoes
+   a load shows. Exits 1 when a check differs.
 
 Everything runs here: a scratch database and Celery's filesystem broker under a temp directory (or
 ``--database-url``), a real ``manage.py hostagent`` process, real tritonservers. Bounded by ``--timeout``.
@@ -35,6 +37,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--latency-runs", type=int, default=3)
     parser.add_argument("--database-url", default="", help="default: a scratch SQLite file")
     parser.add_argument("--timeout", type=float, default=1200, help="give up after this many seconds")
+    parser.add_argument(
+        "--recheck-after", type=float, default=30, help="check readiness again after this many seconds"
+    )
     return parser.parse_args()
 
 
@@ -156,6 +161,33 @@ def group_rss_mb(pid: int) -> float:
     return total_kb / 1024
 
 
+def readiness(url: str, versions: list) -> dict:
+    """Triton's answer for every model next to the database's: SERVING must mean ready at that version."""
+    import tritonclient.http as httpclient
+
+    from apps.deployments.models import Deployment, DeploymentState
+
+    client = httpclient.InferenceServerClient(url)
+    ready = serving = 0
+    differ = []
+    try:
+        for version in versions:
+            name = version.model.triton_model_name()
+            deployment = Deployment.objects.filter(model=version.model).order_by("-id").first()
+            is_serving = deployment is not None and deployment.state == DeploymentState.SERVING
+            is_ready = client.is_model_ready(name, str(version.number))
+            ready += is_ready
+            serving += is_serving
+            if is_ready != is_serving:
+                differ.append(
+                    f"{name}: {deployment.state if deployment else 'not deployed'} in the database, "
+                    f"{'ready' if is_ready else 'not ready'} in Triton"
+                )
+    finally:
+        client.close()
+    return {"ready": ready, "serving": serving, "differ": differ}
+
+
 def main() -> int:
     args = parse_args()
     scratch = setup_environment(args)
@@ -219,11 +251,9 @@ def main() -> int:
 
         many = make_versions(team, owner, args.models, "many", scratch)
         total = deploy_and_wait(many)
-        import tritonclient.http as httpclient
-
-        client = httpclient.InferenceServerClient(f"127.0.0.1:{ports[0]}")
-        ready = sum(client.is_model_ready(v.model.triton_model_name()) for v in many)
-        client.close()
+        at_end = readiness(f"127.0.0.1:{ports[0]}", many)
+        time.sleep(args.recheck_after)  # several reconcile intervals: nothing may be undone afterwards
+        later = readiness(f"127.0.0.1:{ports[0]}", many)
         pid = TritonInstance.objects.get(pk=instance.pk).pid
         rss = group_rss_mb(pid)
 
@@ -238,11 +268,24 @@ def main() -> int:
         print(
             f"  {args.models} models deployed to one instance:          {total:8.1f} s total, {total / args.models * 1000:.0f} ms per model"
         )
-        print(f"  READY afterwards:                                   {ready}/{args.models}")
+        for label, check in (
+            ("right after the last deploy", at_end),
+            (f"{args.recheck_after:.0f} s later", later),
+        ):
+            print(
+                f"  {label + ':':<52}{check['ready']}/{args.models} ready in Triton, "
+                f"{check['serving']}/{args.models} SERVING, {len(check['differ'])} differ"
+            )
+            for line in check["differ"][:10]:
+                print(f"    {line}")
         print(
             f"  instance memory (tritonserver + stubs, RSS):        {rss:8.0f} MiB ({rss / max(1, args.models + args.latency_runs):.1f} MiB per model)"
         )
-        return 0 if ready == args.models else 1
+        return (
+            0
+            if all(c["ready"] == c["serving"] == args.models and not c["differ"] for c in (at_end, later))
+            else 1
+        )
     finally:
         agent.send_signal(signal.SIGTERM)
         try:

@@ -91,7 +91,14 @@ class DeploymentInstance(models.Model):
     """The deployment on one instance: which version that instance serves, as its host agent last reported.
 
     State machine: PENDING -> LOADING -> READY | FAILED; READY -> LOADING (version switch) -> READY;
-    any -> UNLOADED on undeploy. The agent's reconcile loop makes Triton match ``served_version``.
+    any -> UNLOADED on undeploy. READY holds only while Triton reports ``served_version`` ready: the agent's
+    reconcile loop checks every interval and turns a placement whose model is gone into LOADING (it reloads
+    it) or FAILED (with the reason), and back into READY once Triton serves it again.
+
+    Every decision about the placement (deploy, switch, undeploy, roll back) bumps ``generation`` and hands the
+    agent that number; the agent reports with it, and a report for an older generation is dropped (a
+    conditional UPDATE), so a stale task, retry or reconcile never undoes a newer decision.
+    ``applied_generation`` is the generation the agent last finished applying: lower means work is pending.
     """
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="placements")
@@ -101,6 +108,8 @@ class DeploymentInstance(models.Model):
     )
     state = models.CharField(max_length=20, choices=PlacementState.choices, default=PlacementState.PENDING)
     last_error = models.TextField(blank=True)
+    generation = models.PositiveIntegerField(default=1)
+    applied_generation = models.PositiveIntegerField(default=0)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -109,6 +118,10 @@ class DeploymentInstance(models.Model):
 
     def __str__(self) -> str:
         return f"{self.deployment} on {self.instance} ({self.state})"
+
+    def is_applied(self) -> bool:
+        """The agent has finished applying the latest decision (successfully or not)."""
+        return self.applied_generation == self.generation
 
 
 class EventQuerySet(TeamScopedQuerySet):

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import F, Q
 
 from apps.audit.services import record
 from apps.deployments.models import (
@@ -22,10 +22,21 @@ from apps.registry.models import ModelVersion, RegisteredModel
 
 
 def _enqueue(placements: Iterable[DeploymentInstance]) -> None:
+    """Hand each placement's latest decision to its host's agent, with the generation it was made at."""
     from apps.fleet.tasks import apply_placement
 
     for placement in placements:
-        apply_placement.apply_async(args=[placement.pk], queue=placement.instance.host.queue)
+        apply_placement.apply_async(
+            args=[placement.pk, placement.generation], queue=placement.instance.host.queue
+        )
+
+
+def _decide(placements: list[DeploymentInstance], **fields) -> list[DeploymentInstance]:
+    """Record a new decision on placements: bump their generation (older agent reports become stale).
+    Returns the placements re-read with their new generation, for ``_enqueue``."""
+    pks = [p.pk for p in placements]
+    DeploymentInstance.objects.filter(pk__in=pks).update(generation=F("generation") + 1, **fields)
+    return list(DeploymentInstance.objects.filter(pk__in=pks).select_related("instance__host"))
 
 
 def check_version_servable(version: ModelVersion) -> None:
@@ -132,10 +143,7 @@ def switch_version(*, actor, deployment: Deployment, version: ModelVersion) -> D
         )
         deployment.last_error = ""
         deployment.save(update_fields=["target_version", "state", "last_error", "updated_at"])
-        placements = list(deployment.placements.select_related("instance__host"))
-        DeploymentInstance.objects.filter(deployment=deployment).update(
-            state=PlacementState.PENDING, last_error=""
-        )
+        placements = _decide(list(deployment.placements.all()), state=PlacementState.PENDING, last_error="")
         deployment.events.create(kind="switch_requested", message=f"switch to {version}", version=version)
         record(
             actor=actor,
@@ -155,7 +163,7 @@ def undeploy(*, actor, deployment: Deployment) -> Deployment:
             return deployment
         deployment.state = DeploymentState.UNDEPLOYING
         deployment.save(update_fields=["state", "updated_at"])
-        placements = list(deployment.placements.select_related("instance__host"))
+        placements = _decide(list(deployment.placements.all()))
         deployment.events.create(kind="undeploy_requested", message="undeploy")
         record(actor=actor, team=deployment.team, action="deployment.undeploy", target=deployment)
         if not placements:
@@ -166,58 +174,232 @@ def undeploy(*, actor, deployment: Deployment) -> Deployment:
 
 
 def placement_finished(placement: DeploymentInstance) -> None:
-    """An agent finished a placement: advance the deployment when every placement has settled."""
+    """A placement changed (an agent finished it, or it lost its model): advance the deployment."""
     with transaction.atomic():
         deployment = Deployment.objects.select_for_update().get(pk=placement.deployment_id)
-        placements = list(deployment.placements.select_related("instance__host"))
-        states = {p.state for p in placements}
-        if deployment.state == DeploymentState.UNDEPLOYING:
-            if states <= {PlacementState.UNLOADED}:
-                deployment.state = DeploymentState.UNDEPLOYED
-                deployment.save(update_fields=["state", "updated_at"])
-                deployment.events.create(kind="undeployed", message="undeployed from every instance")
-            return
-        target = deployment.target_version
-        if target is None or states & {PlacementState.PENDING, PlacementState.LOADING}:
-            return
-        if all(p.state == PlacementState.READY and p.served_version_id == target.pk for p in placements):
-            switched = deployment.active_version is not None
-            deployment.active_version, deployment.target_version = target, None
-            deployment.state, deployment.last_error = DeploymentState.SERVING, ""
-            deployment.save(
-                update_fields=["active_version", "target_version", "state", "last_error", "updated_at"]
-            )
-            deployment.events.create(
-                kind="switched" if switched else "deployed",
-                message=f"{target} serves on every instance",
-                version=target,
-            )
-            return
-        errors = "; ".join(
-            f"{p.instance}: {p.last_error}" for p in placements if p.state == PlacementState.FAILED
+        _settle(deployment)
+
+
+def _settle(deployment: Deployment) -> None:
+    """Derive the deployment's state from its placements. The caller holds the deployment's row lock."""
+    placements = list(deployment.placements.select_related("instance__host"))
+    states = {p.state for p in placements}
+    if deployment.state == DeploymentState.UNDEPLOYED:
+        return
+    if deployment.state == DeploymentState.UNDEPLOYING:
+        if states <= {PlacementState.UNLOADED}:
+            deployment.state = DeploymentState.UNDEPLOYED
+            deployment.save(update_fields=["state", "updated_at"])
+            deployment.events.create(kind="undeployed", message="undeployed from every instance")
+        return
+    target = deployment.target_version
+    if target is None:
+        _follow_placements(deployment, placements)
+        return
+    if states & {PlacementState.PENDING, PlacementState.LOADING}:
+        return
+    if all(p.state == PlacementState.READY and p.served_version_id == target.pk for p in placements):
+        switched = deployment.active_version is not None
+        deployment.active_version, deployment.target_version = target, None
+        deployment.state, deployment.last_error = DeploymentState.SERVING, ""
+        deployment.save(
+            update_fields=["active_version", "target_version", "state", "last_error", "updated_at"]
         )
-        deployment.target_version, deployment.last_error = None, errors
-        if deployment.active_version is not None:
-            # The old version still serves where the switch failed; instances that already switched go back.
-            deployment.state = DeploymentState.SERVING
-            back = [p for p in placements if p.served_version_id != deployment.active_version_id]
-            kept = [p.pk for p in placements if p.state == PlacementState.FAILED and p not in back]
-            DeploymentInstance.objects.filter(pk__in=kept).update(state=PlacementState.READY)
-            DeploymentInstance.objects.filter(pk__in=[p.pk for p in back]).update(
-                state=PlacementState.PENDING
-            )
-            deployment.events.create(
-                kind="switch_failed",
-                message=f"switch to {target} failed, {deployment.active_version} keeps serving: {errors}",
-                version=target,
-            )
-            transaction.on_commit(lambda: _enqueue(back))
-        else:
-            deployment.state = DeploymentState.FAILED
-            deployment.events.create(
-                kind="deploy_failed", message=f"deploying {target} failed: {errors}", version=target
-            )
+        deployment.events.create(
+            kind="switched" if switched else "deployed",
+            message=f"{target} serves on every instance",
+            version=target,
+        )
+        return
+    errors = "; ".join(
+        f"{p.instance}: {p.last_error}" for p in placements if p.state == PlacementState.FAILED
+    )
+    deployment.target_version, deployment.last_error = None, errors
+    if deployment.active_version is not None:
+        # The old version still serves where the switch failed (the agent reports served_version only while
+        # Triton serves it); instances that already switched, or lost the old version, go back to it.
+        deployment.state = DeploymentState.SERVING
+        back = [p for p in placements if p.served_version_id != deployment.active_version_id]
+        kept = [p.pk for p in placements if p.state == PlacementState.FAILED and p not in back]
+        DeploymentInstance.objects.filter(pk__in=kept).update(state=PlacementState.READY)
+        back = _decide(back, state=PlacementState.PENDING)
+        deployment.events.create(
+            kind="switch_failed",
+            message=f"switch to {target} failed, {deployment.active_version} keeps serving: {errors}",
+            version=target,
+        )
         deployment.save(update_fields=["target_version", "last_error", "state", "updated_at"])
+        transaction.on_commit(lambda: _enqueue(back))
+        _follow_placements(deployment, list(deployment.placements.select_related("instance__host")))
+        return
+    deployment.state = DeploymentState.FAILED
+    deployment.events.create(
+        kind="deploy_failed", message=f"deploying {target} failed: {errors}", version=target
+    )
+    deployment.save(update_fields=["target_version", "last_error", "state", "updated_at"])
+
+
+def _follow_placements(deployment: Deployment, placements: list[DeploymentInstance]) -> None:
+    """No rollout in flight: SERVING while at least one placement serves the active version, else DEPLOYING
+    while one is being (re)loaded, else FAILED with the placements' errors."""
+    active = deployment.active_version
+    if active is None:
+        return
+    ready = [p for p in placements if p.state == PlacementState.READY and p.served_version_id == active.pk]
+    if ready:
+        state = DeploymentState.SERVING
+    elif any(p.state in (PlacementState.PENDING, PlacementState.LOADING) for p in placements):
+        state = DeploymentState.DEPLOYING
+    else:
+        state = DeploymentState.FAILED
+    if state == deployment.state:
+        return
+    was_serving = deployment.state == DeploymentState.SERVING
+    deployment.state = state
+    if state == DeploymentState.SERVING:
+        deployment.last_error = ""
+        message = f"{active} serves again on {', '.join(str(p.instance) for p in ready)}"
+        deployment.events.create(kind="serving", message=message, version=active)
+    else:
+        errors = "; ".join(f"{p.instance}: {p.last_error}" for p in placements if p.last_error)
+        deployment.last_error = errors or f"{active} is not loaded on any instance"
+        if was_serving:
+            deployment.events.create(
+                kind="not_serving",
+                message=f"{active} is not ready on any instance: {deployment.last_error}",
+                version=active,
+            )
+    deployment.save(update_fields=["state", "last_error", "updated_at"])
+
+
+# --- Reports from host agents. Each carries the generation of the decision it applied; a report for an
+# older generation is dropped (returns False), so a stale task, retry or reconcile never undoes a newer one.
+
+
+def _report(placement_id: int, generation: int, *, where: Q | None = None, **fields) -> Deployment | None:
+    """Conditionally update a placement for ``generation``; returns its locked deployment, or None when stale.
+    The caller runs inside ``transaction.atomic()``."""
+    deployment_id = (
+        DeploymentInstance.objects.filter(pk=placement_id).values_list("deployment_id", flat=True).first()
+    )
+    if deployment_id is None:
+        return None
+    # The deployment's row lock first, as switch_version and undeploy take it: a decision and a report on
+    # the same deployment are serialized.
+    deployment = Deployment.objects.select_for_update().get(pk=deployment_id)
+    rows = DeploymentInstance.objects.filter(pk=placement_id, generation=generation)
+    if where is not None:
+        rows = rows.filter(where)
+    return deployment if rows.update(**fields) == 1 else None
+
+
+def _placement_event(deployment, placement_id: int, kind: str, message: str, version=None, **details):
+    instance_id = DeploymentInstance.objects.filter(pk=placement_id).values_list("instance_id", flat=True)[0]
+    deployment.events.create(
+        kind=kind, message=message, instance_id=instance_id, version=version, details=details
+    )
+
+
+def placement_started(placement_id: int, generation: int) -> bool:
+    """The agent starts loading the placement's decision."""
+    with transaction.atomic():
+        return _report(placement_id, generation, state=PlacementState.LOADING) is not None
+
+
+def placement_waiting(placement_id: int, generation: int, message: str) -> bool:
+    """The agent cannot apply the decision yet (its instance is not running); reconcile applies it later."""
+    with transaction.atomic():
+        return _report(placement_id, generation, last_error=message) is not None
+
+
+def placement_loaded(
+    placement_id: int,
+    generation: int,
+    version: ModelVersion,
+    *,
+    kind: str | None = "serving",
+    message: str = "",
+) -> bool:
+    """Triton reports ``version`` ready for this placement: READY, and the decision is applied."""
+    with transaction.atomic():
+        deployment = _report(
+            placement_id,
+            generation,
+            state=PlacementState.READY,
+            served_version=version,
+            last_error="",
+            applied_generation=generation,
+        )
+        if deployment is None:
+            return False
+        if kind:
+            _placement_event(deployment, placement_id, kind, message, version=version)
+        _settle(deployment)
+        return True
+
+
+def placement_failed(
+    placement_id: int,
+    generation: int,
+    error: str,
+    *,
+    version: ModelVersion,
+    still_serving: ModelVersion | None,
+    kind: str = "load_failed",
+    message: str = "",
+) -> bool:
+    """Loading ``version`` failed; ``still_serving`` is what Triton still serves there (None: nothing)."""
+    with transaction.atomic():
+        deployment = _report(
+            placement_id,
+            generation,
+            state=PlacementState.FAILED,
+            served_version=still_serving,
+            last_error=error,
+            applied_generation=generation,
+        )
+        if deployment is None:
+            return False
+        _placement_event(deployment, placement_id, kind, message or error, version=version)
+        _settle(deployment)
+        return True
+
+
+def placement_unloaded(placement_id: int, generation: int, message: str) -> bool:
+    with transaction.atomic():
+        deployment = _report(
+            placement_id,
+            generation,
+            state=PlacementState.UNLOADED,
+            served_version=None,
+            last_error="",
+            applied_generation=generation,
+        )
+        if deployment is None:
+            return False
+        _placement_event(deployment, placement_id, "unloaded", message)
+        _settle(deployment)
+        return True
+
+
+def placement_lost(placement_id: int, generation: int, reason: str, *, reloading: bool) -> bool:
+    """Triton does not report the placement's served version ready: LOADING while the agent reloads it, or
+    FAILED with the reason. Only for an applied decision (in-flight work reports for itself); repeated
+    reports of the same failure write nothing."""
+    state = PlacementState.LOADING if reloading else PlacementState.FAILED
+    with transaction.atomic():
+        deployment = _report(
+            placement_id,
+            generation,
+            where=Q(applied_generation=F("generation")) & ~Q(state=state, last_error=reason),
+            state=state,
+            last_error=reason,
+        )
+        if deployment is None:
+            return False
+        _placement_event(deployment, placement_id, "reloading" if reloading else "lost", reason)
+        _settle(deployment)
+        return True
 
 
 def live_deployments_on(instance: TritonInstance):

@@ -93,7 +93,7 @@ class HostAgent:
         root: Path | None = None,
         policy: RestartPolicy | None = None,
         tick: float = 0.5,
-        reconcile_every: float = 5.0,
+        reconcile_every: float | None = None,
         heartbeat_every: float = 10.0,
     ) -> None:
         self.host_id = host.pk
@@ -106,7 +106,9 @@ class HostAgent:
             window=timedelta(seconds=settings.FLEET_CRASH_WINDOW),
         )
         self.tick = tick
-        self.reconcile_every = reconcile_every
+        self.reconcile_every = (
+            reconcile_every if reconcile_every is not None else settings.FLEET_RECONCILE_INTERVAL_MS / 1000
+        )
         self.heartbeat_every = heartbeat_every
         self.processes: dict[int, InstanceProcess] = {}
         self._stop = threading.Event()
@@ -326,11 +328,16 @@ class HostAgent:
 
     # -- reconcile ---------------------------------------------------------------------------------------
     def reconcile(self) -> None:
-        from apps.fleet.placement import reconcile_instance
+        from apps.fleet.placement import reconcile_instance, report_instance_down
 
-        for instance in TritonInstance.objects.filter(host_id=self.host_id, state=InstanceState.READY):
+        for instance in TritonInstance.objects.filter(host_id=self.host_id):
             proc = self.processes.get(instance.pk)
-            if proc is None or not proc.running() or not proc.lock.acquire(blocking=False):
+            if instance.state != InstanceState.READY or proc is None or not proc.running():
+                report_instance_down(instance)  # its placements are not READY while it is down
+                continue
+            # Wait a little for a running load: with a queue of deploys the lock is rarely free at one instant,
+            # and the check of what Triton really serves must not wait for the whole queue.
+            if not proc.lock.acquire(timeout=self.reconcile_every):
                 continue
             try:
                 reconcile_instance(instance, proc)

@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 from django.conf import settings
-from django.db import transaction
+from django.db.models import F
 
 from apps.core.errors import public_error
+from apps.deployments import services
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet.agent import InstanceProcess, current_agent
 from apps.fleet.models import TritonInstance
@@ -33,7 +34,9 @@ CANDIDATE_SUFFIX = "__candidate"
 # A model that failed to load is retried by reconcile after this long, not every few seconds - unless the
 # server restarted meanwhile (the key holds its pid): a fresh server gets one attempt at every model.
 LOAD_RETRY_AFTER = 60.0
-_failed_loads: dict[tuple[int, int, str, int], float] = {}
+_failed_loads: dict[tuple[int, int, str, int], tuple[float, str]] = {}
+# Deployments in these states want nothing served.
+GONE = (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED)
 
 
 class SmokeTestError(RuntimeError):
@@ -54,7 +57,10 @@ def servable_dir(version: ModelVersion) -> Path:
 def _materialize(proc: InstanceProcess, name: str, versions: list[ModelVersion]) -> None:
     newest = max(versions, key=lambda v: v.number)
     materialize_model(
-        proc.repository, name, {v.number: servable_dir(v) for v in versions}, newest.config_text
+        proc.repository,
+        name,
+        {v.number: servable_dir(v) for v in versions},
+        newest.config_text,
     )
 
 
@@ -93,83 +99,104 @@ def _wait_model_ready(server: TritonServer, name: str, version: int, timeout: fl
     raise TritonError(f"{name} version {version} did not become ready within {timeout:.0f}s")
 
 
-def _event(placement: DeploymentInstance, kind: str, message: str, version=None, **details) -> None:
-    placement.deployment.events.create(
-        kind=kind, message=message, instance=placement.instance, version=version, details=details
-    )
-
-
-def _finish(placement: DeploymentInstance, **fields) -> None:
-    from apps.deployments.services import placement_finished
-
-    DeploymentInstance.objects.filter(pk=placement.pk).update(**fields)
-    placement.refresh_from_db()
-    placement_finished(placement)
-
-
-def _undeploy(proc: InstanceProcess, placement: DeploymentInstance, name: str) -> None:
-    server = proc.server
-    if server is not None and server.is_model_ready(name):
-        try:
-            server.unload_model(name)
-        except TritonError as exc:
-            log.warning("unloading %s: %s", name, exc)
-    remove_model(proc.repository, name)
-    _event(placement, "unloaded", f"{name} unloaded from {placement.instance}")
-    _finish(placement, state=PlacementState.UNLOADED, served_version=None, last_error="")
-
-
-def apply_placement(placement_id: int) -> None:
-    """Make this placement's instance serve the deployment's target version, or undeploy it."""
+def _apply_locked(proc: InstanceProcess, placement_id: int, generation: int | None = None) -> None:
+    """Apply the placement's latest decision. The caller holds ``proc.lock``, so the rows are read here, after
+    every earlier load or unload on this instance finished: nothing decided before is acted on stale."""
     placement = (
-        DeploymentInstance.objects.select_related("deployment__model__team", "instance", "served_version")
+        DeploymentInstance.objects.select_related(
+            "deployment__model__team",
+            "deployment__active_version",
+            "deployment__target_version",
+            "instance",
+            "served_version",
+        )
         .filter(pk=placement_id)
         .first()
     )
     if placement is None:
         return  # deleted meanwhile: nothing to do
-    agent = current_agent()
-    proc = agent.processes.get(placement.instance_id)
-    if proc is None or not proc.running():
-        # The instance is down; reconcile applies the placement as soon as it runs again.
-        DeploymentInstance.objects.filter(pk=placement.pk).update(
-            last_error=f"{placement.instance} is not running; the placement is applied when it is READY"
-        )
-        return
+    if generation is not None and placement.generation != generation:
+        return  # a newer decision was made; its own task (or reconcile) applies it
+    if placement.is_applied():
+        return  # applied already (by reconcile, or an earlier delivery of this task)
+    generation = placement.generation
     deployment: Deployment = placement.deployment
     name = deployment.triton_model_name()
+    server = proc.server
+    if deployment.state in (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED):
+        _undeploy(proc, placement, name)
+        return
+    target = deployment.target_version or deployment.active_version
+    if target is None:
+        return
+    current = placement.served_version
+    if current == target and server.is_model_ready(name, str(target.number)):
+        services.placement_loaded(placement.pk, generation, target, kind=None)
+        return
+    if not services.placement_started(placement.pk, generation):
+        return
+    served = current if current and server.is_model_ready(name, str(current.number)) else None
+    try:
+        switch_version(proc, name, served, target)
+    except (TritonError, RepositoryError, SmokeTestError, OSError) as exc:
+        message = public_error(exc)
+        # Report what Triton really serves after the failure, not what it served before.
+        still = served if served and server.is_model_ready(name, str(served.number)) else None
+        services.placement_failed(
+            placement.pk,
+            generation,
+            message,
+            version=target,
+            still_serving=still,
+            message=f"{target} failed on {placement.instance}: {message}",
+        )
+        return
+    _forget_failed_loads(name)
+    services.placement_loaded(
+        placement.pk, generation, target, message=f"{placement.instance} serves {target}"
+    )
+
+
+def _undeploy(proc: InstanceProcess, placement: DeploymentInstance, name: str) -> None:
+    # A newer live deployment of the same model uses the same Triton name: leave its model alone.
+    reused = (
+        DeploymentInstance.objects.filter(
+            instance_id=placement.instance_id, deployment__model_id=placement.deployment.model_id
+        )
+        .exclude(deployment__state__in=GONE)
+        .exists()
+    )
+    server = proc.server
+    if not reused:
+        if server is not None and server.is_model_ready(name):
+            try:
+                server.unload_model(name)
+            except TritonError as exc:
+                log.warning("unloading %s: %s", name, exc)
+        remove_model(proc.repository, name)
+    services.placement_unloaded(
+        placement.pk, placement.generation, f"{name} unloaded from {placement.instance}"
+    )
+
+
+def apply_placement(placement_id: int, generation: int | None = None) -> None:
+    """Make this placement's instance serve the deployment's target version, or undeploy it.
+
+    ``generation`` is the decision the task was sent for; a task for an older decision does nothing."""
+    row = DeploymentInstance.objects.filter(pk=placement_id).select_related("instance").first()
+    if row is None:
+        return
+    proc = current_agent().processes.get(row.instance_id)
+    if proc is None or not proc.running():
+        # The instance is down; reconcile applies the placement as soon as it runs again.
+        services.placement_waiting(
+            row.pk,
+            row.generation if generation is None else generation,
+            f"{row.instance} is not running; the placement is applied when it is READY",
+        )
+        return
     with proc.lock:
-        if deployment.state in (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED):
-            _undeploy(proc, placement, name)
-            return
-        target = deployment.target_version or deployment.active_version
-        if target is None:
-            return
-        current = placement.served_version
-        server = proc.server
-        if current == target and server.is_model_ready(name, str(target.number)):
-            _finish(placement, state=PlacementState.READY, last_error="")
-            return
-        DeploymentInstance.objects.filter(pk=placement.pk).update(state=PlacementState.LOADING)
-        try:
-            switch_version(
-                proc,
-                name,
-                current if current and server.is_model_ready(name, str(current.number)) else None,
-                target,
-            )
-        except (TritonError, RepositoryError, SmokeTestError, OSError) as exc:
-            message = public_error(exc)
-            _event(
-                placement,
-                "load_failed",
-                f"{target} failed on {placement.instance}: {message}",
-                version=target,
-            )
-            _finish(placement, state=PlacementState.FAILED, last_error=message)
-            return
-        _event(placement, "serving", f"{placement.instance} serves {target}", version=target)
-        _finish(placement, state=PlacementState.READY, served_version=target, last_error="")
+        _apply_locked(proc, placement_id, generation)
 
 
 def switch_version(
@@ -224,60 +251,109 @@ def switch_version(
     _wait_model_ready(server, name, target.number)
 
 
+def _forget_failed_loads(name: str) -> None:
+    for key in [key for key in _failed_loads if key[2] == name]:
+        _failed_loads.pop(key, None)
+
+
+def _triton_reason(entry: dict | None) -> str:
+    if entry is None:
+        return "Triton does not have it loaded"
+    reason = entry.get("reason") or ""
+    return f"Triton reports it {entry.get('state') or 'not loaded'}" + (f": {reason}" if reason else "")
+
+
+def _verify(proc: InstanceProcess, placement: DeploymentInstance, name: str, entry: dict | None) -> None:
+    """Make the placement's state say what Triton says about its served version, reloading it if it is gone."""
+    server, version, instance = proc.server, placement.served_version, placement.instance
+    generation = placement.generation
+    if entry is not None and entry.get("state") == "READY":
+        if placement.state != PlacementState.READY:
+            services.placement_loaded(
+                placement.pk, generation, version, message=f"{instance} serves {version} again"
+            )
+        return
+    key = (instance.pk, server.process.pid, name, version.number)
+    retry_at, last_failure = _failed_loads.get(key, (0.0, ""))
+    if time.monotonic() < retry_at:
+        services.placement_lost(placement.pk, generation, last_failure, reloading=False)
+        return
+    services.placement_lost(
+        placement.pk,
+        generation,
+        f"{version} was not ready on {instance} ({_triton_reason(entry)}); reloading it",
+        reloading=True,
+    )
+    try:
+        _materialize(proc, name, [version])
+        server.load_model(name)
+        _wait_model_ready(server, name, version.number)
+    except (TritonError, RepositoryError, OSError) as exc:
+        failure = f"reloading {version} on {instance} failed: {public_error(exc)}"
+        _failed_loads[key] = (time.monotonic() + LOAD_RETRY_AFTER, failure)
+        services.placement_lost(placement.pk, generation, failure, reloading=False)
+        return
+    _failed_loads.pop(key, None)
+    services.placement_loaded(
+        placement.pk,
+        generation,
+        version,
+        kind="reloaded",
+        message=f"{instance} reloaded {version} (it was not loaded)",
+    )
+
+
 def reconcile_instance(instance: TritonInstance, proc: InstanceProcess) -> None:
-    """Make the loaded models match the placements: load what is missing (e.g. after a restart), unload
-    what is no longer deployed. The caller holds ``proc.lock``."""
+    """Make Triton match the placements, and the placements say what Triton serves: apply decisions not yet
+    applied (e.g. made while the instance was down), check every served version against Triton's repository
+    index (reload what is missing, report what cannot be), unload what no live placement wants.
+
+    The caller holds ``proc.lock``, so no load or unload runs meanwhile; everything is read after the pending
+    decisions were applied. A decision made concurrently (by the platform) is left to its own task."""
     server = proc.server
-    desired: dict[str, DeploymentInstance] = {}
-    placements = DeploymentInstance.objects.filter(
-        instance=instance, served_version__isnull=False
-    ).select_related("deployment__model__team", "served_version")
-    for placement in placements:
-        if placement.deployment.state not in (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED):
-            desired[placement.deployment.triton_model_name()] = placement
-    # Placements whose task never ran here (the instance was down) are applied now.
-    for placement in DeploymentInstance.objects.filter(
-        instance=instance, state=PlacementState.PENDING
-    ).exclude(deployment__state__in=(DeploymentState.UNDEPLOYED,)):
-        apply_placement(placement.pk)
+    pending = (
+        DeploymentInstance.objects.filter(instance=instance)
+        .exclude(applied_generation=F("generation"))
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
+    for placement_id in list(pending):
+        _apply_locked(proc, placement_id)
     try:
         index = server.repository_index()
     except TritonError as exc:
         log.warning("%s: repository index failed: %s", instance, exc)
         return
-    loaded = {entry["name"] for entry in index if entry.get("state") == "READY"}
-    for name, placement in desired.items():
-        version = placement.served_version
-        if server.is_model_ready(name, str(version.number)):
+    entries = {(entry.get("name"), str(entry.get("version", ""))): entry for entry in index}
+    keep: set[str] = set()
+    live = (
+        DeploymentInstance.objects.filter(instance=instance)
+        .exclude(deployment__state__in=GONE)
+        .select_related("deployment__model__team", "served_version", "instance")
+    )
+    for placement in live:
+        name = placement.deployment.triton_model_name()
+        if not placement.is_applied():
+            keep.add(name)  # decided meanwhile: its task applies it
             continue
-        key = (instance.pk, server.process.pid, name, version.number)
-        if time.monotonic() < _failed_loads.get(key, 0):
-            continue
-        try:
-            _materialize(proc, name, [version])
-            server.load_model(name)
-        except (TritonError, RepositoryError, OSError) as exc:
-            _failed_loads[key] = time.monotonic() + LOAD_RETRY_AFTER
-            message = public_error(exc)
-            with transaction.atomic():
-                DeploymentInstance.objects.filter(pk=placement.pk).update(
-                    state=PlacementState.FAILED, last_error=message
-                )
-                _event(
-                    placement,
-                    "reload_failed",
-                    f"reloading {version} on {instance} failed: {message}",
-                    version=version,
-                )
-            continue
-        _failed_loads.pop(key, None)
-        DeploymentInstance.objects.filter(pk=placement.pk).update(state=PlacementState.READY, last_error="")
-        _event(placement, "reloaded", f"{instance} reloaded {version} (it was not loaded)", version=version)
-    for name in loaded - set(desired):
+        if placement.served_version is None:
+            continue  # nothing to serve (a first deploy that failed)
+        keep.add(name)
+        _verify(proc, placement, name, entries.get((name, str(placement.served_version.number))))
+    for name in {entry.get("name") for entry in index if entry.get("state") == "READY"} - keep:
         try:
             server.unload_model(name)
         except TritonError as exc:
             log.warning("%s: unloading %s: %s", instance, name, exc)
     for stale in proc.repository.iterdir() if proc.repository.is_dir() else []:
-        if stale.name not in desired and not stale.name.startswith("."):
+        if stale.name not in keep and not stale.name.startswith("."):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def report_instance_down(instance: TritonInstance) -> None:
+    """The instance's server is not running: none of its placements is READY until reconcile reloads them."""
+    reason = f"{instance} is {instance.state}" + (f": {instance.last_error}" if instance.last_error else "")
+    for placement in DeploymentInstance.objects.filter(instance=instance, state=PlacementState.READY).exclude(
+        deployment__state__in=GONE
+    ):
+        services.placement_lost(placement.pk, placement.generation, reason, reloading=False)

@@ -24,8 +24,9 @@ def restart_instance(instance_id: int) -> None:
 
 
 @shared_task(name="apps.fleet.tasks.apply_placement")
-def apply_placement(placement_id: int) -> None:
-    """Make one instance serve its deployment's target version (load, smoke test, switch) or undeploy it."""
+def apply_placement(placement_id: int, generation: int | None = None) -> None:
+    """Make one instance serve its deployment's target version (load, smoke test, switch) or undeploy it.
+    ``generation`` is the decision it was sent for: a task for an older decision does nothing."""
     from apps.fleet.placement import apply_placement as apply
 
-    apply(placement_id)
+    apply(placement_id, generation)
