@@ -32,7 +32,10 @@ def _serve(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         metrics_port=args.metrics_port,
-        repository_key=os.environ.get("GE_REPOSITORY_KEY") or None,
+        api_key=os.environ.get("GE_REPOSITORY_KEY") or None,
+        # The seed's clients and the bench read model configs; repository, logging, trace and shared
+        # memory still need the key.
+        open_apis=(*runtime.DEFAULT_OPEN_APIS, "model-config"),
         die_with_parent=True,
     )
     stop = threading.Event()

@@ -1,9 +1,10 @@
 """Launch and control a real ``tritonserver`` with the GE backend, without docker or Django.
 
-The server binary, the python backend library, its utils and the stub all come from the PyPI package
-``nvidia-pytriton``; :func:`assemble_backends` lays them out the way Triton expects and adds
-``<backends>/ge/model.py``. :class:`TritonServer` starts the binary with explicit model control, loopback
-binding and the repository API restricted by a key the caller holds, and is what the host agent uses.
+The server runs from a tree :func:`backend_ge.assembly.assemble_runtime` lays out (binary, libraries,
+backends, the python stubs' environment). :class:`TritonServer` starts it with explicit model control,
+loopback binding and every API but the open ones (health, inference, metadata, statistics by default)
+restricted to a key the caller holds, optionally as another (unprivileged) user; it is what the host agent
+uses.
 """
 
 from __future__ import annotations
@@ -16,81 +17,64 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
-import sysconfig
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-REPOSITORY_KEY_HEADER = "x-ge-repository-key"
+from backend_ge.assembly import (
+    AssemblyError,
+    TritonDistribution,
+    TritonError,
+    TritonRuntime,
+    assemble_backends,
+    assemble_runtime,
+)
+from backend_ge.sandbox import ServerUser
+
+__all__ = [
+    "API_KEY_HEADER",
+    "DEFAULT_OPEN_APIS",
+    "GRPC_API_KEY_HEADER",
+    "REPOSITORY_KEY_HEADER",
+    "TRITON_APIS",
+    "AssemblyError",
+    "TritonDistribution",
+    "TritonError",
+    "TritonRuntime",
+    "TritonServer",
+    "assemble_backends",
+    "assemble_runtime",
+]
+
+# Triton's API groups, as --http-restricted-api and --grpc-restricted-protocol name them.
+TRITON_APIS = (
+    "health",
+    "metadata",
+    "inference",
+    "shared-memory",
+    "model-config",
+    "model-repository",
+    "statistics",
+    "trace",
+    "logging",
+)
+# What stays open on an instance for now; every other group needs the instance key.
+DEFAULT_OPEN_APIS = ("health", "inference", "metadata", "statistics")
+# The header that carries the instance key over HTTP. Over gRPC Triton reads the metadata key
+# ``triton-grpc-protocol-<header>`` instead (lower case: gRPC metadata keys are).
+API_KEY_HEADER = "x-ge-instance-key"
+GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"
+REPOSITORY_KEY_HEADER = API_KEY_HEADER  # the name it had when only the repository API was restricted
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
-
-class TritonError(RuntimeError):
-    """tritonserver could not be started, answered with an error, or did not stop."""
-
-
-@dataclass(frozen=True)
-class TritonDistribution:
-    """Where the pieces of the tritonserver bundled in nvidia-pytriton live."""
-
-    binary: Path
-    python_backend: Path  # holds libtriton_python.so and triton_python_backend_utils.py
-    stub: Path
-    libs: Path  # nvidia_pytriton.libs: shared libraries the binary needs on LD_LIBRARY_PATH
-
-    @classmethod
-    def find(cls) -> TritonDistribution:
-        """Locate the distribution in the running interpreter's site-packages."""
-        site = Path(sysconfig.get_paths()["purelib"])
-        root = site / "pytriton" / "tritonserver"
-        version = f"{sys.version_info.major}.{sys.version_info.minor}"
-        dist = cls(
-            binary=root / "bin" / "tritonserver",
-            python_backend=root / "backends" / "python",
-            stub=root / "python_backend_stubs" / version / "triton_python_backend_stub",
-            libs=site / "nvidia_pytriton.libs",
-        )
-        missing = [p for p in (dist.binary, dist.python_backend, dist.stub, dist.libs) if not p.exists()]
-        if missing:
-            raise TritonError(
-                "tritonserver from nvidia-pytriton is incomplete for Python "
-                f"{version}: missing {', '.join(map(str, missing))}"
-            )
-        return dist
-
-
-def _copy_if_changed(src: Path, dst: Path) -> None:
-    if (
-        dst.exists()
-        and dst.stat().st_size == src.stat().st_size
-        and dst.stat().st_mtime >= src.stat().st_mtime
-    ):
-        return
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.copy2(src, tmp)
-    # rename keeps a running server that already mapped the old file safe
-    os.replace(tmp, dst)
-
-
-def assemble_backends(target: Path, dist: TritonDistribution | None = None) -> Path:
-    """Write ``<target>/python/`` (library, utils, stub) and ``<target>/ge/model.py``; return target."""
-    dist = dist or TritonDistribution.find()
-    python_dir = target / "python"
-    ge_dir = target / "ge"
-    python_dir.mkdir(parents=True, exist_ok=True)
-    ge_dir.mkdir(parents=True, exist_ok=True)
-    _copy_if_changed(dist.python_backend / "libtriton_python.so", python_dir / "libtriton_python.so")
-    _copy_if_changed(
-        dist.python_backend / "triton_python_backend_utils.py", python_dir / "triton_python_backend_utils.py"
-    )
-    _copy_if_changed(dist.stub, python_dir / "triton_python_backend_stub")
-    _copy_if_changed(_PACKAGE_DIR / "model.py", ge_dir / "model.py")
-    return target
+# Environment variables a server (and so every python stub) inherits; anything else - database URLs,
+# broker passwords, the platform's secret key - stays with the caller.
+_ENV_NAMES = frozenset({"PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "LANG", "LANGUAGE", "TZ", "TMPDIR"})
+_ENV_PREFIXES = ("LC_", "ASCEND_", "TOOLCHAIN_", "NPU_", "OMP_", "ORT_", "GE_")
+_ENV_SECRETS = frozenset({"GE_REPOSITORY_KEY"})
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -100,15 +84,34 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def server_environment(dist: TritonDistribution, base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for tritonserver and the python stubs it spawns."""
-    env = dict(os.environ if base is None else base)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(dist.libs), env.get("LD_LIBRARY_PATH", "")) if p)
-    # The stub's embedded interpreter finds site-packages through the first `python` on PATH; without the
-    # venv's bin first it fails with "No module named numpy".
-    venv_bin = str(Path(sys.executable).parent)
-    env["PATH"] = os.pathsep.join(p for p in (venv_bin, env.get("PATH", "")) if p)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_DIR.parent), env.get("PYTHONPATH", "")) if p)
+def server_environment(
+    runtime: TritonRuntime,
+    base: Mapping[str, str] | None = None,
+    *,
+    home: Path | None = None,
+    include_checkout: bool = True,
+) -> dict[str, str]:
+    """Environment for tritonserver and the python stubs it spawns: an allow-list of ``base`` (default:
+    this process's environment) plus the runtime tree's libraries and python first."""
+    source = os.environ if base is None else base
+    env = {
+        k: v
+        for k, v in source.items()
+        if (k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)) and k not in _ENV_SECRETS
+    }
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(runtime.libs), env.get("LD_LIBRARY_PATH")) if p)
+    # The stub's embedded interpreter takes its prefix from the first `python3` on PATH: the runtime's
+    # virtualenv, which holds numpy, onnxruntime and backend_ge.
+    env["PATH"] = os.pathsep.join(p for p in (str(runtime.python_bin), env.get("PATH") or os.defpath) if p)
+    # Read by backend_ge/model.py (the stub ignores PYTHONPATH): a source checkout's tests and pyACL from
+    # CANN's set_env.sh are found this way; a directory the server's user cannot enter is skipped. A
+    # server run as another user imports backend_ge from the runtime tree only, not from the checkout.
+    checkout = str(_PACKAGE_DIR.parent) if include_checkout else ""
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), checkout) if p)
+    if not env["PYTHONPATH"]:
+        del env["PYTHONPATH"]
+    if home is not None:
+        env["HOME"] = str(home)
     return env
 
 
@@ -124,9 +127,14 @@ def _interrupt_when_parent_dies() -> None:
 class TritonServer:
     """One tritonserver process serving a model repository with the GE backend.
 
-    Models are loaded explicitly (``load_model``) or with ``load_models`` at start. Inference is open on the
-    HTTP/gRPC ports; the model-repository API needs the ``repository_key`` in the ``REPOSITORY_KEY_HEADER``
-    header, so only the holder of the key can load or unload models.
+    Models are loaded explicitly (``load_model``) or with ``load_models`` at start. The API groups in
+    ``open_apis`` (see :data:`TRITON_APIS`) answer anyone who reaches the ports; every other group -
+    repository (load/unload), model config, logging, trace, shared memory - needs ``api_key`` in the
+    :data:`API_KEY_HEADER` header (gRPC: :data:`GRPC_API_KEY_HEADER`). This object sends it on every call.
+
+    ``user`` runs the server and its python stubs as that (unprivileged) user: it needs read access to the
+    repository and the ``runtime`` tree, and gets ``<workdir>/run`` as its own working directory. The log
+    and the runtime tree (by default ``<workdir>/runtime``) stay the caller's.
 
     ``die_with_parent`` asks Linux to SIGINT the server when the *thread* that called ``start()`` ends; use
     it from a main thread (CLI, tests), not from a short-lived worker thread.
@@ -141,13 +149,20 @@ class TritonServer:
         http_port: int = 0,
         grpc_port: int = 0,
         metrics_port: int = 0,
+        api_key: str | None = None,
         repository_key: str | None = None,
+        open_apis: Sequence[str] = DEFAULT_OPEN_APIS,
+        runtime: TritonRuntime | None = None,
+        user: ServerUser | None = None,
         load_models: Sequence[str] = (),
         backend_config: Sequence[str] = (),
         extra_args: Sequence[str] = (),
         exit_timeout: int = 30,
         die_with_parent: bool = False,
     ) -> None:
+        unknown = sorted(set(open_apis) - set(TRITON_APIS))
+        if unknown:
+            raise ValueError(f"unknown Triton API group(s) {unknown}; known: {', '.join(TRITON_APIS)}")
         self.model_repository = Path(model_repository).resolve()
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="ge-triton-"))
@@ -155,14 +170,31 @@ class TritonServer:
         self.http_port = http_port or free_port(address)
         self.grpc_port = grpc_port or free_port(address)
         self.metrics_port = metrics_port or free_port(address)
-        self.repository_key = repository_key or secrets.token_urlsafe(24)
+        self.api_key = api_key or repository_key or secrets.token_urlsafe(24)
+        self.open_apis = tuple(open_apis)
+        self.runtime = runtime
+        self.user = user
         self.load_models = list(load_models)
         self.backend_config = list(backend_config)
         self.extra_args = list(extra_args)
         self.exit_timeout = exit_timeout
         self.die_with_parent = die_with_parent
         self.log_path = self.workdir / "tritonserver.log"
+        self.run_dir = self.workdir / "run"
         self.process: subprocess.Popen | None = None
+
+    @property
+    def repository_key(self) -> str:
+        """The instance key (it was the repository API's only, hence the name)."""
+        return self.api_key
+
+    @property
+    def restricted_apis(self) -> tuple[str, ...]:
+        return tuple(api for api in TRITON_APIS if api not in self.open_apis)
+
+    def key_headers(self, protocol: str = "http") -> dict[str, str]:
+        """Headers that unlock the restricted APIs: pass them to tritonclient's ``headers=``."""
+        return {(GRPC_API_KEY_HEADER if protocol == "grpc" else API_KEY_HEADER): self.api_key}
 
     # -- addresses -------------------------------------------------------------------------------------
     @property
@@ -180,7 +212,6 @@ class TritonServer:
 
     def command(self, backends: Path) -> list[str]:
         """The tritonserver command line (without the binary path's environment)."""
-        key = f"{REPOSITORY_KEY_HEADER}={self.repository_key}"
         cmd = [
             "--model-repository",
             str(self.model_repository),
@@ -192,12 +223,14 @@ class TritonServer:
             f"--grpc-port={self.grpc_port}",
             f"--metrics-address={self.address}",
             f"--metrics-port={self.metrics_port}",
-            f"--http-restricted-api=model-repository:{key}",
-            f"--grpc-restricted-protocol=model-repository:{key}",
             f"--exit-timeout-secs={self.exit_timeout}",
             "--allow-gpu-metrics=false",
             "--log-verbose=0",
         ]
+        if self.restricted_apis:
+            # The same header name for both protocols: Triton prefixes it for gRPC itself.
+            spec = f"{','.join(self.restricted_apis)}:{API_KEY_HEADER}={self.api_key}"
+            cmd += [f"--http-restricted-api={spec}", f"--grpc-restricted-protocol={spec}"]
         cmd += [f"--load-model={name}" for name in self.load_models]
         cmd += [f"--backend-config={item}" for item in self.backend_config]
         return cmd + self.extra_args
@@ -207,27 +240,44 @@ class TritonServer:
         """Start the process and wait until it is live (and ready, when models were named at start)."""
         if self.process is not None and self.process.poll() is None:
             return self
-        dist = TritonDistribution.find()
-        backends = assemble_backends(self.workdir / "backends", dist)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps writing to it after we return
+        runtime = self.runtime or assemble_runtime(self.workdir / "runtime")
+        self._prepare_run_dir()
+        # Opened here, not by the server: a server running as another user writes through this descriptor
+        # and cannot swap the file for a link to something the caller would then read or append to.
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        as_user: dict = {}
+        if self.user is not None:
+            # Files the server creates (the python backend's shared memory in /dev/shm) are its own only.
+            as_user = {**self.user.popen_kwargs(), "umask": 0o077}
         try:
             self.process = subprocess.Popen(
-                [str(dist.binary), *self.command(backends)],
+                [str(runtime.binary), *self.command(runtime.backends)],
                 stdin=subprocess.DEVNULL,
-                stdout=log,
+                stdout=fd,
                 stderr=subprocess.STDOUT,
-                env=server_environment(dist),
-                cwd=self.workdir,
+                env=server_environment(runtime, home=self.run_dir, include_checkout=self.user is None),
+                cwd=self.run_dir,
                 # Own process group: a Ctrl-C in the caller's terminal is handled by stop(), which lets
                 # in-flight requests finish instead of the server and the caller racing each other.
                 start_new_session=True,
+                # Runs after the switch to ``user``: a change of user would clear the parent-death signal.
                 preexec_fn=_interrupt_when_parent_dies if self.die_with_parent else None,
+                **as_user,
             )
         finally:
-            log.close()
+            os.close(fd)
         self._wait_until(self.is_ready if self.load_models else self.is_live, timeout, "live")
         return self
+
+    def _prepare_run_dir(self) -> None:
+        run = self.run_dir
+        if run.is_symlink():
+            run.unlink()
+        run.mkdir(exist_ok=True)
+        if self.user is not None:
+            os.chown(run, self.user.uid, self.user.gid, follow_symlinks=False)
+        run.chmod(0o700)
 
     def _wait_until(self, check, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -279,14 +329,14 @@ class TritonServer:
 
     # -- HTTP API --------------------------------------------------------------------------------------
     def _request(
-        self, method: str, path: str, body: dict | None = None, *, key: bool = False, timeout: float = 10.0
+        self, method: str, path: str, body: dict | None = None, *, timeout: float = 10.0
     ) -> tuple[int, dict]:
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(f"http://{self.http_url}{path}", data=data, method=method)
         if data is not None:
             req.add_header("Content-Type", "application/json")
-        if key:
-            req.add_header(REPOSITORY_KEY_HEADER, self.repository_key)
+        # Always: which API groups are open is the server's setting, not something each call should know.
+        req.add_header(API_KEY_HEADER, self.api_key)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 raw = resp.read()
@@ -318,23 +368,19 @@ class TritonServer:
         body: dict = {}
         if config is not None:
             body["parameters"] = {"config": config if isinstance(config, str) else json.dumps(config)}
-        status, reply = self._request(
-            "POST", f"/v2/repository/models/{name}/load", body, key=True, timeout=timeout
-        )
+        status, reply = self._request("POST", f"/v2/repository/models/{name}/load", body, timeout=timeout)
         if status != 200:
             raise TritonError(f"loading model {name!r} failed ({status}): {reply.get('error', reply)}")
 
     def unload_model(self, name: str, *, dependents: bool = False, timeout: float = 60.0) -> None:
         body = {"parameters": {"unload_dependents": dependents}}
-        status, reply = self._request(
-            "POST", f"/v2/repository/models/{name}/unload", body, key=True, timeout=timeout
-        )
+        status, reply = self._request("POST", f"/v2/repository/models/{name}/unload", body, timeout=timeout)
         if status != 200:
             raise TritonError(f"unloading model {name!r} failed ({status}): {reply.get('error', reply)}")
 
     def repository_index(self) -> list[dict]:
         """Every model in the repository with its state (READY, UNAVAILABLE + reason, ...)."""
-        status, reply = self._request("POST", "/v2/repository/index", {}, key=True)
+        status, reply = self._request("POST", "/v2/repository/index", {})
         if status != 200:
             raise TritonError(f"repository index failed ({status}): {reply}")
         return reply if isinstance(reply, list) else []

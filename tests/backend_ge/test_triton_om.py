@@ -133,7 +133,7 @@ def test_om_model_config_is_completed_from_the_model_description(om_server):
     server, _, _ = om_server
     client = httpclient.InferenceServerClient(server.http_url)
     try:
-        config = client.get_model_config("mlp_om_auto")
+        config = client.get_model_config("mlp_om_auto", headers=server.key_headers())
     finally:
         client.close()
     assert config["max_batch_size"] == 8

@@ -156,8 +156,8 @@ def test_every_supported_dtype_round_trips(client):
         np.testing.assert_array_equal(out, arrays[wire])
 
 
-def test_config_is_completed_from_the_model_file(client):
-    config = client.get_model_config("mlp_auto")
+def test_config_is_completed_from_the_model_file(client, triton):
+    config = client.get_model_config("mlp_auto", headers=triton.key_headers())
     assert config["max_batch_size"] == 8
     assert [(i["name"], i["data_type"], i["dims"]) for i in config["input"]] == [
         ("input", "TYPE_FP32", [256])
