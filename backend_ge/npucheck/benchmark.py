@@ -41,9 +41,14 @@ class NpuSampler:
                 inventory = npu_smi.read_inventory()
                 chip = chip_for_device(inventory.chips, self.device) if inventory else None
                 if chip is not None:
-                    self.samples.append({"t": time.monotonic(), "aicore_percent": chip.aicore_percent,
-                                         "memory_used_mb": chip.device_memory_used_mb,
-                                         "memory_total_mb": chip.device_memory_total_mb})  # fmt: skip
+                    self.samples.append(
+                        {
+                            "t": time.monotonic(),
+                            "aicore_percent": chip.aicore_percent,
+                            "memory_used_mb": chip.device_memory_used_mb,
+                            "memory_total_mb": chip.device_memory_total_mb,
+                        }
+                    )
             except (npu_smi.NpuSmiError, ValueError) as exc:
                 self.errors.append(str(exc))
             if self._stop.wait(self.interval):
@@ -62,11 +67,19 @@ class NpuSampler:
         }
 
 
-def _phase(server: TritonServer, model: str, inputs, concurrency: int, requests: int, device: int,
-           interval: float) -> dict:  # fmt: skip
+def _phase(
+    server: TritonServer, model: str, inputs, concurrency: int, requests: int, device: int, interval: float
+) -> dict:
     with NpuSampler(device, interval) as sampler:
-        result = bench.run(server.http_url, model, concurrency=concurrency, requests=requests, inputs=inputs,
-                           warmup=2, timeout=1800)  # fmt: skip
+        result = bench.run(
+            server.http_url,
+            model,
+            concurrency=concurrency,
+            requests=requests,
+            inputs=inputs,
+            warmup=2,
+            timeout=1800,
+        )
     result["npu"] = sampler.summary()
     return result
 
@@ -122,8 +135,15 @@ def run_benchmark(
         summary += " [FAKE: onnxruntime on this CPU, recorded npu-smi; not gated on speed]"
     if problems:
         summary = "; ".join(problems) + " | " + summary
-    data = {"phases": phases, "speedup": speedup, "seed_img_s": SEED_IMG_S, "min_speedup": min_speedup,
-            "concurrency": concurrency, "requests": requests, "gated_on_speed": not fake}  # fmt: skip
+    data = {
+        "phases": phases,
+        "speedup": speedup,
+        "seed_img_s": SEED_IMG_S,
+        "min_speedup": min_speedup,
+        "concurrency": concurrency,
+        "requests": requests,
+        "gated_on_speed": not fake,
+    }
     return StepResult(step, FAIL if problems else PASS, time.monotonic() - started, summary, data)
 
 

@@ -43,8 +43,8 @@ from backend_ge.npucheck.verify import (
 from backend_ge.runtime import TritonError
 
 FAKE_BANNER = (
-    "FAKE RUN (--fake): recorded ATC runs and npu-smi tables, the fake pyACL computing with onnxruntime on this "
-    "CPU. It tests the command itself; nothing here ran on an NPU."
+    "FAKE RUN (--fake): recorded ATC runs and npu-smi tables, the fake pyACL computing with onnxruntime "
+    "on this CPU. It tests the command itself; nothing here ran on an NPU."
 )
 
 
@@ -64,11 +64,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {','.join(MODELS)}")
     p.add_argument("--concurrency", type=int, help="benchmark concurrency (default 16; 4 with --fake)")
     p.add_argument("--requests", type=int, help="requests per benchmark phase (default 1000; 12 with --fake)")
-    p.add_argument("--min-speedup", type=float, default=1.0,
-                   help="dynamic batching must reach this many times the batch-1 throughput (default 1.0)")  # fmt: skip
+    p.add_argument(
+        "--min-speedup",
+        type=float,
+        default=1.0,
+        help="dynamic batching must reach this many times the batch-1 throughput (default 1.0)",
+    )
     p.add_argument("--atc-timeout", type=float, default=1800.0, help="seconds per ATC run (default 1800)")
-    p.add_argument("--fake-atc-replay", action="append", default=[], metavar="MODEL=RECORDING",
-                   help="with --fake: replay this recorded ATC run for MODEL (e.g. bert=fail_e19010)")  # fmt: skip
+    p.add_argument(
+        "--fake-atc-replay",
+        action="append",
+        default=[],
+        metavar="MODEL=RECORDING",
+        help="with --fake: replay this recorded ATC run for MODEL (e.g. bert=fail_e19010)",
+    )
     return p
 
 
@@ -87,8 +96,10 @@ def _arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         if not args.fake:
             parser.error("--fake-atc-replay needs --fake")
         if model not in MODELS or recording not in fakes.atc_exit_codes():
-            parser.error(f"--fake-atc-replay {item!r}: use MODEL=RECORDING with a model of {', '.join(MODELS)} and "
-                         f"a recording of {', '.join(sorted(fakes.atc_exit_codes()))}")  # fmt: skip
+            parser.error(
+                f"--fake-atc-replay {item!r}: use MODEL=RECORDING with a model of {', '.join(MODELS)} and "
+                f"a recording of {', '.join(sorted(fakes.atc_exit_codes()))}"
+            )
         replays[model] = recording
     args.replays = replays
     args.concurrency = args.concurrency or (4 if args.fake else 16)
@@ -118,9 +129,16 @@ def _say(text: str) -> None:
 
 def _run(args: argparse.Namespace, workdir: Path) -> int:
     started_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    report = {"check": "npu-check", "fake": args.fake, "host": socket.gethostname(), "started_at": started_at,
-              "workdir": str(workdir) if args.keep else None, "device": args.device, "seed_img_s": SEED_IMG_S,
-              "tolerances": {m: MODELS[m].tolerance() for m in args.models}}  # fmt: skip
+    report = {
+        "check": "npu-check",
+        "fake": args.fake,
+        "host": socket.gethostname(),
+        "started_at": started_at,
+        "workdir": str(workdir) if args.keep else None,
+        "device": args.device,
+        "seed_img_s": SEED_IMG_S,
+        "tolerances": {m: MODELS[m].tolerance() for m in args.models},
+    }
     if args.fake:
         _say(FAKE_BANNER)
     _say("== 1. environment")
@@ -131,8 +149,10 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
         print("npu-check: this host cannot run the NPU check; missing:", file=sys.stderr)
         for item in env.missing:
             print(f"  {item}", file=sys.stderr)
-        print("(`python -m backend_ge npu-check --fake` runs the whole check against the project's fakes)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "(`python -m backend_ge npu-check --fake` runs the whole check against the project's fakes)",
+            file=sys.stderr,
+        )
         results = [StepResult("environment", FAIL, time.monotonic() - t0, f"{len(env.missing)} missing", {})]
         return _finish(args, report, results, EXIT_MISSING)
     results = [StepResult("environment", PASS, time.monotonic() - t0, env.summary(), {"notes": env.notes})]
@@ -145,8 +165,17 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
     for name in args.models:
         model = MODELS[name]
         source, signature = write_source(model, workdir / "onnx")
-        result = compile_model(model, source, signature, repository / name / "1" / "model",
-                               soc_version=env.soc_version, atc=env.atc, timeout=args.atc_timeout, say=_say)  # fmt: skip
+        result = compile_model(
+            model,
+            source,
+            signature,
+            repository / name / "1" / "model",
+            soc_version=env.soc_version,
+            atc=env.atc,
+            timeout=args.atc_timeout,
+            cwd=workdir / "atc",
+            say=_say,
+        )
         results.append(result)
         if result.status == PASS:
             compiled.append(Compiled(model, Path(result.data["om"]), source, signature))
@@ -180,8 +209,10 @@ def _serve_and_measure(args, workdir: Path, repository: Path, compiled: list[Com
             server, failures = start_triton(repository, workdir / "triton", names)
         except TritonError as exc:
             first = str(exc).splitlines()[0]
-            failed = [StepResult(f"triton {c.model.name}", FAIL, time.monotonic() - t0, first, {"error": str(exc)})
-                      for c in compiled]  # fmt: skip
+            failed = [
+                StepResult(f"triton {c.model.name}", FAIL, time.monotonic() - t0, first, {"error": str(exc)})
+                for c in compiled
+            ]
             return [*results, *failed, StepResult(bench_step, SKIP, summary="tritonserver did not start")]
         for c in compiled:
             result = check_triton_model(server, c, failures.get(c.model.name))
@@ -200,9 +231,19 @@ def _serve_and_measure(args, workdir: Path, repository: Path, compiled: list[Com
             )
             results.append(StepResult(bench_step, SKIP, summary=why))
         else:
-            results.append(run_benchmark(server, bench, device=args.device, concurrency=args.concurrency,
-                                         requests=args.requests, min_speedup=args.min_speedup,
-                                         interval=0.2 if args.fake else 1.0, fake=args.fake, say=_say))  # fmt: skip
+            results.append(
+                run_benchmark(
+                    server,
+                    bench,
+                    device=args.device,
+                    concurrency=args.concurrency,
+                    requests=args.requests,
+                    min_speedup=args.min_speedup,
+                    interval=0.2 if args.fake else 1.0,
+                    fake=args.fake,
+                    say=_say,
+                )
+            )
     finally:
         if server is not None:
             server.stop()
@@ -210,8 +251,12 @@ def _serve_and_measure(args, workdir: Path, repository: Path, compiled: list[Com
 
 
 def _finish(args, report: dict, results: list[StepResult], code: int) -> int:
-    report.update(finished_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), ok=code == 0,
-                  exit_code=code, steps=steps_json(results))  # fmt: skip
+    report.update(
+        finished_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        ok=code == 0,
+        exit_code=code,
+        steps=steps_json(results),
+    )
     if code != EXIT_MISSING:  # the missing items, one per line, already said it all
         print(render_table(results), flush=True)
     if args.fake:

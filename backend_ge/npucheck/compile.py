@@ -49,9 +49,11 @@ def compile_model(
     soc_version: str,
     atc: str,
     timeout: float,
+    cwd: Path,
     say: Callable[[str], None],
 ) -> StepResult:
-    """Run ATC for one model; the .om lands at ``<output>.om``."""
+    """Run ATC for one model in ``cwd`` (ATC leaves ``kernel_meta``/``fusion_result.json`` in its working
+    directory); the .om lands at ``<output>.om``."""
     step = f"compile {model.name}"
     output.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -63,7 +65,8 @@ def compile_model(
     say(f"$ {shlex.join(command)}")
     started = time.monotonic()
     try:
-        result = convert.run_atc(command, timeout=timeout)
+        cwd.mkdir(parents=True, exist_ok=True)
+        result = convert.run_atc(command, timeout=timeout, cwd=str(cwd))
     except convert.AtcError as exc:
         seconds = time.monotonic() - started
         for line in exc.lines[-ATC_TAIL_LINES:]:
@@ -82,8 +85,13 @@ def compile_model(
         }
         return StepResult(step, FAIL, seconds, str(exc), data)
     seconds = time.monotonic() - started
-    data = {"command": command, "exit_code": result.exit_code, "om": str(result.output_path),
-            "warnings": result.warnings, "gears": list(model.gears)}  # fmt: skip
+    data = {
+        "command": command,
+        "exit_code": result.exit_code,
+        "om": str(result.output_path),
+        "warnings": result.warnings,
+        "gears": list(model.gears),
+    }
     if not result.output_path.is_file():
         return StepResult(
             step, FAIL, seconds, f"ATC reported success but wrote no {result.output_path}", data

@@ -43,14 +43,41 @@ class CheckModel:
 MODELS: dict[str, CheckModel] = {
     m.name: m
     for m in (
-        CheckModel("resnet50", examples.build_resnet50, (1, 2, 4, 8, 16, 32), (4, 8, 16), 5000, "NCHW",
-                   rtol=2e-2, atol=1e-1, check_batches=(1, 3)),
-        CheckModel("bert", examples.build_bert, (1, 2, 4, 8, 16), (4, 8), 5000, "ND",
-                   rtol=1e-2, atol=5e-3, check_batches=(1, 3)),
-        CheckModel("mlp", examples.build_mlp, (1, 2, 4, 8, 16, 32, 64), (), 100, "ND",
-                   rtol=1e-2, atol=1e-2, check_batches=(1, 3, 67)),
+        CheckModel(
+            "resnet50",
+            examples.build_resnet50,
+            (1, 2, 4, 8, 16, 32),
+            (4, 8, 16),
+            5000,
+            "NCHW",
+            rtol=2e-2,
+            atol=1e-1,
+            check_batches=(1, 3),
+        ),
+        CheckModel(
+            "bert",
+            examples.build_bert,
+            (1, 2, 4, 8, 16),
+            (4, 8),
+            5000,
+            "ND",
+            rtol=1e-2,
+            atol=5e-3,
+            check_batches=(1, 3),
+        ),
+        CheckModel(
+            "mlp",
+            examples.build_mlp,
+            (1, 2, 4, 8, 16, 32, 64),
+            (),
+            100,
+            "ND",
+            rtol=1e-2,
+            atol=1e-2,
+            check_batches=(1, 3, 67),
+        ),
     )
-}  # fmt: skip
+}
 BENCH_MODEL = "resnet50"
 UNBATCHED_SUFFIX = "_nobatch"  # the same .om served without dynamic batching: every request runs at batch 1
 # The seed article's figures for ResNet-50: each request alone vs dynamic batching.

@@ -87,8 +87,13 @@ def check_executors(
                     feeds = make_inputs(c.signature, batch, seed=batch)
                     outputs, expected = executor.run(feeds), reference.run(feeds)
                     for name in reference.output_names:
-                        checks.append({"batch": batch, "output": name,
-                                       **compare(outputs[name], expected[name], c.model.rtol, c.model.atol)})  # fmt: skip
+                        checks.append(
+                            {
+                                "batch": batch,
+                                "output": name,
+                                **compare(outputs[name], expected[name], c.model.rtol, c.model.atol),
+                            }
+                        )
             except (ExecutorError, KeyError) as exc:
                 results.append(StepResult(step, FAIL, time.monotonic() - started, str(exc)))
                 continue
@@ -115,8 +120,13 @@ def write_repository(root: Path, compiled: list[Compiled], device: int, bench_mo
     for c in compiled:
         m = c.model
         common = {"max_batch_size": m.gears[-1], "device_ids": [device], "executor": "acl"}
-        cfg = gc.generate_config(m.name, c.signature, preferred_batch_sizes=m.preferred_batch_sizes,
-                                 max_queue_delay_us=m.max_queue_delay_us, **common)  # fmt: skip
+        cfg = gc.generate_config(
+            m.name,
+            c.signature,
+            preferred_batch_sizes=m.preferred_batch_sizes,
+            max_queue_delay_us=m.max_queue_delay_us,
+            **common,
+        )
         gc.write_config(cfg, root / m.name / "config.pbtxt")
         names.append(m.name)
         if m.name == bench_model:
@@ -184,7 +194,8 @@ def check_triton_model(server: TritonServer, c: Compiled, load_error: str | None
     inferences = after["inference_count"] - before["inference_count"]
     executions = after["execution_count"] - before["execution_count"]
     worst = _worst(checks)
-    summary = f"{TRITON_REQUESTS} requests in {executions} executions (dynamic batching): {_describe(worst, c.model)}"
+    batching = f"{TRITON_REQUESTS} requests in {executions} executions (dynamic batching)"
+    summary = f"{batching}: {_describe(worst, c.model)}"
     data = {
         "checks": checks,
         "tolerance": c.model.tolerance(),
