@@ -2,8 +2,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.contrib.auth.forms import AuthenticationForm
 from django.core.exceptions import ValidationError
 from django.core.paginator import Paginator
 from django.http import HttpResponseBadRequest
@@ -18,6 +20,19 @@ from apps.teams.models import Action, ApiToken, Membership, Team
 from frontend.context_processors import current_team
 from frontend.forms import MemberForm, RoleForm, TeamForm, TokenForm
 from frontend.pages import TeamPageView
+
+
+def sign_in_locked(request, original_response=None, credentials=None):
+    """django-axes' answer to a sign-in while its username or address is locked: the sign-in page again,
+    saying why and for how long (429)."""
+    minutes = int(settings.AXES_COOLOFF_TIME.total_seconds() // 60)
+    username = (credentials or {}).get("username") or request.POST.get("username", "")
+    form = AuthenticationForm(request, initial={"username": username})
+    message = (
+        f"Too many failed sign-ins for this account or from your address: signing in is locked for "
+        f"{minutes} minutes after the last failed try. Wait, or ask an operator to unlock it."
+    )
+    return render(request, "registration/login.html", {"form": form, "locked_message": message}, status=429)
 
 
 def add_service_errors(form, error: ValidationError) -> None:
