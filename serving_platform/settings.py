@@ -56,6 +56,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "django_filters",
     "drf_spectacular",
+    "axes",
     "apps.core",
     "apps.teams",
     "apps.audit",
@@ -81,6 +82,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last: answers a sign-in refused by the lockout (AUTHENTICATION_BACKENDS) with AXES_LOCKOUT_CALLABLE.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "serving_platform.urls"
@@ -135,6 +138,20 @@ LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
+
+# --- Sign-in throttling (django-axes): wrong passwords for one username, or from one address, lock further
+# sign-ins of that username / from that address for a while. API tokens never pass through these backends.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",  # first: a locked-out sign-in is refused before the password check
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("LOGIN_LOCKOUT_MINUTES", 15, minimum=1))
+# The address is REMOTE_ADDR. Behind a reverse proxy every client has the proxy's address, and locking it
+# would lock everyone: set LOGIN_LOCK_BY_ADDRESS=0 there (usernames are still locked).
+AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"] if env_bool("LOGIN_LOCK_BY_ADDRESS", True) else ["username"]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "frontend.views.sign_in_locked"
 
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "dashboard"
