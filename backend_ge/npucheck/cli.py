@@ -192,7 +192,18 @@ def _run(args: argparse.Namespace, workdir: Path) -> int:
 
     _say("== 4. tritonserver with the ge backend (dynamic batching) vs onnxruntime, then the benchmark")
     results += _serve_and_measure(args, workdir, repository, compiled, not_compiled)
-    return _finish(args, report, results, overall_exit_code(results))
+    return _finish(args, report, _in_model_order(results, args.models), overall_exit_code(results))
+
+
+def _in_model_order(results: list[StepResult], names: list[str]) -> list[StepResult]:
+    """Rows grouped by step kind in the order they ran, models in the order given (skipped ones included)."""
+    kinds = list(dict.fromkeys(r.step.split()[0] for r in results))
+
+    def key(r: StepResult) -> tuple[int, int]:
+        kind, _, model = r.step.partition(" ")
+        return kinds.index(kind), names.index(model) if model in names else len(names)
+
+    return sorted(results, key=key)
 
 
 def _serve_and_measure(args, workdir: Path, repository: Path, compiled: list[Compiled], not_compiled) -> list:

@@ -83,7 +83,11 @@ def compile_model(
             "error": str(exc),
             "output": exc.lines,
         }
-        return StepResult(step, FAIL, seconds, str(exc), data)
+        summary = str(exc)
+        if code:
+            summary = f"ATC {code} (exit {exc.exit_code}): {data['atc_message']}"
+            summary += f" | hint: {data['hint']}" if data["hint"] else ""
+        return StepResult(step, FAIL, seconds, summary, data)
     seconds = time.monotonic() - started
     data = {
         "command": command,
