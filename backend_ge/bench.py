@@ -51,8 +51,10 @@ def _http_get(url: str, path: str, timeout: float = 10.0) -> dict:
 def make_inputs(url: str, model: str, batch: int = 1, seed: int = 0) -> dict[str, np.ndarray]:
     """Random inputs shaped from the model's metadata; integer inputs stay small (valid token ids)."""
     meta = _http_get(url, f"/v2/models/{model}")
-    config = _http_get(url, f"/v2/models/{model}/config")
-    batched = int(config.get("max_batch_size", 0)) > 0
+    # The metadata API, not the config API: the config is part of an instance's control plane (it needs the
+    # instance key), while metadata is what any client may read. Triton reports a batched model's inputs with
+    # a leading -1 (the batch dimension).
+    batched = all(spec["shape"] and spec["shape"][0] == -1 for spec in meta["inputs"])
     rng = np.random.default_rng(seed)
     inputs = {}
     for spec in meta["inputs"]:
