@@ -140,8 +140,11 @@ def _apply_locked(proc: InstanceProcess, placement_id: int, generation: int | No
         switch_version(proc, name, served, target)
     except (TritonError, RepositoryError, SmokeTestError, OSError) as exc:
         message = public_error(exc)
-        # Report what Triton really serves after the failure, not what it served before.
+        # Report what Triton really serves after the failure, not what it served before. Re-applying the
+        # active version (no rollout in flight) keeps it as the placement's version, so reconcile retries it.
         still = served if served and server.is_model_ready(name, str(served.number)) else None
+        if still is None and deployment.target_version is None:
+            still = target
         services.placement_failed(
             placement.pk,
             generation,

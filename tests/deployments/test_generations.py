@@ -134,3 +134,20 @@ def test_a_lost_report_for_a_decision_not_yet_applied_is_ignored(owner, model, v
     placement = placement_of(deployment)
     assert not services.placement_lost(placement.pk, placement.generation, "gone", reloading=True)
     assert placement_of(deployment).state == PlacementState.PENDING
+
+
+def test_the_api_and_the_page_show_a_lost_model(owner, owner_client, client, version, instance, no_tasks):
+    deployment = serving(owner, version, instance)
+    placement = placement_of(deployment)
+    failure = f"reloading {version} on {instance} failed: model file missing"
+    services.placement_lost(placement.pk, placement.generation, failure, reloading=False)
+
+    body = owner_client.get(f"/api/v1/teams/vision/deployments/{deployment.pk}/").json()
+    assert body["state"] == DeploymentState.FAILED and failure in body["last_error"]
+    assert body["placements"][0]["state"] == PlacementState.FAILED
+    assert body["placements"][0]["last_error"] == failure
+    assert "not_serving" in [e["kind"] for e in body["events"]]
+
+    client.force_login(owner)
+    html = client.get(f"/teams/vision/deployments/{deployment.pk}/").content.decode()
+    assert 'data-state="FAILED"' in html and failure in html and "not_serving" in html
