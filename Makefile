@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PYTHON ?= python3
 export DEBUG ?= 1
 
-.PHONY: run test install migrate demo lint deploy-check npu-check clean
+.PHONY: run test install migrate demo lint deploy-check npu-check clean haproxy
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,13 @@ frontend/node_modules/.installed: frontend/package.json frontend/package-lock.js
 	cd frontend && npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
-install: $(VENV)/.installed frontend/node_modules/.installed
+install: $(VENV)/.installed frontend/node_modules/.installed haproxy
+
+## The inference gateway is HAProxy (Debian package `haproxy`); installed here when we are root on Debian.
+haproxy:
+	@command -v haproxy >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null; } || \
+		{ echo "haproxy is missing: install it with 'sudo apt-get install haproxy' (Debian/Ubuntu), then run make again"; exit 1; }
 
 migrate: install
 	$(PY) manage.py migrate --noinput
@@ -25,7 +31,8 @@ migrate: install
 demo: migrate
 	$(PY) manage.py bootstrap_demo
 
-## Start web (http://127.0.0.1:8000), Celery worker and beat together. No PostgreSQL/Redis needed.
+## Start web (http://127.0.0.1:8000), Celery worker and beat, the local host agent and the inference gateway
+## (http://127.0.0.1:8080, GATEWAY_BIND) together. No PostgreSQL/Redis needed.
 run: demo
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/honcho start -f Procfile
 

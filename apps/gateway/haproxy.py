@@ -75,11 +75,18 @@ class GatewayState:
     weights: dict[tuple[str, str], int] = field(default_factory=dict)
     routes: dict[str, str] = field(default_factory=dict)  # model -> "<team>/<backend>/<version>"
     grpc_routes: dict[str, str] = field(default_factory=dict)  # team -> grpc backend
+    # backend -> the model it serves: its servers are checked with that model's readiness, so an instance
+    # that restarted without the model (or lost it) is out of rotation until the agent loaded it again.
+    checked_models: dict[str, str] = field(default_factory=dict)
     tokens: dict[str, str] = field(default_factory=dict)  # "<prefix>:<sha256>" -> "<team>:<expires>"
     limits: dict[str, str] = field(default_factory=dict)  # team -> requests per second
 
     def structure(self) -> tuple:
-        return (sorted(self.backends.items()), sorted(self.grpc_backends.items()))
+        return (
+            sorted(self.backends.items()),
+            sorted(self.grpc_backends.items()),
+            sorted(self.checked_models.items()),
+        )
 
     def maps(self) -> dict[str, dict[str, str]]:
         return {
@@ -189,7 +196,7 @@ def render_config(state: GatewayState, o: Options) -> str:
         "    retries 3",
         "    option redispatch 1",
         # Refused connections and connections closed without an answer go to another placement.
-        "    retry-on conn-failure empty-response",
+        "    retry-on conn-failure empty-response junk-response",
         "    http-error status 503 content-type application/json string "
         """'{"error":"no instance of this model is ready; retry shortly"}'""",
         "    http-error status 504 content-type application/json string "
@@ -286,11 +293,16 @@ def render_config(state: GatewayState, o: Options) -> str:
         "",
     ]
     check = f" check inter {inter}ms fastinter {max(inter // 2, 100)}ms downinter {inter}ms rise 2 fall 2"
+    for model in state.checked_models.values():
+        if not re.fullmatch(MODEL_NAME, model):
+            raise GatewayError(f"{model!r} is not a platform model name")
     for name, servers in sorted(state.backends.items()):
         lines += [
             f"backend {name}",
             "    balance leastconn",
-            "    option httpchk GET /v2/health/ready",
+            f"    option httpchk GET /v2/models/{state.checked_models[name]}/ready"
+            if name in state.checked_models
+            else "    option httpchk GET /v2/health/ready",
             "    http-check expect status 200",
             f"    http-send-name-header {o.key_header}",
             *_server_lines(servers, state.weights, name, check),

@@ -87,6 +87,7 @@ def _add_http_routes(state: GatewayState) -> None:
             )
             state.weights[(name, server.key)] = 100 if in_rotation else 0
         state.backends[name] = tuple(sorted(servers))
+        state.checked_models[name] = deployment.triton_model_name()
         state.routes[deployment.triton_model_name()] = f"{deployment.team.slug}/{name}/{version}"
 
 

@@ -14,7 +14,7 @@ def test_inference_only_token_is_refused_by_the_management_api(owner, team):
     _, secret = services.create_token(actor=owner, team=team, name="edge", inference_only=True)
     response = bearer_client(secret).get("/api/v1/teams/")
     assert response.status_code == 403
-    assert "inference-only" in response.json()["detail"]
+    assert "inference-only" in response.json()["message"]
 
 
 def test_owner_creates_an_inference_only_token_through_the_api(owner_client):

@@ -16,7 +16,7 @@ def compose() -> dict:
 
 def test_compose_has_every_service_with_a_healthcheck(compose):
     services = compose["services"]
-    assert set(services) == {"postgres", "redis", "web", "worker", "beat", "host-agent"}
+    assert set(services) == {"postgres", "redis", "web", "worker", "beat", "gateway", "host-agent"}
     for name, service in services.items():
         assert service.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
 
@@ -30,7 +30,7 @@ def test_host_agent_mounts_the_npu_devices_and_driver_read_only(compose):
 
 
 def test_platform_services_use_postgres_and_redis(compose):
-    for name in ("web", "worker", "beat", "host-agent"):
+    for name in ("web", "worker", "beat", "gateway", "host-agent"):
         env = compose["services"][name]["environment"]
         assert env["DATABASE_URL"].startswith("postgres://") and env["CELERY_BROKER_URL"].startswith(
             "redis://"

@@ -1,0 +1,141 @@
+"""Requests through the gateway survive a killed instance, deploys, switches, undeploys and a gateway restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from apps.deployments import services as deployment_services
+from apps.deployments.models import Deployment, DeploymentState
+from apps.fleet.models import TritonInstance
+from apps.gateway.haproxy import AdminSocket
+from apps.registry.models import RegisteredModel
+from tests.conftest import wait_for
+from tests.gateway.conftest import Load, deploy, ready_instance, requires_haproxy
+
+pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture(autouse=True)
+def _no_rate_limit(team):
+    # These tests measure failures under load, not the quota (test_http_gateway covers it).
+    team.quota_requests_per_second = 1_000_000
+    team.save()
+
+
+def server_status(gateway, backend: str, key: str) -> str:
+    """The server's status column (UP, DOWN, MAINT, ...) in HAProxy's own statistics."""
+    csv = AdminSocket(gateway.directory / "admin.sock").ask("show stat")
+    header = csv.splitlines()[0].lstrip("# ").split(",")
+    for line in csv.splitlines()[1:]:
+        row = dict(zip(header, line.split(","), strict=False))
+        if row.get("pxname") == backend and row.get("svname") == key:
+            return row["status"]
+    return "absent"
+
+
+def test_instance_killed_under_load_fails_no_request(
+    owner_client, team, owner, start_agent, make_scaler_version, start_gateway, make_token
+):
+    _, first = ready_instance(start_agent, "host-a")
+    _, second = ready_instance(start_agent, "host-b")
+    model = RegisteredModel.objects.create(team=team, name="Scaler", slug="scaler", created_by=owner)
+    make_scaler_version(model, 2.0)
+    deployment = deploy(owner_client, "vision", "scaler", 1, [first, second])
+    gateway = start_gateway()
+    _, secret = make_token(name="load")
+    backend = f"d{deployment.pk}"
+    wait_for(lambda: server_status(gateway, backend, first.api_key) == "UP", 10, "host-a in rotation")
+    wait_for(lambda: server_status(gateway, backend, second.api_key) == "UP", 10, "host-b in rotation")
+    wait_for(lambda: gateway.infer("vision__scaler", secret)[0] == 200, 10, "the token to be known")
+
+    with Load(gateway, "vision__scaler", secret, threads=4, max_requests=30_000, max_seconds=90) as load:
+        load.wait_for_requests(300)
+        pid = TritonInstance.objects.get(pk=first.pk).pid
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        wait_for(lambda: server_status(gateway, backend, first.api_key).startswith("DOWN"), 2, "host-a out")
+        assert time.monotonic() - killed_at <= 2.0
+        load.wait_for_requests(300)
+    assert load.failures == [], load.failures[:5]
+    assert load.statuses[200] >= 600
+
+
+def test_deploy_switch_and_undeploy_under_load_fail_no_request(
+    owner_client, owner, team, start_agent, make_scaler_version, start_gateway, make_token
+):
+    _, instance = ready_instance(start_agent, "host-a")
+    scaler = RegisteredModel.objects.create(team=team, name="Scaler", slug="scaler", created_by=owner)
+    other = RegisteredModel.objects.create(team=team, name="Other", slug="other", created_by=owner)
+    make_scaler_version(scaler, 2.0)
+    make_scaler_version(other, 5.0)
+    deployment = deploy(owner_client, "vision", "scaler", 1, [instance])
+    gateway = start_gateway()
+    _, secret = make_token(name="load")
+    wait_for(lambda: gateway.infer("vision__scaler", secret)[0] == 200, 10, "the first request")
+
+    with Load(gateway, "vision__scaler", secret, threads=3, max_requests=50_000, max_seconds=150) as load:
+        load.wait_for_requests(100)
+        # Deploying another model adds a backend: a graceful reload under load.
+        second = deploy(owner_client, "vision", "other", 1, [instance])
+        wait_for(lambda: gateway.infer("vision__other", secret)[0] == 200, 10, "the new model's route")
+        load.wait_for_requests(100)
+
+        # Switching the loaded model's version: the old one answers until the new one took over.
+        version2 = make_scaler_version(scaler, 3.0)
+        deployment_services.switch_version(actor=owner, deployment=deployment, version=version2)
+        wait_for(
+            lambda: Deployment.objects.filter(pk=deployment.pk, state=DeploymentState.SERVING, active_version=version2)
+            .exists(),
+            120,
+            "the switch to version 2",
+        )  # fmt: skip
+        wait_for(lambda: load.outputs[3.0] >= 50, 10, "answers from version 2")
+
+        # Undeploying the other model removes its backend: another reload.
+        deployment_services.undeploy(actor=owner, deployment=second)
+        wait_for(lambda: gateway.infer("vision__other", secret)[0] == 404, 15, "the undeployed model's 404")
+        load.wait_for_requests(100)
+    assert load.failures == [], load.failures[:5]
+    assert load.outputs[2.0] > 0 and load.outputs[3.0] > 0
+    # Pinned again once the switch finished: unversioned requests get the active version.
+    status, answer = gateway.infer("vision__scaler", secret)
+    assert status == 200 and answer["model_version"] == "2"
+
+
+def test_gateway_restart_restores_every_route(
+    owner_client, owner, team, start_agent, make_scaler_version, start_gateway, make_token
+):
+    _, instance = ready_instance(start_agent, "host-a")
+    for slug, scale in (("scaler", 2.0), ("other", 5.0)):
+        model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)
+        make_scaler_version(model, scale)
+        deploy(owner_client, "vision", slug, 1, [instance])
+    _, secret = make_token(name="client")
+    gateway = start_gateway()
+    for model in ("vision__scaler", "vision__other"):
+        wait_for(lambda m=model: gateway.infer(m, secret)[0] == 200, 10, f"{model} through the gateway")
+    gateway.stop()
+    assert gateway.infer("vision__scaler", secret)[0] == 0  # nothing listens any more
+
+    # The written files alone bring every route back (HAProxy started by hand, no database involved)...
+    haproxy = subprocess.Popen(
+        ["haproxy", "-db", "-f", str(gateway.directory / "haproxy.cfg")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        for model in ("vision__scaler", "vision__other"):
+            wait_for(lambda m=model: gateway.infer(m, secret)[0] == 200, 10, f"{model} from the files")
+        assert gateway.infer("vision__scaler", "tgp_0_wrong")[0] == 401
+    finally:
+        haproxy.terminate()
+        haproxy.wait(10)
+
+    # ... and so does the gateway command, from the database.
+    restarted = start_gateway()
+    for model in ("vision__scaler", "vision__other"):
+        wait_for(lambda m=model: restarted.infer(m, secret)[0] == 200, 10, f"{model} after the restart")

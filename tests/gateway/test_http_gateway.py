@@ -1,0 +1,143 @@
+"""The gateway over HTTP with real HAProxy, host agents and tritonservers: tokens, tenancy, the allow-list and
+the per-team rate limit."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from apps.registry.models import RegisteredModel
+from apps.teams import services as team_services
+from tests.conftest import wait_for
+from tests.gateway.conftest import deploy, output_of, ready_instance, requires_haproxy
+
+pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
+
+# Paths a tenant must not reach through the gateway, with a valid token: every one is a 404.
+PATH_TRICKS = [
+    ("GET", "/v2/repository/index"),
+    ("POST", "/v2/repository/index"),
+    ("POST", "/v2/repository/models/vision__scaler/load"),
+    ("POST", "/v2/repository/models/vision__scaler/unload"),
+    ("GET", "/v2/models/stats"),
+    ("GET", "/v2/models/vision__scaler/stats"),
+    ("GET", "/v2/systemsharedmemory/status"),
+    ("POST", "/v2/systemsharedmemory/region/x/register"),
+    ("GET", "/v2/cudasharedmemory/status"),
+    ("GET", "/v2/trace/setting"),
+    ("POST", "/v2/logging"),
+    ("GET", "/v2/models/vision__scaler/../speech__scaler"),
+    ("GET", "/v2/models/vision__scaler/versions/1/../../../speech__scaler/ready"),
+    ("GET", "/v2//models/vision__scaler"),
+    ("GET", "/v2/models//vision__scaler"),
+    ("GET", "/v2/models/vision%5F%5Fscaler"),
+    ("GET", "/v2/models/vision_%5fscaler"),
+    ("GET", "/v2/models/vision__scaler%2Fready"),
+    ("GET", "/v2/models/vision%2D%2Dscaler"),
+    ("GET", "/v2/models/vision__scaler__candidate"),
+    ("GET", "/v2/models/VISION__scaler"),
+    ("GET", "/v2/models/vision__scaler/versions/0/ready"),
+    ("GET", "/v2/models/vision__scaler/versions/-1/ready"),
+    ("GET", "/v2/models/vision__scaler/infer"),
+    ("POST", "/v2/models/vision__scaler/ready"),
+    ("DELETE", "/v2/models/vision__scaler"),
+    ("GET", "/v2/models/vision__scaler/"),
+    ("GET", "/metrics"),
+]
+
+
+@pytest.fixture
+def two_teams_on_a_shared_instance(
+    owner_client, outsider_client, outsider, other_team, team, owner, start_agent, make_scaler_version
+):
+    _, instance = ready_instance(start_agent, "shared-a")
+    vision = RegisteredModel.objects.create(team=team, name="Scaler", slug="scaler", created_by=owner)
+    speech = RegisteredModel.objects.create(
+        team=other_team, name="Scaler", slug="scaler", created_by=outsider
+    )
+    make_scaler_version(vision, 2.0)
+    make_scaler_version(speech, 3.0)
+    deploy(owner_client, "vision", "scaler", 1, [instance])
+    deploy(outsider_client, "speech", "scaler", 1, [instance])
+    return instance
+
+
+def test_tokens_tenancy_and_allow_list(
+    two_teams_on_a_shared_instance, start_gateway, make_token, owner, outsider, other_team
+):
+    gateway = start_gateway()
+    _, secret = make_token(name="client")
+    _, read_only = make_token(name="dashboard", read_only=True)
+    inference, inference_secret = team_services.create_token(
+        actor=owner, team=owner.memberships.get().team, name="edge", inference_only=True
+    )
+    _, speech_secret = team_services.create_token(actor=outsider, team=other_team, name="speech")
+
+    # The right token: 200 with the team's own model; read-only and inference-only tokens infer too.
+    status, answer = wait_for(
+        lambda: (r := gateway.infer("vision__scaler", secret))[0] == 200 and r, 15, "the first routed request"
+    )
+    assert answer["model_name"] == "vision__scaler" and answer["model_version"] == "1"
+    assert output_of(answer) == [2.0, 4.0, 6.0, 8.0]
+    assert gateway.infer("vision__scaler", read_only)[0] == 200
+    assert gateway.infer("vision__scaler", inference_secret)[0] == 200
+    assert gateway.infer("speech__scaler", speech_secret)[1]["outputs"][0]["data"] == [3.0, 6.0, 9.0, 12.0]
+    assert gateway.get("/v2/models/vision__scaler/ready", secret)[0] == 200
+    assert gateway.get("/v2/models/vision__scaler/versions/1/ready", secret)[0] == 200
+    status, metadata = gateway.get("/v2/models/vision__scaler", secret)
+    assert status == 200 and metadata["name"] == "vision__scaler"
+    assert gateway.get("/v2/models/vision__scaler/config", secret)[0] == 200
+    assert gateway.get("/v2/health/live")[0] == 200 and gateway.get("/v2/health/ready")[0] == 200
+
+    # Missing and wrong tokens: 401 with a KServe-style error.
+    for token in (None, "tgp_0000_nope", secret[:-2] + "xx", "not-a-token", secret + "x"):
+        status, body = gateway.infer("vision__scaler", token)
+        assert status == 401 and "token" in body["error"], (token, status, body)
+
+    # Another team's model on the same shared instance is the same 404 as a model that does not exist.
+    other = gateway.infer("speech__scaler", secret)
+    missing = gateway.infer("vision__nothing", secret)
+    assert other[0] == missing[0] == 404
+    assert other[1]["error"] == "Request for unknown model: 'speech__scaler' is not found"
+    assert missing[1]["error"] == "Request for unknown model: 'vision__nothing' is not found"
+    assert gateway.get("/v2/models/speech__scaler", secret)[0] == 404
+
+    for method, path in PATH_TRICKS:
+        status, body = gateway.request(method, path, secret, b"{}" if method == "POST" else None)
+        assert status == 404, (method, path, status, body)
+
+    # Revocation takes effect within 5 s (the revoke pokes the gateway; its loop would catch it anyway).
+    team_services.revoke_token(actor=owner, token=inference)
+    revoked_at = time.monotonic()
+    wait_for(lambda: gateway.infer("vision__scaler", inference_secret)[0] == 401, 5, "the revocation")
+    assert time.monotonic() - revoked_at < 5
+    assert gateway.infer("vision__scaler", secret)[0] == 200
+
+
+def test_expired_token_is_refused_at_its_expiry(two_teams_on_a_shared_instance, start_gateway, make_token):
+    gateway = start_gateway()
+    _, secret = make_token(name="short", expires_at=timezone.now() + timedelta(seconds=3))
+    wait_for(lambda: gateway.infer("vision__scaler", secret)[0] == 200, 3, "the token to work")
+    status, body = wait_for(
+        lambda: (r := gateway.infer("vision__scaler", secret))[0] == 401 and r, 5, "the token to expire"
+    )
+    assert body["error"] == "the API token has expired; create a new one"
+
+
+def test_team_rate_limit_answers_429_naming_the_limit(
+    two_teams_on_a_shared_instance, start_gateway, make_token, team
+):
+    team.quota_requests_per_second = 5
+    team.save()
+    gateway = start_gateway()
+    _, secret = make_token(name="client")
+    wait_for(lambda: gateway.infer("vision__scaler", secret)[0] == 200, 5, "the first request")
+    time.sleep(1.5)  # a fresh second
+    statuses = [gateway.get("/v2/models/vision__scaler/ready", secret) for _ in range(12)]
+    codes = [status for status, _ in statuses]
+    assert codes.count(200) >= 4 and codes.count(429) >= 5, codes
+    limited = next(body for status, body in statuses if status == 429)
+    assert limited["error"] == "rate limit exceeded: team vision may send 5 requests per second"
