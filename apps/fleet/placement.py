@@ -56,11 +56,16 @@ def servable_dir(version: ModelVersion) -> Path:
 
 def _materialize(proc: InstanceProcess, name: str, versions: list[ModelVersion]) -> None:
     newest = max(versions, key=lambda v: v.number)
+    # The devices are the placing instance's, never the tenant's config.
+    device_ids = (
+        TritonInstance.objects.filter(pk=proc.instance_id).values_list("device_ids", flat=True).first()
+    )
     materialize_model(
         proc.repository,
         name,
         {v.number: servable_dir(v) for v in versions},
         newest.config_text,
+        device_ids=list(device_ids or ()),
     )
 
 

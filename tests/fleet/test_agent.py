@@ -174,37 +174,40 @@ def test_killed_tritonserver_is_restarted_with_its_models_within_15_seconds(
     seed_example_3(agent.url, version.model.triton_model_name())
 
 
-KILLER_MODEL = """
+# The NPU runtime a GE model imports when it loads: here a stand-in that takes the whole server down, like a
+# native crash in a runtime would. Only the stub's import kills, and only a tritonserver parent.
+KILLER_ACL = """
 import os
 import signal
 
-
-class TritonPythonModel:
-    def initialize(self, args):
-        # Loading this model takes the whole server down, like a native crash in a backend would.
+with open(f"/proc/{os.getppid()}/comm") as comm:
+    if comm.read().strip().startswith("tritonserver"):
         os.kill(os.getppid(), signal.SIGKILL)
-
-    def execute(self, requests):
-        return []
 """
 
 
 def test_a_model_that_crashes_the_server_at_every_start_quarantines_the_instance(
-    start_agent, make_ready_version, owner, team
+    start_agent, make_ready_version, owner, team, tmp_path
 ):
     version = make_ready_version()
     killer = ModelVersion.objects.create(
         model=version.model, number=2, state="READY", signature=version.signature
     )
+    # A config a tenant may write (backend ge, EXECUTOR acl) with an .om, so the stub imports the runtime.
     (killer.servable_dir() / "1").mkdir(parents=True)
-    (killer.servable_dir() / "1" / "model.py").write_text(KILLER_MODEL)
+    (killer.servable_dir() / "1" / "model.om").write_bytes(b"\0" * 4096)
     cfg = gc.parse_config(version.config_text)
-    cfg.backend = "python"
+    cfg.parameters["EXECUTOR"].string_value = "acl"
     killer.config_text = gc.render_config(cfg)
     (killer.servable_dir() / "config.pbtxt").write_text(killer.config_text)
     killer.save()
+    runtime = tmp_path / "killer-runtime"
+    runtime.mkdir()
+    (runtime / "acl.py").write_text(KILLER_ACL)
     host = Host.objects.create(name="host-a", address="127.0.0.1")
-    agent = start_agent("host-a", FLEET_RESTART_BASE_DELAY_MS=100, FLEET_MAX_CRASHES=3)
+    agent = start_agent(
+        "host-a", FLEET_RESTART_BASE_DELAY_MS=100, FLEET_MAX_CRASHES=3, PYTHONPATH=str(runtime)
+    )
     instance = instance_of(agent)
     deployment = Deployment.objects.create(
         team=team, model=version.model, active_version=killer, state="SERVING"
