@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django import forms
 from django.shortcuts import get_object_or_404
 from django_filters import rest_framework as filters
 from drf_spectacular.types import OpenApiTypes
@@ -21,7 +22,9 @@ class ConversionJobSerializer(serializers.ModelSerializer):
     model = serializers.CharField(source="version.model.slug", read_only=True)
     version_number = serializers.IntegerField(source="version.number", read_only=True)
     version_state = serializers.CharField(source="version.state", read_only=True)
-    created_by = serializers.CharField(source="created_by.username", read_only=True, default=None)
+    created_by = serializers.CharField(
+        source="created_by.username", read_only=True, default=None, allow_null=True
+    )
     finished = serializers.BooleanField(source="is_finished", read_only=True)
     # Empty until the job has picked its toolchain: the schema must allow "" as well.
     toolchain = serializers.ChoiceField(choices=Toolchain.choices, allow_blank=True, read_only=True)
@@ -66,9 +69,21 @@ class ConversionOptionsSerializer(serializers.Serializer):
     input_shape = serializers.CharField(required=False, help_text="ATC style: name:-1,3,224,224;name2:...")
 
 
+class IdFilter(filters.NumberFilter):
+    """A row id: an integer the database can hold (a NumberFilter takes any decimal, and a huge one
+    overflows the query instead of finding nothing)."""
+
+    field_class = forms.IntegerField
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("min_value", 1)
+        kwargs.setdefault("max_value", 2**63 - 1)
+        super().__init__(*args, **kwargs)
+
+
 class ConversionJobFilter(filters.FilterSet):
     state = filters.ChoiceFilter(choices=JobState.choices)
-    version = filters.NumberFilter(field_name="version_id")
+    version = IdFilter(field_name="version_id", help_text="The version's id.")
     model = filters.CharFilter(field_name="version__model__slug", help_text="The model's slug.")
 
     class Meta:

@@ -6,9 +6,11 @@ one error shape of ``apps.core.exceptions``:
 
 - 401: every operation needs a session or an API token;
 - 403: roles (viewer < maintainer < owner), read-only tokens, staff-only actions;
-- 404: an operation with path parameters (another team's object is a 404, never a 403);
-- 400: an operation with a request body or query parameters (validation, filters, ordering, pages);
-- 413: an operation with a request body (BoundedJSONParser, body limits of uploads and the playground).
+- 404: an operation with path parameters (another team's object is a 404, never a 403), or with pages;
+- 400: every change (validation, business rules such as "a team keeps an owner") and every read with
+  query parameters (filters, ordering, pages);
+- 413, 415: an operation with a request body (Django's body cap, the upload and playground limits; a
+  content type it does not parse).
 """
 
 from __future__ import annotations
@@ -35,19 +37,20 @@ DESCRIPTIONS = {
     "403": "The caller's role, token or staff status does not allow this.",
     "404": "No such object, or it is not visible to the caller.",
     "413": "The request body is larger than this endpoint accepts.",
+    "415": "The request's content type is not one this endpoint parses.",
 }
 HTTP_METHODS = ("get", "put", "post", "patch", "delete")
 
 
-def _error_codes(path: str, operation: dict) -> list[str]:
+def _error_codes(path: str, method: str, operation: dict) -> list[str]:
     codes = ["401", "403"]
     parameters = operation.get("parameters", [])
-    if "{" in path:
-        codes.append("404")
-    if "requestBody" in operation or any(p.get("in") == "query" for p in parameters):
+    if "{" in path or any(p.get("name") == "page" for p in parameters):
+        codes.append("404")  # an object that is not there or not visible; a page past the last one
+    if method != "get" or any(p.get("in") == "query" for p in parameters):
         codes.append("400")
     if "requestBody" in operation:
-        codes.append("413")
+        codes += ["413", "415"]
     return codes
 
 
@@ -61,7 +64,7 @@ def declare_error_responses(result: dict, generator, request, public) -> dict:
             if operation is None:
                 continue
             responses = operation.setdefault("responses", {})
-            for code in _error_codes(path, operation):
+            for code in _error_codes(path, method, operation):
                 responses.setdefault(
                     code,
                     {

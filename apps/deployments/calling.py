@@ -20,6 +20,7 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 
 from apps.deployments.models import Deployment, DeploymentInstance, PlacementState
+from apps.fleet.models import InstanceState
 from apps.registry.models import ModelVersion
 from backend_ge import dtypes, samples
 from backend_ge.config import ModelSignature, TensorSignature
@@ -41,8 +42,12 @@ def shown_version(deployment: Deployment) -> ModelVersion | None:
 
 
 def ready_placement(deployment: Deployment) -> DeploymentInstance | None:
+    """The first placement that serves a version on an instance that is up (a stopped or crashed instance
+    keeps its placements until it is READY again, but cannot answer)."""
     return (
-        deployment.placements.filter(state=PlacementState.READY, served_version__isnull=False)
+        deployment.placements.filter(
+            state=PlacementState.READY, served_version__isnull=False, instance__state=InstanceState.READY
+        )
         .select_related("instance__host", "served_version")
         .order_by("instance__host__name", "instance__name")
         .first()
@@ -357,7 +362,7 @@ def run_playground(deployment: Deployment, specs: dict[str, InputSpec]) -> Playg
     )
     try:
         started = time.perf_counter()
-        result = client.infer(deployment.triton_model_name(), inputs)
+        result = client.infer(deployment.triton_model_name(), inputs, headers=instance.key_headers())
         latency_ms = (time.perf_counter() - started) * 1000
     except InferenceServerException as exc:
         raise PlaygroundUnavailable(f"Triton on {instance} answered: {exc.message()}") from None

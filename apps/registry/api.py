@@ -23,7 +23,7 @@ from rest_framework.response import Response
 from apps.core.api import TeamScopedViewSet
 from apps.registry import services
 from apps.registry.downloads import zip_stream
-from apps.registry.models import ModelVersion, RegisteredModel, TaskType, UploadSession
+from apps.registry.models import ModelVersion, RegisteredModel, SourceFormat, TaskType, UploadSession
 from apps.teams.models import Action
 
 UUID_REGEX = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
@@ -41,7 +41,9 @@ class RegisteredModelSerializer(serializers.ModelSerializer):
         max_length=50, required=False, help_text="Derived from the name when omitted."
     )
     task_type = serializers.ChoiceField(choices=TaskType.choices, required=False)
-    created_by = serializers.CharField(source="created_by.username", read_only=True, default=None)
+    created_by = serializers.CharField(
+        source="created_by.username", read_only=True, default=None, allow_null=True
+    )
     version_count = serializers.IntegerField(read_only=True)
     triton_name = serializers.CharField(source="triton_model_name", read_only=True)
     latest_version = serializers.SerializerMethodField()
@@ -76,7 +78,11 @@ class RegisteredModelUpdateSerializer(serializers.ModelSerializer):
 
 class ModelVersionSerializer(serializers.ModelSerializer):
     model = serializers.CharField(source="model.slug", read_only=True)
-    created_by = serializers.CharField(source="created_by.username", read_only=True, default=None)
+    created_by = serializers.CharField(
+        source="created_by.username", read_only=True, default=None, allow_null=True
+    )
+    # Read-only fields lose the model's blank choice in the schema: "" until the format is known.
+    source_format = serializers.ChoiceField(choices=SourceFormat.choices, allow_blank=True, read_only=True)
     latest_job = serializers.SerializerMethodField()
     upload = serializers.SerializerMethodField()
 
