@@ -203,7 +203,7 @@ def prepare_instance_dirs(root: Path, repository: Path, user: ServerUser | None)
 
 
 _PROBE = r"""
-import importlib, os, sys
+import importlib, importlib.util, os, sys
 repository, run_dir, binary, backends = sys.argv[1:5]
 private = sys.argv[5:]
 problems = []
@@ -266,5 +266,5 @@ def check_access(
             "traversable for that user"
         ) from None
     if result.returncode != 0:
-        detail = result.stdout.strip() or result.stderr.strip()[-2000:]
-        raise SandboxError(f"tritonserver would run as {user.name}, which {detail}")
+        problems = result.stdout.strip().splitlines() or [f"fails the check: {result.stderr.strip()[-2000:]}"]
+        raise SandboxError(f"tritonserver would run as user {user.name}, which " + "; ".join(problems))

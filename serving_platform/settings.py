@@ -7,6 +7,7 @@ Embedded default (no variables set, ``DEBUG=1``): SQLite and Celery's filesystem
 
 from __future__ import annotations
 
+import os
 import secrets
 from datetime import timedelta
 from pathlib import Path
@@ -33,11 +34,16 @@ def _secret_key() -> str:
             "SECRET_KEY is required when DEBUG is off; set SECRET_KEY (50+ random characters), "
             "or DEBUG=1 for the embedded development default"
         )
-    # Generated once and kept, so sessions survive restarts of the embedded default.
+    # Generated once and kept, so sessions survive restarts of the embedded default. Created 0600: it is
+    # never readable, even for a moment, by another user (Triton's servers run as other users).
     key_file = VAR_DIR / "secret_key"
-    if not key_file.exists():
-        key_file.write_text(secrets.token_urlsafe(64))
+    try:
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
         key_file.chmod(0o600)
+    else:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(secrets.token_urlsafe(64))
     return key_file.read_text().strip()
 
 
@@ -279,6 +285,9 @@ CELERY_BROKER_TRANSPORT_OPTIONS: dict = {
 # A RUNNING conversion whose worker has not written its heartbeat for this long is taken to be dead: a
 # redelivered or re-enqueued copy may claim it (apps.conversions.tasks.recover_stale_conversions).
 CONVERSION_HEARTBEAT_TIMEOUT = env_int("CONVERSION_HEARTBEAT_TIMEOUT", 120, minimum=2)
+# Broker messages, results and beat's schedule are the platform's alone.
+(VAR_DIR / "celery").mkdir(mode=0o700, exist_ok=True)
+(VAR_DIR / "celery").chmod(0o700)
 if _broker_scheme == "filesystem":
     _broker_dir = VAR_DIR / "celery" / "broker"
     for _sub in ("queue", "processed", "control"):

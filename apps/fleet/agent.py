@@ -26,7 +26,8 @@ from django.utils import timezone
 
 from apps.core.errors import public_error
 from apps.fleet.models import Host, InstanceState, TritonInstance
-from backend_ge.runtime import TritonError, TritonServer
+from backend_ge import sandbox
+from backend_ge.runtime import TritonError, TritonRuntime, TritonServer, assemble_runtime, server_environment
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +64,19 @@ class InstanceProcess:
     root: Path
     server: TritonServer | None = None
     next_start_at: float = 0.0
+    # Who its tritonserver runs as (None: the agent's own user), and whether that user was checked.
+    user: sandbox.ServerUser | None = None
+    access_checked: bool = False
     # Loads, unloads and switches on one instance run one at a time; reconcile skips a busy instance.
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     @property
     def repository(self) -> Path:
         return self.root / "repository"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / "run"
 
     def running(self) -> bool:
         return (
@@ -111,6 +119,7 @@ class HostAgent:
         )
         self.heartbeat_every = heartbeat_every
         self.processes: dict[int, InstanceProcess] = {}
+        self.runtime: TritonRuntime | None = None
         self._stop = threading.Event()
         self._poke = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -119,7 +128,7 @@ class HostAgent:
     def start(self) -> HostAgent:
         global _current
         _current = self
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._prepare_host()
         self._kill_orphans()
         self.heartbeat()
         loops = (
@@ -152,6 +161,69 @@ class HostAgent:
     def poke(self) -> None:
         """Reconcile now instead of at the next interval."""
         self._poke.set()
+
+    # -- unprivileged servers ----------------------------------------------------------------------------
+    def _prepare_host(self) -> None:
+        """The runtime tree every server of this host runs from, and - as root - the users it runs as.
+
+        Raises ``sandbox.SandboxError`` with one message naming what an instance's user cannot reach (or
+        can read but must not), so a misconfigured host fails at start instead of at its first model load.
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.chmod(0o711)
+        # Downloaded versions of every team: the agent's alone (servers read their repository's copies).
+        cache = Path(settings.FLEET_ROOT) / "cache"
+        cache.mkdir(parents=True, exist_ok=True)
+        cache.chmod(0o700)
+        self.runtime = assemble_runtime(self.root / "runtime")
+        if not sandbox.can_switch_users():
+            log.warning(
+                "the host agent does not run as root: tritonserver and every python stub run as this "
+                "agent's own user and can read everything it can (the artifact store, var/, its settings). "
+                "Run the agent as root to give every instance an unprivileged user of its own."
+            )
+            return
+        granted = sandbox.ensure_traversable(self.root, sandbox.ensure_group())
+        for directory in granted:
+            log.warning("granted group %s traverse-only access to %s", sandbox.SHARED_GROUP, directory)
+        for instance in TritonInstance.objects.filter(host_id=self.host_id).select_related("host"):
+            self._prepare_instance(instance, self.process_for(instance))
+
+    def _prepare_instance(self, instance: TritonInstance, proc: InstanceProcess) -> None:
+        if sandbox.can_switch_users() and proc.user is None:
+            proc.user = sandbox.ensure_user(instance.host.name, instance.name)
+        sandbox.prepare_instance_dirs(proc.root, proc.repository, proc.user)
+        if proc.user is None or proc.access_checked:
+            return
+        proc.run_dir.mkdir(exist_ok=True)
+        os.chown(proc.run_dir, proc.user.uid, proc.user.gid, follow_symlinks=False)
+        proc.run_dir.chmod(0o700)
+        sandbox.check_access(
+            proc.user,
+            python=self.runtime.python_bin / "python3",
+            repository=proc.repository,
+            run_dir=proc.run_dir,
+            binary=self.runtime.binary,
+            backends=self.runtime.backends,
+            env=server_environment(self.runtime, home=proc.run_dir, include_checkout=False),
+            private=self._private_paths(proc),
+        )
+        proc.access_checked = True
+
+    def _private_paths(self, proc: InstanceProcess) -> list[Path]:
+        """What a server must not read: the platform's state and secrets, other instances' repositories."""
+        paths = [
+            Path(settings.ARTIFACT_ROOT),
+            Path(settings.FLEET_ROOT) / "cache",
+            settings.VAR_DIR / "secret_key",
+            settings.VAR_DIR / "demo_password",
+            settings.VAR_DIR / "celery",
+        ]
+        database = settings.DATABASES["default"]
+        if database["ENGINE"].endswith("sqlite3"):
+            paths += [Path(f"{database['NAME']}{suffix}") for suffix in ("", "-wal", "-shm")]
+        paths += [other.repository for other in self.processes.values() if other is not proc]
+        return paths
 
     # -- loops -------------------------------------------------------------------------------------------
     def _supervise_loop(self) -> None:
@@ -268,7 +340,9 @@ class HostAgent:
             extra.append("--metrics-config=summary_latencies=true")
         return TritonServer(
             proc.repository,
-            workdir=proc.root / "run",
+            workdir=proc.root,
+            runtime=self.runtime,
+            user=proc.user,
             address=self.bind_address,
             http_port=instance.http_port,
             grpc_port=instance.grpc_port,
@@ -280,7 +354,14 @@ class HostAgent:
         )
 
     def _start_instance(self, instance: TritonInstance, proc: InstanceProcess) -> bool:
-        proc.repository.mkdir(parents=True, exist_ok=True)
+        try:
+            self._prepare_instance(instance, proc)
+        except (sandbox.SandboxError, OSError) as exc:
+            # Not a crash of Triton: nothing to quarantine, but nothing to start either until it is fixed.
+            log.error("%s cannot start: %s", instance, exc)
+            proc.next_start_at = time.monotonic() + self.policy.max_delay
+            self._set_state(instance.pk, InstanceState.FAILED, pid=None, last_error=str(exc))
+            return False
         self._set_state(instance.pk, InstanceState.STARTING)
         proc.server = self._server_for(instance, proc)
         try:

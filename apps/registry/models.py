@@ -3,6 +3,7 @@ user input (an uploaded file name is kept for display only)."""
 
 from __future__ import annotations
 
+import stat
 import uuid
 from pathlib import Path
 
@@ -10,6 +11,25 @@ from django.conf import settings
 from django.db import models
 
 from apps.teams.models import TeamScopedQuerySet, slug_validator
+
+
+def artifact_root() -> Path:
+    """ARTIFACT_ROOT, made 0700 (and created so) whenever a path under it is asked for.
+
+    Every team's uploads and models live below it. Instance repositories hard-link model files from here,
+    so those files are readable by mode; only this directory keeps a Triton server's user (or anyone but
+    the platform) from reaching them through the store.
+    """
+    root = Path(settings.ARTIFACT_ROOT)
+    try:
+        mode = root.stat().st_mode
+    except FileNotFoundError:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=0o700, exist_ok=True)
+        mode = root.stat().st_mode
+    if stat.S_IMODE(mode) & 0o077:
+        root.chmod(0o700)
+    return root
 
 
 class TaskType(models.TextChoices):
@@ -122,7 +142,7 @@ class ModelVersion(models.Model):
     def storage_dir(self) -> Path:
         """Everything of this version lives here: source/ (as uploaded, extracted) and model/ (servable)."""
         return (
-            Path(settings.ARTIFACT_ROOT)
+            artifact_root()
             / "teams"
             / str(self.model.team_id)
             / "models"
@@ -179,4 +199,4 @@ class UploadSession(models.Model):
         return f"upload {self.id} of {self.version}"
 
     def part_path(self) -> Path:
-        return Path(settings.ARTIFACT_ROOT) / "uploads" / f"{self.id}.part"
+        return artifact_root() / "uploads" / f"{self.id}.part"

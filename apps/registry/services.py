@@ -41,6 +41,7 @@ from apps.registry.models import (
     UploadSession,
     UploadState,
     VersionState,
+    artifact_root,
 )
 from apps.registry.options import check_om_config, check_serving_options
 
@@ -148,7 +149,7 @@ def update_model(*, actor, model: RegisteredModel, **changes) -> RegisteredModel
 
 
 def model_storage_dir(model: RegisteredModel) -> Path:
-    return Path(settings.ARTIFACT_ROOT) / "teams" / str(model.team_id) / "models" / str(model.pk)
+    return artifact_root() / "teams" / str(model.team_id) / "models" / str(model.pk)
 
 
 def delete_model(*, actor, model: RegisteredModel) -> None:

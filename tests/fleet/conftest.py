@@ -4,9 +4,11 @@ real `manage.py hostagent` processes with real tritonservers."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -49,9 +51,14 @@ def expected_output(scale: float, batch: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture
-def artifact_root(tmp_path, settings):
-    settings.ARTIFACT_ROOT = tmp_path / "artifacts"
-    return settings.ARTIFACT_ROOT
+def artifact_root(settings):
+    """The artifact store, beside the agents' fleet root (``<its parent>/fleet``) in a fresh 0700 directory
+    outside pytest's temp root: pytest keeps that one 0700, resetting the traverse access an agent running
+    as root grants its Triton users on the way to the fleet root."""
+    base = Path(tempfile.mkdtemp(prefix="ge-fleet-test-"))
+    settings.ARTIFACT_ROOT = base / "artifacts"
+    yield settings.ARTIFACT_ROOT
+    shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture
@@ -134,7 +141,7 @@ def start_agent(tmp_path, artifact_root):
         env.update(
             DATABASE_URL=subprocess_database_url(),
             ARTIFACT_ROOT=str(artifact_root),
-            FLEET_ROOT=str(tmp_path / "fleet"),
+            FLEET_ROOT=str(Path(artifact_root).parent / "fleet"),
             DEBUG="1",
         )
         # Extra settings may override the defaults above (a remote agent has its own ARTIFACT_ROOT).

@@ -72,7 +72,7 @@ def settled(deployment: Deployment, timeout: float = 120) -> Deployment:
 @pytest.mark.triton
 @pytest.mark.django_db(transaction=True)
 def test_a_remote_agent_downloads_the_version_and_serves_it(
-    start_agent, make_ready_version, owner, live_server, agent_key, tmp_path
+    start_agent, make_ready_version, owner, live_server, agent_key, tmp_path, artifact_root
 ):
     version = make_ready_version()
     agent, instance, empty = remote_agent(start_agent, live_server, tmp_path, KEY)
@@ -81,7 +81,7 @@ def test_a_remote_agent_downloads_the_version_and_serves_it(
     )
     assert deployment.state == DeploymentState.SERVING, f"{deployment.last_error}\n{agent.output()}"
     assert list(empty.iterdir()) == []  # nothing came from the (absent) shared artifact store
-    cached = tmp_path / "fleet" / "cache" / str(version.pk)
+    cached = artifact_root.parent / "fleet" / "cache" / str(version.pk)
     original = version.servable_dir() / "1" / "model.onnx"
     assert (cached / "1" / "model.onnx").read_bytes() == original.read_bytes()
     seed_example_3(agent.url, version.model.triton_model_name())

@@ -16,6 +16,8 @@ from django.core.management.base import BaseCommand, CommandError
 from apps.fleet import services
 from apps.fleet.agent import HostAgent
 from apps.fleet.models import TritonInstance
+from backend_ge.runtime import TritonError
+from backend_ge.sandbox import SandboxError
 from serving_platform.celery import app as celery_app
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,11 @@ class Command(BaseCommand):
             raise CommandError(f"invalid host: {'; '.join(exc.messages)}") from None
         for spec in options["ensure_instance"]:
             self._ensure_instance(host, spec)
-        agent = HostAgent(host, bind_address=options["bind"] or options["address"]).start()
+        try:
+            agent = HostAgent(host, bind_address=options["bind"] or options["address"]).start()
+        except (SandboxError, TritonError) as exc:
+            # The runtime tree or an instance's unprivileged user is not usable: say what, and stop.
+            raise CommandError(f"host agent for {host.name} cannot run its Triton instances: {exc}") from None
         self.stdout.write(
             f"host agent for {host.name}: queue {host.queue}, {host.instances.count()} instance(s)"
         )
