@@ -235,16 +235,24 @@ def parse_config(text: str) -> ModelConfig:
     Accepts the seed's ensemble layout (``step`` at top level) by moving the steps where Triton expects them,
     and the seed's unquoted strings (``name: resnet50``) by quoting them.
     """
+    return _parse(text, steps_wrapped=False, quoted=False)
+
+
+def _parse(text: str, *, steps_wrapped: bool, quoted: bool) -> ModelConfig:
+    # Each seed repair is tried once, so a text the repairs keep changing cannot recurse without end.
     try:
         return text_format.Parse(text, ModelConfig())
     except text_format.ParseError as exc:
         m = _FIELD_ERROR.search(str(exc))
-        if m and m.group(1) == "step":
-            return parse_config(wrap_seed_steps(text))
-        quoted = quote_bare_strings(text)
-        if quoted != text:
-            return parse_config(quoted)
+        if m and m.group(1) == "step" and not steps_wrapped:
+            return _parse(wrap_seed_steps(text), steps_wrapped=True, quoted=quoted)
+        if not quoted:
+            repaired = quote_bare_strings(text)
+            if repaired != text:
+                return _parse(repaired, steps_wrapped=steps_wrapped, quoted=True)
         raise ConfigError([_parse_error_to_field(exc)]) from None
+    except (ValueError, RecursionError) as exc:  # protobuf's own "Value out of range", a too-deep nesting
+        raise ConfigError([FieldError("config", f"not a valid config: {str(exc)[:200]}")]) from None
 
 
 def _parse_error_to_field(exc: text_format.ParseError) -> FieldError:

@@ -52,7 +52,7 @@ MAX_ENSEMBLE_STEPS = 16
 MAX_THREADS = 64
 MAX_NAME_LENGTH = 128
 # Tensor names as ONNX and TensorFlow exporters write them (``input.1``, ``onnx::Gemm_0``, ``x/y:0``).
-TENSOR_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:/-]*$")
+TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:/-]*")
 
 LEAF = None  # an allowed scalar (or repeated scalar) field; its value is bounded below
 _QUEUE_POLICY = {
@@ -182,7 +182,7 @@ def _bounded(errors: list[FieldError], path: str, value: int, low: int, high: in
 
 
 def _check_name(errors: list[FieldError], path: str, name: str) -> None:
-    if name and (len(name) > MAX_NAME_LENGTH or not TENSOR_NAME.match(name)):
+    if name and (len(name) > MAX_NAME_LENGTH or not TENSOR_NAME.fullmatch(name)):
         errors.append(
             FieldError(path, f"{name[:40]!r} is not a safe name: letters, digits and _ . : / - only")
         )
@@ -295,7 +295,7 @@ def _check_parameters(cfg: ModelConfig, errors: list[FieldError]) -> None:
                 FieldError(where, "not a GE backend parameter; allowed: " + ", ".join(GE_PARAMETERS))
             )
         elif isinstance(rule, tuple):
-            if not (text.isdigit() and rule[0] <= int(text) <= rule[1]):
+            if not (re.fullmatch(r"[0-9]{1,6}", text) and rule[0] <= int(text) <= rule[1]):
                 errors.append(
                     FieldError(where, f"{text[:40]!r} is not a whole number from {rule[0]} to {rule[1]}")
                 )

@@ -225,3 +225,17 @@ def test_ensemble_may_call_only_the_teams_models():
         allowed_models=lambda name: name in team_models,
     )
     assert "instance_group" in errors
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        BASE.replace("dims: [3]", "data_type:99999999999 dims: [3]"),  # protobuf's "Value out of range"
+        SEED_ENSEMBLE.replace("dims: [5] } ]", "dims: [5]"),  # seed repairs that never parse
+        "{" * 500,
+    ],
+)
+def test_malformed_text_is_a_field_error_not_a_crash(text):
+    with pytest.raises(gc.ConfigError) as exc:
+        sc.build_served_config(text, name="m", allowed_models={"resnet50"})
+    assert exc.value.errors and all(e.field and e.message for e in exc.value.errors)
