@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from frontend import conversions, deployments, fleet, monitoring, registry, views
+from frontend import alerts, conversions, deployments, fleet, monitoring, registry, views
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
@@ -11,6 +11,7 @@ urlpatterns = [
     path("teams/new/", views.team_new, name="team-new"),
     path("teams/<slug:team_slug>/settings/", views.TeamSettingsView.as_view(), name="team-settings"),
     path("teams/<slug:team_slug>/audit/", views.AuditLogView.as_view(), name="team-audit"),
+    path("teams/<slug:team_slug>/alerts/", alerts.AlertsView.as_view(), name="alerts"),
     path("teams/<slug:team_slug>/models/", registry.ModelListView.as_view(), name="models"),
     path("teams/<slug:team_slug>/models/new/", registry.ModelCreateView.as_view(), name="model-new"),
     path(

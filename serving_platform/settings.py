@@ -72,6 +72,7 @@ INSTALLED_APPS = [
     "apps.deployments",
     "apps.monitoring",
     "apps.gateway",
+    "apps.alerts",
     "frontend",
 ]
 
@@ -374,6 +375,35 @@ GATEWAY_SYNC_INTERVAL_MS = env_int("GATEWAY_SYNC_INTERVAL_MS", 1000, minimum=50)
 GATEWAY_CHECK_INTERVAL_MS = env_int("GATEWAY_CHECK_INTERVAL_MS", 500, minimum=100)
 # Team.quota_requests_per_second of a new team.
 GATEWAY_DEFAULT_REQUESTS_PER_SECOND = env_int("GATEWAY_DEFAULT_REQUESTS_PER_SECOND", 1000, minimum=1)
+
+# --- Alerts and notifications (apps.alerts) -------------------------------------------------------
+# Links in notifications (generatorURL, the email's page link) start with this.
+PLATFORM_PUBLIC_URL = env_str("PLATFORM_PUBLIC_URL") or "http://127.0.0.1:8000"
+# Webhook URLs are tenant input: loopback/private/link-local destinations only when this is on (DEBUG, tests).
+ALERT_WEBHOOK_ALLOW_PRIVATE = env_bool("ALERT_WEBHOOK_ALLOW_PRIVATE", DEBUG)
+ALERT_WEBHOOK_TIMEOUT = env_int("ALERT_WEBHOOK_TIMEOUT", 10, minimum=1)
+ALERT_DELIVERY_MAX_RETRIES = env_int("ALERT_DELIVERY_MAX_RETRIES", 6, minimum=0)
+# Seconds before the first retry; doubles each time (capped at 10 min), with jitter.
+ALERT_DELIVERY_RETRY_BACKOFF = env_int("ALERT_DELIVERY_RETRY_BACKOFF", 15, minimum=1)
+ALERT_MAX_RULES_PER_TEAM = env_int("ALERT_MAX_RULES_PER_TEAM", 200, minimum=1)
+ALERT_MAX_CHANNELS_PER_TEAM = env_int("ALERT_MAX_CHANNELS_PER_TEAM", 20, minimum=1)
+ALERT_MAX_SILENCE_DAYS = env_int("ALERT_MAX_SILENCE_DAYS", 30, minimum=1)
+# Email notifications: Django's mail backend (the console in development, SMTP otherwise).
+_DEFAULT_EMAIL_BACKEND = "console" if DEBUG else "smtp"
+EMAIL_BACKEND = env_str("EMAIL_BACKEND") or f"django.core.mail.backends.{_DEFAULT_EMAIL_BACKEND}.EmailBackend"
+EMAIL_HOST = env_str("EMAIL_HOST") or "localhost"
+EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
+EMAIL_HOST_USER = env_str("EMAIL_HOST_USER") or ""
+EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD") or ""
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+EMAIL_TIMEOUT = env_int("EMAIL_TIMEOUT", 10, minimum=1)
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL") or "alerts@triton-ge.invalid"
+CELERY_BEAT_SCHEDULE["evaluate-alert-rules"] = {
+    "task": "apps.alerts.tasks.evaluate_alert_rules",
+    "schedule": timedelta(minutes=1),
+    # A late evaluation is superseded by the next minute's.
+    "options": {"queue": "default", "expires": 55},
+}
 
 # --- Demo account created by `manage.py bootstrap_demo` (make run) ---------------------------------
 DEMO_USERNAME = env_str("DEMO_USERNAME") or "admin"

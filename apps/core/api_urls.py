@@ -10,4 +10,5 @@ urlpatterns = [
     path("", include("apps.fleet.urls")),
     path("", include("apps.deployments.urls")),
     path("", include("apps.monitoring.urls")),
+    path("", include("apps.alerts.urls")),
 ]

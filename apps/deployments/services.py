@@ -17,6 +17,7 @@ from apps.deployments.models import (
     DeploymentState,
     PlacementState,
 )
+from apps.deployments.signals import deployment_created
 from apps.fleet.models import TritonInstance
 from apps.registry.models import ModelVersion, RegisteredModel
 
@@ -120,6 +121,7 @@ def deploy_version(
             target=deployment,
             details={"version": version.number, "instances": [str(i) for i in instances]},
         )
+        deployment_created.send(sender=Deployment, deployment=deployment, actor=actor)
         transaction.on_commit(lambda: _enqueue(placements))
     return deployment
 

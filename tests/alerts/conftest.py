@@ -1,0 +1,78 @@
+"""Rows for alert tests: a SERVING deployment of one model on one instance, a writer of recorded metric
+minute rows, and a clock the tests hold still (``now`` is passed to the evaluator)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from apps.alerts.models import AlertRule
+from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
+from apps.monitoring.models import ModelMetrics
+from tests.deployments.conftest import add_instance, make_version, shared_host  # noqa: F401 - fixtures
+
+
+@pytest.fixture
+def clock():
+    """A frozen 'now' on a minute boundary; tests move it forward explicitly."""
+    return timezone.now().replace(second=0, microsecond=0)
+
+
+@pytest.fixture
+def serving(team, owner, shared_host, clock):  # noqa: F811 - the imported fixture
+    from apps.registry.models import RegisteredModel
+
+    model = RegisteredModel.objects.create(team=team, name="Classifier", slug="classifier", created_by=owner)
+    version = make_version(model, 1)
+    instance = add_instance(shared_host)
+    deployment = Deployment.objects.create(
+        team=team, model=model, active_version=version, state=DeploymentState.SERVING, created_by=owner
+    )
+    Deployment.objects.filter(pk=deployment.pk).update(created_at=clock - timedelta(hours=2))
+    deployment.refresh_from_db()
+    placement = DeploymentInstance.objects.create(
+        deployment=deployment, instance=instance, served_version=version, state=PlacementState.READY
+    )
+    return {
+        "model": model,
+        "version": version,
+        "instance": instance,
+        "host": shared_host,
+        "deployment": deployment,
+        "placement": placement,
+    }
+
+
+@pytest.fixture
+def record_minute(team, serving):
+    """Write one recorded minute row of the served model (what the scraper writes)."""
+
+    def _write(bucket, success: int, failure: int = 0, p99_ms: float | None = None, mean_ms: float = 2.0):
+        total = success + failure
+        return ModelMetrics.objects.create(
+            bucket=bucket.replace(second=0, microsecond=0),
+            team=team,
+            model=serving["model"],
+            version=serving["version"],
+            instance=serving["instance"],
+            success=success,
+            failure=failure,
+            inferences=total,
+            executions=total,
+            request_us=total * mean_ms * 1000,
+            p99_us=p99_ms * 1000 if p99_ms is not None else None,
+            quantile_requests=total if p99_ms is not None else 0,
+        )
+
+    return _write
+
+
+@pytest.fixture
+def make_rule(team):
+    def _make(kind, **fields) -> AlertRule:
+        fields.setdefault("name", kind.replace("_", " "))
+        return AlertRule.objects.create(team=team, kind=kind, **fields)
+
+    return _make
