@@ -195,15 +195,16 @@ def apply_placement(placement_id: int, generation: int | None = None) -> None:
     if row is None:
         return
     proc = current_agent().processes.get(row.instance_id)
+    waiting = f"{row.instance} is not running; the placement is applied when it is READY"
+    generation = row.generation if generation is None else generation
     if proc is None or not proc.running():
         # The instance is down; reconcile applies the placement as soon as it runs again.
-        services.placement_waiting(
-            row.pk,
-            row.generation if generation is None else generation,
-            f"{row.instance} is not running; the placement is applied when it is READY",
-        )
+        services.placement_waiting(row.pk, generation, waiting)
         return
     with proc.lock:
+        if not proc.running():  # it stopped while this task waited for the lock
+            services.placement_waiting(row.pk, generation, waiting)
+            return
         _apply_locked(proc, placement_id, generation)
 
 
@@ -318,6 +319,8 @@ def reconcile_instance(instance: TritonInstance, proc: InstanceProcess) -> None:
 
     The caller holds ``proc.lock``, so no load or unload runs meanwhile; everything is read after the pending
     decisions were applied. A decision made concurrently (by the platform) is left to its own task."""
+    if not proc.running():
+        return  # stopped while the caller waited for the lock; the next pass reports it down
     server = proc.server
     pending = (
         DeploymentInstance.objects.filter(instance=instance)
