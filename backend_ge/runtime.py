@@ -32,7 +32,7 @@ from backend_ge.assembly import (
     assemble_backends,
     assemble_runtime,
 )
-from backend_ge.sandbox import ServerUser
+from backend_ge.sandbox import ServerUser, become
 
 __all__ = [
     "API_KEY_HEADER",
@@ -246,10 +246,11 @@ class TritonServer:
         # Opened here, not by the server: a server running as another user writes through this descriptor
         # and cannot swap the file for a link to something the caller would then read or append to.
         fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        as_user: dict = {}
         if self.user is not None:
-            # Files the server creates (the python backend's shared memory in /dev/shm) are its own only.
-            as_user = {**self.user.popen_kwargs(), "umask": 0o077}
+            # Its own /dev/shm, then exactly the user's ids: see sandbox.become().
+            preexec = become(self.user, die_with_parent=self.die_with_parent)
+        else:
+            preexec = _interrupt_when_parent_dies if self.die_with_parent else None
         try:
             self.process = subprocess.Popen(
                 [str(runtime.binary), *self.command(runtime.backends)],
@@ -261,9 +262,7 @@ class TritonServer:
                 # Own process group: a Ctrl-C in the caller's terminal is handled by stop(), which lets
                 # in-flight requests finish instead of the server and the caller racing each other.
                 start_new_session=True,
-                # Runs after the switch to ``user``: a change of user would clear the parent-death signal.
-                preexec_fn=_interrupt_when_parent_dies if self.die_with_parent else None,
-                **as_user,
+                preexec_fn=preexec,
             )
         finally:
             os.close(fd)

@@ -13,16 +13,18 @@ An agent that is not root cannot switch users: its servers run as the agent's ow
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import grp
 import hashlib
 import os
 import pwd
 import re
+import signal
 import struct
 import subprocess
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +56,52 @@ class ServerUser:
 
 def can_switch_users() -> bool:
     return os.geteuid() == 0
+
+
+# --- starting a server as its user, with a /dev/shm of its own ------------------------------------------
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.unshare.argtypes = [ctypes.c_int]
+_LIBC.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
+_LIBC.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_CLONE_NEWNS = 0x00020000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
+_PR_SET_PDEATHSIG = 1
+
+
+def _private_dev_shm() -> None:
+    # The python backend creates its shared-memory regions (requests and tensors in flight) in /dev/shm
+    # with mode 0644: in a mount namespace of its own, with a fresh tmpfs there, no other instance sees
+    # them. Without CAP_SYS_ADMIN (e.g. an unprivileged container) this is skipped; the agent warns.
+    if _LIBC.unshare(_CLONE_NEWNS) != 0:
+        return
+    # Private first: on a host whose mounts are shared (systemd), the tmpfs would otherwise appear there.
+    if _LIBC.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+        return
+    _LIBC.mount(b"tmpfs", b"/dev/shm", b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"mode=1777")
+
+
+def become(user: ServerUser, *, die_with_parent: bool = False) -> Callable[[], None]:
+    """A ``preexec_fn`` that gives the child its own /dev/shm, then turns it into ``user`` (exactly its
+    groups, umask 0077) and, optionally, has Linux SIGINT it when the launching thread ends."""
+
+    def preexec() -> None:
+        _private_dev_shm()
+        os.setgroups(list(user.groups))
+        os.setresgid(user.gid, user.gid, user.gid)
+        os.setresuid(user.uid, user.uid, user.uid)
+        os.umask(0o077)
+        if die_with_parent:  # after the switch: changing user clears the parent-death signal
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGINT, 0, 0, 0)
+
+    return preexec
+
+
+def has_private_dev_shm(pid: int) -> bool:
+    """Whether the process runs in a mount namespace other than ours (see :func:`become`)."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return False
 
 
 def user_name(host: str, instance: str) -> str:

@@ -372,6 +372,12 @@ class HostAgent:
             # A start failure counts like a crash: a server that can never start must end up quarantined.
             self._record_crash(instance, proc)
             return False
+        if proc.user is not None and not sandbox.has_private_dev_shm(proc.server.process.pid):
+            log.warning(
+                "%s shares /dev/shm with the host (no mount namespace without CAP_SYS_ADMIN): other instances' "
+                "users can read its python stubs' shared memory",
+                instance,
+            )
         self._set_state(
             instance.pk, InstanceState.READY, pid=proc.server.process.pid, log_tail=proc.server.log_tail(30)
         )

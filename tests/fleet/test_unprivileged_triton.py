@@ -111,6 +111,11 @@ def test_stubs_run_as_the_instance_user_and_read_only_their_own_repository(
         ids = Ids(pid)
         assert (ids.uid, ids.euid, ids.gid, ids.groups) == (server.uid, server.uid, server.gid, server.groups)
     assert Ids(TritonInstance.objects.get(pk=instances[1].pk).pid).uid not in (0, server.uid)
+    # The python backend's shared memory (0644 regions) lives in a /dev/shm of the server's own.
+    assert sandbox.has_private_dev_shm(server_pid) and sandbox.has_private_dev_shm(stubs[0])
+    regions = [p for p in Path(f"/proc/{stubs[0]}/root/dev/shm").iterdir() if p.stat().st_uid == server.uid]
+    assert regions, "the stub's /dev/shm holds no region of its server"
+    assert not any((Path("/dev/shm") / region.name).exists() for region in regions)
 
     # What it needs: its repository (the model's file too), its run directory.
     assert server.can_read(own_repository / name / str(version.number) / "model.onnx")
