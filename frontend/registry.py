@@ -9,14 +9,15 @@ from __future__ import annotations
 from django import forms
 from django.contrib import messages
 from django.core.exceptions import ValidationError
-from django.db.models import Count, Q
+from django.db.models import Count, Prefetch, Q
 from django.http import HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, redirect
 
 from apps.conversions.services import INPUT_FORMATS, PRECISION_MODES
+from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.registry import services
 from apps.registry.formats import EXTENSIONS
-from apps.registry.models import RegisteredModel, TaskType
+from apps.registry.models import ModelVersion, RegisteredModel, TaskType
 from apps.registry.options import MAX_INSTANCES, SERVING_DEFAULTS
 from apps.teams.models import Action
 from frontend.pages import TeamPageView
@@ -32,6 +33,21 @@ class ModelForm(forms.Form):
     )
     task_type = forms.ChoiceField(choices=TaskType.choices, initial=TaskType.OTHER, label="Task")
     description = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), required=False)
+
+
+def serving_by_model(user, team) -> dict[int, Deployment]:
+    """The live deployment of each of a team's models, with its placements (which version serves where)."""
+    placements = DeploymentInstance.objects.exclude(state=PlacementState.UNLOADED).select_related(
+        "instance__host", "served_version"
+    )
+    deployments = (
+        Deployment.objects.for_user(user)
+        .filter(team=team)
+        .exclude(state=DeploymentState.UNDEPLOYED)
+        .select_related("active_version", "target_version")
+        .prefetch_related(Prefetch("placements", queryset=placements))
+    )
+    return {deployment.model_id: deployment for deployment in deployments}
 
 
 class ModelListView(TeamPageView):
@@ -51,8 +67,11 @@ class ModelListView(TeamPageView):
                 Q(name__icontains=query) | Q(slug__icontains=query) | Q(description__icontains=query)
             )
         models = list(models)
+        latest = ModelVersion.objects.latest_ready_by_model(m.pk for m in models)
+        serving = serving_by_model(self.request.user, self.team)
         for model in models:
-            model.latest = model.latest_version()
+            model.latest = latest.get(model.pk)
+            model.deployment = serving.get(model.pk)
         context.update(models=models, query=query)
         return context
 

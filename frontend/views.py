@@ -20,6 +20,7 @@ from apps.teams.models import Action, ApiToken, Membership, Team
 from frontend.context_processors import current_team
 from frontend.forms import MemberForm, RoleForm, TeamForm, TokenForm
 from frontend.pages import TeamPageView
+from frontend.status import team_status
 
 
 def sign_in_locked(request, original_response=None, credentials=None):
@@ -60,6 +61,7 @@ def dashboard(request):
                 team=team, created_at__gte=timezone.now() - timedelta(hours=24)
             ).count(),
             recent_events=AuditEvent.objects.for_user(request.user).filter(team=team)[:10],
+            status=team_status(request.user, team),
         )
     return render(request, "frontend/dashboard.html", context)
 

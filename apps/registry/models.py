@@ -74,7 +74,9 @@ class RegisteredModel(models.Model):
         return f"{self.team.slug}__{self.slug}"
 
     def latest_version(self) -> ModelVersion | None:
-        return self.versions.order_by("-number").first()
+        """The latest READY version: what "latest" means wherever it is shown (a failed or still converting
+        upload with a higher number is not the latest)."""
+        return self.versions.ready().order_by("-number").first()
 
 
 class SourceFormat(models.TextChoices):
@@ -96,6 +98,16 @@ class VersionState(models.TextChoices):
 
 class VersionQuerySet(TeamScopedQuerySet):
     team_lookup = "model__team"
+
+    def ready(self):
+        return self.filter(state=VersionState.READY)
+
+    def latest_ready_by_model(self, model_ids) -> dict[int, ModelVersion]:
+        """``RegisteredModel.latest_version`` for many models in one query: {model id: version}."""
+        latest: dict[int, ModelVersion] = {}
+        for version in self.ready().filter(model_id__in=list(model_ids)).order_by("model_id", "number"):
+            latest[version.model_id] = version
+        return latest
 
 
 class ModelVersion(models.Model):
