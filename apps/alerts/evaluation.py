@@ -57,6 +57,7 @@ class Context:
         self.team_ids = sorted({rule.team_id for rule in rules})
         self._deployments: dict[int, list[Deployment]] | None = None
         self._footprint: tuple[dict, dict] | None = None
+        self._traffic: dict[int, dict[int, dict]] = {}
 
     def deployments_by_team(self) -> dict[int, list[Deployment]]:
         if self._deployments is None:
@@ -111,7 +112,10 @@ def _by_window(rules: list[AlertRule]) -> dict[int, list[AlertRule]]:
 
 
 def _traffic(context: Context, window_minutes: int) -> dict[int, dict]:
-    """Per model: sums of the minute rows of the last ``window_minutes`` (one query)."""
+    """Per model: sums of the minute rows of the last ``window_minutes`` (one query per window, shared by
+    the error-rate and latency checks)."""
+    if window_minutes in context._traffic:
+        return context._traffic[window_minutes]
     since = context.now - timedelta(minutes=window_minutes)
     rows = (
         ModelMetrics.objects.filter(
@@ -126,7 +130,8 @@ def _traffic(context: Context, window_minutes: int) -> dict[int, dict]:
             p99_weighted=Sum(F("p99_us") * F("quantile_requests"), filter=Q(p99_us__isnull=False)),
         )
     )
-    return {row["model_id"]: row for row in rows}
+    context._traffic[window_minutes] = {row["model_id"]: row for row in rows}
+    return context._traffic[window_minutes]
 
 
 def check_error_rate(rules: list[AlertRule], context: Context) -> Findings:
