@@ -49,6 +49,20 @@ class Executor(ABC):
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one batch. ``feeds`` maps every input name to an array; returns every output by name."""
 
+    def runner(self, output_names: list[str]):
+        """A callable ``feeds -> [array per name in output_names]`` for the serving hot path.
+
+        The default goes through :meth:`run`; executors override it to skip building the dict.
+        """
+        names = list(output_names)
+        run = self.run
+
+        def run_outputs(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+            outputs = run(feeds)
+            return [outputs[name] for name in names]
+
+        return run_outputs
+
     @abstractmethod
     def close(self) -> None:
         """Release sessions and device memory. Safe to call twice."""

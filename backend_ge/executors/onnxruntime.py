@@ -100,5 +100,33 @@ class OnnxRuntimeExecutor(Executor):
             raise ExecutorError(f"onnxruntime run failed: {e}") from e
         return dict(zip(self._output_names, results, strict=True))
 
+    def runner(self, output_names: list[str]):
+        """``feeds -> [arrays]`` straight into the session's C++ binding.
+
+        ``InferenceSession.run`` checks the feed names and graph-capture options in Python on every call;
+        the serving path has checked its inputs already, and the binding raises on anything else.
+        """
+        unknown = sorted(set(output_names) - set(self._output_names))
+        if unknown:
+            raise ExecutorError(f"unknown output(s) {unknown}; the model has {self._output_names}")
+        names = list(output_names)
+        session = self._session
+        if session is None:
+            raise ExecutorError("onnxruntime session is closed")
+        # ``_sess`` is the C++ session behind the Python wrapper; fall back to the public call if a
+        # future onnxruntime renames it.
+        binding = getattr(session, "_sess", None)
+        run = binding.run if binding is not None and hasattr(binding, "run") else session.run
+
+        def run_outputs(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+            if self._session is None:
+                raise ExecutorError("onnxruntime session is closed")
+            try:
+                return run(names, feeds, None)
+            except Exception as e:
+                raise ExecutorError(f"onnxruntime run failed: {e}") from e
+
+        return run_outputs
+
     def close(self) -> None:
         self._session = None

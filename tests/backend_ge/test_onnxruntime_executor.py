@@ -56,6 +56,51 @@ def test_run_equals_a_plain_onnxruntime_session(mlp_path):
         np.testing.assert_array_equal(executor.run({"input": x})["output"], expected)
 
 
+def _two_output_model() -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["same"]), helper.make_node("Neg", ["x"], ["negated"])],
+        "two_outputs",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+        [
+            helper.make_tensor_value_info("same", TensorProto.FLOAT, ["batch", 3]),
+            helper.make_tensor_value_info("negated", TensorProto.FLOAT, ["batch", 3]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_runner_returns_the_outputs_asked_for_in_that_order(tmp_path):
+    path = tmp_path / "model.onnx"
+    onnx.save_model(_two_output_model(), path)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    with OnnxRuntimeExecutor(path) as executor:
+        negated, same = executor.runner(["negated", "same"])({"x": x})
+        (only,) = executor.runner(["same"])({"x": x})
+    np.testing.assert_array_equal(negated, -x)
+    np.testing.assert_array_equal(same, x)
+    np.testing.assert_array_equal(only, x)
+
+
+def test_runner_refuses_an_output_the_model_does_not_have(mlp_path):
+    with (
+        OnnxRuntimeExecutor(mlp_path) as executor,
+        pytest.raises(ExecutorError, match=r"unknown output\(s\) \['logits'\]"),
+    ):
+        executor.runner(["logits"])
+
+
+def test_runner_failures_and_closed_sessions_are_executor_errors(mlp_path):
+    executor = OnnxRuntimeExecutor(mlp_path)
+    run = executor.runner(["output"])
+    with pytest.raises(ExecutorError, match="onnxruntime run failed"):
+        run({"input": np.zeros((1, 7), np.float32)})  # wrong width: onnxruntime itself refuses it
+    executor.close()
+    with pytest.raises(ExecutorError, match="closed"):
+        run({"input": np.zeros((1, 256), np.float32)})
+
+
 def test_intra_op_threads_reach_the_session(mlp_path):
     executor = OnnxRuntimeExecutor(mlp_path, intra_op_threads=1)
     assert executor._session.get_session_options().intra_op_num_threads == 1
