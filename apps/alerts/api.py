@@ -19,6 +19,7 @@ from apps.alerts.models import (
 )
 from apps.core.api import TeamScopedViewSet
 from apps.deployments.models import Deployment
+from apps.teams.models import Action, role_allows, team_roles
 
 
 class AlertRuleSerializer(serializers.ModelSerializer):
@@ -53,6 +54,15 @@ class NotificationChannelSerializer(serializers.ModelSerializer):
         model = NotificationChannel
         fields = ["id", "name", "kind", "url", "emails", "send_resolved", "enabled", "created_at"]
         read_only_fields = ["id", "created_at"]
+
+    def to_representation(self, channel):
+        data = super().to_representation(channel)
+        request = self.context.get("request")
+        if request is not None and not role_allows(
+            team_roles(request.user).get(channel.team_id), Action.CHANGE
+        ):
+            data["url"] = channel.masked_url()  # the path often holds the receiver's secret
+        return data
 
 
 class SilenceSerializer(serializers.ModelSerializer):

@@ -8,6 +8,7 @@ evaluator (``apps.alerts.evaluation``) runs every minute and keeps one ``Alert``
 from __future__ import annotations
 
 from datetime import datetime
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import models
@@ -176,6 +177,14 @@ class NotificationChannel(models.Model):
 
     def target(self) -> str:
         return self.url if self.kind == ChannelKind.WEBHOOK else ", ".join(self.emails)
+
+    def masked_url(self) -> str:
+        """The webhook URL without its path and query, which often carry a receiver's secret: what
+        members who may not change channels (viewers) see."""
+        if not self.url:
+            return ""
+        parts = urlsplit(self.url)
+        return f"{parts.scheme}://{parts.netloc}/…"
 
 
 class Silence(models.Model):

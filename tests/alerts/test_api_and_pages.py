@@ -134,3 +134,21 @@ def test_alerts_page_for_members_and_404_for_outsiders(client, viewer, maintaine
     client.force_login(outsider)
     assert client.get("/teams/vision/alerts/").status_code == 404
     assert client.post("/teams/vision/alerts/", {"op": "delete_rule", "rule": rule.pk}).status_code == 404
+
+
+def test_viewers_see_webhook_urls_without_their_secret_path(
+    viewer_client, maintainer_client, team, maintainer
+):
+    from apps.alerts import services
+
+    services.create_channel(
+        actor=maintainer,
+        team=team,
+        name="hook",
+        kind="webhook",
+        url="http://127.0.0.1:9/hooks/s3cr3t?key=k3y",
+    )
+    seen_by_viewer = viewer_client.get("/api/v1/teams/vision/alerts/channels/").json()["results"][0]["url"]
+    assert seen_by_viewer == "http://127.0.0.1:9/…"
+    seen_by_maintainer = maintainer_client.get("/api/v1/teams/vision/alerts/channels/").json()["results"][0]
+    assert seen_by_maintainer["url"] == "http://127.0.0.1:9/hooks/s3cr3t?key=k3y"
