@@ -15,7 +15,9 @@ for _entry in reversed(os.environ.get("PYTHONPATH", "").split(os.pathsep)):
 
 import triton_python_backend_utils as pb_utils  # noqa: E402 - provided by the python backend stub
 
-from backend_ge import serving  # noqa: E402
+from backend_ge import serving, stub_imports  # noqa: E402
+
+stub_imports.defer_asyncio()  # the stub would import asyncio (and ssl) on the first request
 
 
 class TritonPythonModel:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -285,3 +286,35 @@ def test_unload_releases_the_model_and_load_brings_it_back(triton, client):
 
     triton.load_model("mlp_auto")
     assert client.infer("mlp_auto", [_mlp_input()]).as_numpy("output").shape == (1, 16)
+
+
+def _stub_pid(triton, model: str) -> int:
+    """The python stub serving ``model`` (its command line names the model's ``<model>/1/model.py``)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if parent == triton.process.pid and any(a.endswith(f"/{model}/1/model.py".encode()) for a in cmdline):
+            return int(entry.name)
+    raise AssertionError(f"no stub process for {model}")
+
+
+def test_an_onnx_models_stub_loads_no_native_code_beyond_numpy_and_onnxruntime(triton, client):
+    # Every extension module a stub maps costs every served model memory: the hot path needs numpy (the
+    # python backend's own) and the model's executor, nothing else (no protobuf, onnx, grpc, pyACL), and
+    # serving requests must not pull in asyncio with ssl (the stub asks asyncio.iscoroutine each time).
+    client.infer("mlp", [_mlp_input()])
+    maps = Path(f"/proc/{_stub_pid(triton, 'mlp')}/maps").read_text().splitlines()
+    libraries = {line.rsplit("/", 1)[-1] for line in maps if "/" in line and ".so" in line.rsplit("/", 1)[-1]}
+    packages = {
+        line.split("/site-packages/", 1)[1].split("/", 1)[0]
+        for line in maps
+        if "/site-packages/" in line and ".so" in line.rsplit("/", 1)[-1]
+    }
+    assert "onnxruntime" in packages, packages
+    assert packages <= {"numpy", "numpy.libs", "onnxruntime", "onnxruntime.libs"}, packages
+    assert not {lib for lib in libraries if lib.startswith(("_ssl.", "_asyncio.", "libssl"))}, libraries
