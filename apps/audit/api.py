@@ -3,6 +3,7 @@ from rest_framework import mixins, serializers
 
 from apps.audit.models import AuditEvent
 from apps.core.api import TeamScopedViewSet
+from apps.core.filters import UTCIsoDateTimeFilter
 
 
 class AuditEventSerializer(serializers.ModelSerializer):
@@ -27,8 +28,8 @@ class AuditEventFilter(filters.FilterSet):
     action = filters.CharFilter(help_text="Exact action, e.g. token.created.")
     action_prefix = filters.CharFilter(field_name="action", lookup_expr="startswith", help_text="e.g. token.")
     actor = filters.CharFilter(field_name="actor__username", help_text="Username of the actor.")
-    since = filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
-    until = filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="lt")
+    since = UTCIsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
+    until = UTCIsoDateTimeFilter(field_name="created_at", lookup_expr="lt")
 
     class Meta:
         model = AuditEvent

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from django import forms
 from django.shortcuts import get_object_or_404
 from django_filters import rest_framework as filters
 from drf_spectacular.types import OpenApiTypes
@@ -14,6 +13,7 @@ from rest_framework.response import Response
 from apps.conversions import services
 from apps.conversions.models import ConversionJob, JobState, Toolchain
 from apps.core.api import TeamScopedViewSet
+from apps.core.filters import IdFilter
 from apps.registry.models import ModelVersion
 from apps.teams.models import Action
 
@@ -67,18 +67,6 @@ class ConversionOptionsSerializer(serializers.Serializer):
     precision_mode = serializers.CharField(required=False, help_text="e.g. force_fp16.")
     input_format = serializers.CharField(required=False, help_text="NCHW, NHWC, ND, NCDHW or NDHWC.")
     input_shape = serializers.CharField(required=False, help_text="ATC style: name:-1,3,224,224;name2:...")
-
-
-class IdFilter(filters.NumberFilter):
-    """A row id: an integer the database can hold (a NumberFilter takes any decimal, and a huge one
-    overflows the query instead of finding nothing)."""
-
-    field_class = forms.IntegerField
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("min_value", 1)
-        kwargs.setdefault("max_value", 2**63 - 1)
-        super().__init__(*args, **kwargs)
 
 
 class ConversionJobFilter(filters.FilterSet):

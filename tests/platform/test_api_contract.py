@@ -110,3 +110,14 @@ def test_beat_starts_on_a_fresh_var_dir_with_redis(tmp_path):
     finally:
         beat.terminate()
         beat.wait(10)
+
+
+@pytest.mark.django_db
+def test_filters_take_only_values_the_database_can_hold(owner_client):
+    # PostgreSQL refuses a UTC offset beyond 15:59; the filter hands it the time in UTC instead.
+    far_offset = owner_client.get("/api/v1/teams/vision/audit-events/?since=0113-05-10T21:38:41-21:59")
+    assert far_offset.status_code == 200
+    too_early = owner_client.get("/api/v1/teams/vision/audit-events/?until=0001-01-01T00:00:00%2B05:00")
+    assert too_early.status_code == 400 and "between the years 1 and 9999" in str(too_early.json()["fields"])
+    huge_id = owner_client.get("/api/v1/teams/vision/conversion-jobs/?version=-1.8623158285658952e%2B101")
+    assert huge_id.status_code == 400 and "version" in huge_id.json()["fields"]
