@@ -3,7 +3,10 @@ minute rows, and a clock the tests hold still (``now`` is passed to the evaluato
 
 from __future__ import annotations
 
+import json
+import threading
 from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from django.utils import timezone
@@ -76,3 +79,31 @@ def make_rule(team):
         return AlertRule.objects.create(team=team, kind=kind, **fields)
 
     return _make
+
+
+@pytest.fixture
+def receiver():
+    """An HTTP server on 127.0.0.1 that answers with the next status of ``statuses`` (then 200) and keeps
+    every body it got."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            length = int(self.headers["Content-Length"])
+            server.bodies.append(json.loads(self.rfile.read(length)))
+            server.headers.append(dict(self.headers))
+            code = server.statuses.pop(0) if server.statuses else 200
+            self.send_response(code)
+            self.end_headers()
+            self.wfile.write(b"receiver says %d" % code)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.bodies, server.headers, server.statuses = [], [], []
+    server.url = f"http://127.0.0.1:{server.server_address[1]}/hooks/alerts?key=abc"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()

@@ -227,3 +227,16 @@ def test_evaluation_queries_do_not_grow_with_the_number_of_rules(
     with django_assert_max_num_queries(25):
         result = services.evaluate_rules(now=clock + timedelta(minutes=1))
     assert result.rules == len(AlertKind.values) + 80 and result.fired >= 40
+
+
+def test_beat_schedules_the_evaluation_every_minute_and_the_task_runs(settings, serving, make_rule):
+    from serving_platform.celery import app
+
+    make_rule(AlertKind.PLACEMENT_FAILED)
+    serving["placement"].state = PlacementState.FAILED
+    serving["placement"].save()
+    entry = settings.CELERY_BEAT_SCHEDULE["evaluate-alert-rules"]
+    assert entry["schedule"] == timedelta(minutes=1) and entry["task"] in app.tasks
+    result = app.tasks[entry["task"]].apply().get()
+    assert result["rules"] == 1 and result["fired"] == 1
+    assert Alert.objects.get().state == AlertState.FIRING
