@@ -187,7 +187,7 @@ with open(f"/proc/{os.getppid()}/comm") as comm:
 
 
 def test_a_model_that_crashes_the_server_at_every_start_quarantines_the_instance(
-    start_agent, make_ready_version, owner, team, tmp_path
+    start_agent, make_ready_version, owner, team, artifact_root
 ):
     version = make_ready_version()
     killer = ModelVersion.objects.create(
@@ -201,8 +201,9 @@ def test_a_model_that_crashes_the_server_at_every_start_quarantines_the_instance
     killer.config_text = gc.render_config(cfg)
     (killer.servable_dir() / "config.pbtxt").write_text(killer.config_text)
     killer.save()
-    runtime = tmp_path / "killer-runtime"
-    runtime.mkdir()
+    # Beside the fleet root, where the instance's user (an agent as root runs Triton as one) can read it.
+    runtime = artifact_root.parent / "killer-runtime"
+    runtime.mkdir(mode=0o755)
     (runtime / "acl.py").write_text(KILLER_ACL)
     host = Host.objects.create(name="host-a", address="127.0.0.1")
     agent = start_agent(
