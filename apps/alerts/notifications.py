@@ -149,9 +149,15 @@ def _email_text(payload: dict) -> tuple[str, str]:
 
 
 def send(delivery: NotificationDelivery) -> None:
-    """One attempt. Records it on the row; raises TransientDeliveryError when a retry may help."""
+    """One attempt. Records it on the row; raises TransientDeliveryError when a retry may help. Does
+    nothing when another copy of the task already made this attempt."""
     channel = delivery.channel
-    NotificationDelivery.objects.filter(pk=delivery.pk).update(attempts=delivery.attempts + 1)
+    # Claim this attempt: a redelivered copy of the task that read the same row finds it taken and stops.
+    claimed = NotificationDelivery.objects.filter(
+        pk=delivery.pk, state=DeliveryState.PENDING, attempts=delivery.attempts
+    ).update(attempts=delivery.attempts + 1)
+    if not claimed:
+        return
     delivery.attempts += 1
     try:
         if channel.kind == ChannelKind.WEBHOOK:

@@ -155,3 +155,18 @@ def test_every_resolved_address_is_checked(monkeypatch, settings):
         webhooks.check_webhook_url("https://rebinding.example/hook")
     answers.pop()
     assert webhooks.check_webhook_url("https://public.example/hook").addresses == ("93.184.215.14",)
+
+
+def test_a_delivery_already_attempted_by_another_copy_is_not_sent_again(
+    team, owner, receiver, failing_placement, clock
+):
+    from apps.alerts import notifications
+
+    services.create_channel(actor=owner, team=team, name="pager", kind="webhook", url=receiver.url)
+    services.evaluate_rules(now=clock)
+    stale = NotificationDelivery.objects.get()  # what a redelivered task copy read before the first attempt
+    deliver_notification.apply(args=[stale.pk])
+    notifications.send(stale)
+    assert len(receiver.bodies) == 1
+    stale.refresh_from_db()
+    assert (stale.state, stale.attempts) == (DeliveryState.SENT, 1)
