@@ -362,7 +362,7 @@ def run_playground(deployment: Deployment, specs: dict[str, InputSpec]) -> Playg
     )
     try:
         started = time.perf_counter()
-        result = client.infer(deployment.triton_model_name(), inputs, headers=instance.key_headers())
+        result = client.infer(deployment.triton_model_name(), inputs)
         latency_ms = (time.perf_counter() - started) * 1000
     except InferenceServerException as exc:
         raise PlaygroundUnavailable(f"Triton on {instance} answered: {exc.message()}") from None
