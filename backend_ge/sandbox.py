@@ -282,7 +282,7 @@ for path in private:
             open(path, "rb").close()
     except OSError:  # refused (or a socket, a FIFO: nothing to read either)
         continue
-    problems.append(f"can read {path}, which it must not (make it 0600/0700, owned by the platform)")
+    problems.append(f"can read {path} although it must not (make it 0600/0700, owned by the platform)")
 print("\n".join(problems))
 sys.exit(1 if problems else 0)
 """

@@ -26,6 +26,7 @@ from django.utils import timezone
 
 from apps.core.errors import public_error
 from apps.fleet.models import Host, InstanceState, TritonInstance
+from apps.registry.models import artifact_root
 from backend_ge import sandbox
 from backend_ge.runtime import TritonError, TritonRuntime, TritonServer, assemble_runtime, server_environment
 
@@ -175,6 +176,8 @@ class HostAgent:
         cache = Path(settings.FLEET_ROOT) / "cache"
         cache.mkdir(parents=True, exist_ok=True)
         cache.chmod(0o700)
+        if Path(settings.ARTIFACT_ROOT).is_dir():
+            artifact_root()  # an existing store from before it was kept 0700 becomes so
         self.runtime = assemble_runtime(self.root / "runtime")
         if not sandbox.can_switch_users():
             log.warning(

@@ -208,7 +208,7 @@ def test_the_access_check_names_what_the_user_cannot_reach_and_what_it_must_not_
     message = str(failed.value)
     assert f"user {probe_user.name}" in message
     assert f"cannot list the repository {repository}" in message
-    assert f"can read {leaked}, which it must not" in message
+    assert f"can read {leaked} although it must not" in message
 
     sandbox.prepare_instance_dirs(private_dir, repository, probe_user)
     leaked.chmod(0o600)
@@ -240,3 +240,19 @@ def test_user_names_come_from_the_platforms_names_and_fit_useradd():
     assert long.startswith("tge-") and len(long) <= 32
     assert long != sandbox.user_name("a" * 41, "cpu-0")
     assert sandbox.user_name("x", "../../etc") != "tge-x-../../etc"
+
+
+@needs_root
+@pytest.mark.django_db(transaction=True)
+def test_the_agent_refuses_to_start_when_an_instance_user_could_read_a_secret(start_agent, artifact_root):
+    gateway = artifact_root.parent / "gateway"
+    gateway.mkdir(mode=0o755)
+    (gateway / "instances.map").write_text("key\n")
+    (gateway / "instances.map").chmod(0o644)  # e.g. written by hand, with the umask's mode
+    agent = start_agent("leaky", GATEWAY_DIR=gateway)
+    assert agent.process.wait(120) != 0
+    output = agent.output()
+    assert "host agent for leaky cannot run its Triton instances" in output
+    assert f"user {sandbox.user_name('leaky', 'cpu-0')}" in output
+    assert f"can read {gateway / 'instances.map'} although it must not" in output
+    assert not TritonInstance.objects.filter(host__name="leaky", state=InstanceState.READY).exists()
