@@ -225,8 +225,9 @@ class HostAgent:
         database = settings.DATABASES["default"]
         if database["ENGINE"].endswith("sqlite3"):
             paths += [Path(f"{database['NAME']}{suffix}") for suffix in ("", "-wal", "-shm")]
-        # The gateway's files name every instance's key.
-        paths += sorted(Path(settings.GATEWAY_DIR).glob("*"))
+        # The gateway's configuration and maps name every instance's key and the tokens' hashes.
+        gateway = Path(settings.GATEWAY_DIR)
+        paths += sorted([*gateway.glob("*.cfg"), *gateway.glob("*.map")])
         paths += [other.repository for other in self.processes.values() if other is not proc]
         return paths
 
