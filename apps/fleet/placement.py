@@ -328,7 +328,12 @@ def reconcile_instance(instance: TritonInstance, proc: InstanceProcess) -> None:
         .order_by("pk")
         .values_list("pk", flat=True)
     )
+    # Bounded: with a long queue of deploys the check below must still run about once per interval. What
+    # is left stays pending (kept loaded, never unloaded) for its own task or the next pass.
+    stop_applying_at = time.monotonic() + settings.FLEET_RECONCILE_INTERVAL_MS / 1000
     for placement_id in list(pending):
+        if time.monotonic() >= stop_applying_at:
+            break
         _apply_locked(proc, placement_id)
     try:
         index = server.repository_index()
