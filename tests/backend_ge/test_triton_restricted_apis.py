@@ -161,3 +161,32 @@ def test_every_api_group_but_the_open_ones_is_restricted_on_the_command_line(tmp
     assert {"logging", "trace", "shared-memory", "model-repository", "model-config"} == set(default)
     with pytest.raises(ValueError, match="unknown Triton API group"):
         TritonServer(tmp_path, workdir=tmp_path / "w", open_apis=("health", "everything"))
+
+
+def test_a_server_inherits_only_an_allow_list_of_the_environment(tmp_path):
+    from backend_ge.runtime import TritonRuntime, server_environment
+
+    runtime = TritonRuntime(tmp_path / "runtime")
+    env = server_environment(
+        runtime,
+        {
+            "PATH": "/usr/bin",
+            "DATABASE_URL": "postgres://u:secret@db/platform",
+            "SECRET_KEY": "s",
+            "AGENT_KEY": "k",
+            "CELERY_BROKER_URL": "redis://:pw@redis:6379/0",
+            "GE_REPOSITORY_KEY": "the-key",
+            "ASCEND_TOOLKIT_HOME": "/usr/local/Ascend/ascend-toolkit/latest",
+            "LC_ALL": "C.UTF-8",
+        },
+        home=tmp_path / "run",
+        include_checkout=False,
+    )
+    assert env["PATH"].split(":")[0] == str(runtime.python_bin)
+    assert env["LD_LIBRARY_PATH"].split(":")[0] == str(runtime.libs)
+    assert env["HOME"] == str(tmp_path / "run")
+    assert env["ASCEND_TOOLKIT_HOME"] and env["LC_ALL"] == "C.UTF-8"
+    assert not {"DATABASE_URL", "SECRET_KEY", "AGENT_KEY", "CELERY_BROKER_URL", "GE_REPOSITORY_KEY"} & set(
+        env
+    )
+    assert "PYTHONPATH" not in env  # the runtime tree has backend_ge; no checkout for another user

@@ -111,6 +111,14 @@ def test_stubs_run_as_the_instance_user_and_read_only_their_own_repository(
         ids = Ids(pid)
         assert (ids.uid, ids.euid, ids.gid, ids.groups) == (server.uid, server.uid, server.gid, server.groups)
     assert Ids(TritonInstance.objects.get(pk=instances[1].pk).pid).uid not in (0, server.uid)
+    # The agent's secrets stay out of the stubs' environment.
+    environ = dict(
+        item.split("=", 1)
+        for item in Path(f"/proc/{stubs[0]}/environ").read_text().split("\0")
+        if "=" in item
+    )
+    assert environ["HOME"] == str(fleet / "iso-a" / "cpu-0" / "run")
+    assert not {"DATABASE_URL", "SECRET_KEY", "AGENT_KEY", "ARTIFACT_ROOT", "FLEET_ROOT"} & set(environ)
     # The python backend's shared memory (0644 regions) lives in a /dev/shm of the server's own.
     assert sandbox.has_private_dev_shm(server_pid) and sandbox.has_private_dev_shm(stubs[0])
     regions = [p for p in Path(f"/proc/{stubs[0]}/root/dev/shm").iterdir() if p.stat().st_uid == server.uid]
