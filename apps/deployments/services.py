@@ -41,6 +41,8 @@ def _decide(placements: list[DeploymentInstance], **fields) -> list[DeploymentIn
 
 
 def check_version_servable(version: ModelVersion) -> None:
+    if version.is_archived():
+        raise ValidationError({"version": [f"{version} is archived; restore it to deploy it."]})
     if not version.is_servable():
         raise ValidationError(
             {

@@ -18,10 +18,11 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field, inline_serializer
 from rest_framework import filters, mixins, serializers, status
 from rest_framework.decorators import action
+from rest_framework.exceptions import APIException
 from rest_framework.response import Response
 
 from apps.core.api import TeamScopedViewSet
-from apps.registry import services
+from apps.registry import services, versions
 from apps.registry.downloads import zip_stream
 from apps.registry.models import ModelVersion, RegisteredModel, SourceFormat, TaskType, UploadSession
 from apps.teams.models import Action
@@ -101,6 +102,9 @@ class ModelVersionSerializer(serializers.ModelSerializer):
             "config_text",
             "toolchain",
             "error",
+            "note",
+            "tags",
+            "archived_at",
             "latest_job",
             "upload",
             "created_by",
@@ -120,6 +124,19 @@ class ModelVersionSerializer(serializers.ModelSerializer):
         if session is None:
             return None
         return {"id": str(session.pk), "state": session.state, "offset": session.received_bytes}
+
+
+class VersionUpdateSerializer(serializers.Serializer):
+    note = serializers.CharField(required=False, allow_blank=True, max_length=2000, trim_whitespace=False)
+    tags = serializers.ListField(
+        child=serializers.CharField(max_length=64), required=False, max_length=versions.MAX_TAGS * 2
+    )
+
+
+class VersionInUseError(APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_code = "in_use"
+    default_detail = "The version is in use."
 
 
 class UploadCreateSerializer(serializers.Serializer):
@@ -287,7 +304,8 @@ class RegisteredModelViewSet(
     ]
 )
 class ModelVersionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamScopedViewSet):
-    """Versions of one model, newest first, and their artifacts."""
+    """Versions of one model, newest first, and their artifacts. Members read; maintainers edit the note and
+    tags (PATCH), archive, restore and delete a version (refused with 409 while it is in use)."""
 
     queryset = ModelVersion.objects.select_related("model__team", "created_by", "upload")
     serializer_class = ModelVersionSerializer
@@ -295,7 +313,8 @@ class ModelVersionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Team
     lookup_value_regex = r"[0-9]+"
     filterset_fields = ["state", "source_format"]
     ordering_fields = ["number", "created_at", "state"]
-    action_requirements = {"artifact": Action.VIEW}
+    action_requirements = {"artifact": Action.VIEW, "archive": Action.CHANGE, "unarchive": Action.CHANGE}
+    http_method_names = ["get", "head", "options", "post", "patch", "delete"]
 
     @cached_property
     def registered_model(self) -> RegisteredModel:
@@ -308,6 +327,45 @@ class ModelVersionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Team
         if getattr(self, "swagger_fake_view", False):
             return ModelVersion.objects.none()
         return self.queryset.for_user(self.request.user).filter(model=self.registered_model)
+
+    def _fresh(self, version: ModelVersion) -> Response:
+        return Response(ModelVersionSerializer(self.get_queryset().get(pk=version.pk)).data)
+
+    @extend_schema(request=VersionUpdateSerializer, responses={200: ModelVersionSerializer, 400: ERROR})
+    def partial_update(self, request, team_slug=None, model_slug=None, number=None):
+        version = self.get_object()
+        serializer = VersionUpdateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        versions.update_version(actor=request.user, version=version, **serializer.validated_data)
+        return self._fresh(version)
+
+    @extend_schema(responses={204: None, 409: ERROR}, summary="Delete a version and its files")
+    def destroy(self, request, team_slug=None, model_slug=None, number=None):
+        try:
+            versions.delete_version(actor=request.user, version=self.get_object())
+        except versions.VersionInUse as exc:
+            raise VersionInUseError(str(exc)) from None
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(
+        request=None,
+        responses={200: ModelVersionSerializer, 409: ERROR},
+        summary="Archive a version: hidden from 'latest' and deploy choices, files kept",
+    )
+    @action(detail=True, methods=["post"])
+    def archive(self, request, team_slug=None, model_slug=None, number=None):
+        try:
+            version = versions.archive_version(actor=request.user, version=self.get_object())
+        except versions.VersionInUse as exc:
+            raise VersionInUseError(str(exc)) from None
+        return self._fresh(version)
+
+    @extend_schema(
+        request=None, responses={200: ModelVersionSerializer}, summary="Restore an archived version"
+    )
+    @action(detail=True, methods=["post"])
+    def unarchive(self, request, team_slug=None, model_slug=None, number=None):
+        return self._fresh(versions.unarchive_version(actor=request.user, version=self.get_object()))
 
     @extend_schema(
         parameters=[

@@ -88,6 +88,9 @@ class SourceFormat(models.TextChoices):
     TRITON_REPOSITORY = "triton_repository", "Triton model directory (archive)"
 
 
+MAX_NOTE_LENGTH = 2000
+
+
 class VersionState(models.TextChoices):
     UPLOADING = "UPLOADING", "Uploading"
     UPLOADED = "UPLOADED", "Uploaded"
@@ -100,7 +103,8 @@ class VersionQuerySet(TeamScopedQuerySet):
     team_lookup = "model__team"
 
     def ready(self):
-        return self.filter(state=VersionState.READY)
+        """READY and not archived: what "latest" and every deploy or switch choice is made of."""
+        return self.filter(state=VersionState.READY, archived_at__isnull=True)
 
     def latest_ready_by_model(self, model_ids) -> dict[int, ModelVersion]:
         """``RegisteredModel.latest_version`` for many models in one query: {model id: version}."""
@@ -114,7 +118,8 @@ class ModelVersion(models.Model):
     """One uploaded revision of a model.
 
     State machine: UPLOADING -> UPLOADED -> CONVERTING -> READY | FAILED. A FAILED conversion can be re-run
-    (FAILED -> CONVERTING). Only READY versions can be deployed.
+    (FAILED -> CONVERTING). Only READY versions can be deployed. Archiving (``archived_at``) is orthogonal to
+    the state: an archived version keeps its files and history but is never "latest" nor offered to deploy.
     """
 
     model = models.ForeignKey(RegisteredModel, on_delete=models.CASCADE, related_name="versions")
@@ -129,6 +134,9 @@ class ModelVersion(models.Model):
     config_text = models.TextField(blank=True)
     toolchain = models.CharField(max_length=20, blank=True)
     error = models.TextField(blank=True)
+    note = models.TextField(blank=True, max_length=MAX_NOTE_LENGTH)
+    tags = models.JSONField(default=list, blank=True, help_text="Short labels, see apps.registry.services.")
+    archived_at = models.DateTimeField(null=True, blank=True)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
@@ -149,7 +157,10 @@ class ModelVersion(models.Model):
         return self.model.team
 
     def is_servable(self) -> bool:
-        return self.state == VersionState.READY
+        return self.state == VersionState.READY and not self.is_archived()
+
+    def is_archived(self) -> bool:
+        return self.archived_at is not None
 
     def storage_dir(self) -> Path:
         """Everything of this version lives here: source/ (as uploaded, extracted) and model/ (servable)."""

@@ -1,0 +1,28 @@
+"""Signals of the registry, for apps that build on versions (apps above this one listen; this one never
+imports them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.dispatch import Signal
+
+
+@dataclass(frozen=True)
+class VersionUse:
+    """Something that keeps a version in use, as a receiver of ``version_retiring`` describes it."""
+
+    message: str  # "deployment #3 serves it (Serving)"
+    target_type: str  # the object it names, so a page can link to it: "deployment"
+    target_id: int
+
+
+# Sent inside archive_version's / delete_version's transaction with the version row locked: kwargs
+# ``version`` and ``action`` ("archive" | "delete"). Each receiver returns a list of VersionUse (empty when it
+# does not use the version); any use refuses the action.
+version_retiring = Signal()
+
+# Sent inside delete_version's transaction once nothing uses the version (kwargs ``version``): receivers
+# release the references their history rows keep to it (an undeployed deployment's last version) before the
+# row goes.
+version_deleting = Signal()
