@@ -14,7 +14,7 @@ from apps.core.body_limits import PLAYGROUND_HINT, limit_body
 from apps.deployments import calling, services
 from apps.deployments.models import Deployment, DeploymentState
 from apps.fleet.models import TritonInstance
-from apps.registry.models import ModelVersion, RegisteredModel, VersionState
+from apps.registry.models import ModelVersion, RegisteredModel
 from apps.teams.models import Action
 from backend_ge.config import ModelSignature
 from frontend.pages import TeamPageView
@@ -41,7 +41,7 @@ class DeployForm(forms.Form):
 
     def __init__(self, *args, team, model_slug: str | None, instances, **kwargs):
         super().__init__(*args, **kwargs)
-        ready = ModelVersion.objects.filter(model=OuterRef("pk"), state=VersionState.READY)
+        ready = ModelVersion.objects.ready().filter(model=OuterRef("pk"))
         self.models = list(
             RegisteredModel.objects.filter(team=team).filter(Exists(ready)).order_by("name", "pk")
         )
@@ -50,7 +50,7 @@ class DeployForm(forms.Form):
             (m for m in self.models if m.slug == model_slug), self.models[0] if self.models else None
         )
         self.chosen_model = chosen
-        versions = chosen.versions.filter(state=VersionState.READY).order_by("-number") if chosen else []
+        versions = chosen.versions.ready().order_by("-number") if chosen else []
         self.fields["version"].choices = [(v.number, f"v{v.number}") for v in versions]
         self.instance_rows = list(instances)
         self.fields["instances"].choices = [(i.pk, str(i)) for i in self.instance_rows]
@@ -165,7 +165,7 @@ class DeploymentDetailView(DeploymentPageView):
                 for index, tensor in enumerate(signature.inputs)
             ]
         context["switch_versions"] = (
-            deployment.model.versions.filter(state=VersionState.READY)
+            deployment.model.versions.ready()
             .exclude(pk=deployment.active_version_id)
             .order_by("-number")
         )

@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from frontend import alerts, conversions, deployments, fleet, monitoring, registry, views
+from frontend import alerts, conversions, deployments, fleet, monitoring, registry, versions, views
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
@@ -23,6 +23,11 @@ urlpatterns = [
         "teams/<slug:team_slug>/models/<slug:model_slug>/upload/",
         registry.ModelUploadView.as_view(),
         name="model-upload",
+    ),
+    path(
+        "teams/<slug:team_slug>/models/<slug:model_slug>/versions/<int:number>/",
+        versions.VersionDetailView.as_view(),
+        name="version-detail",
     ),
     path(
         "teams/<slug:team_slug>/conversions/<int:pk>/",

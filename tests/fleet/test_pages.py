@@ -54,7 +54,7 @@ def test_host_detail_has_the_npu_inventory_and_instances(client, viewer, shared)
     client.force_login(viewer)
     html = client.get("/hosts/npu-1/").content.decode()
     npu0 = html.split('data-npu="0.0"')[1].split("</tr>")[0]
-    assert "310P3" in npu0 and "37 %" in npu0 and "2048 / 21534 MB" in npu0 and ">OK<" in npu0
+    assert "310P3" in npu0 and "37 %" in npu0 and "2 GiB / 21 GiB" in npu0 and ">OK<" in npu0
     assert ">Alarm<" in html.split('data-npu="1.0"')[1].split("</tr>")[0]
     assert 'data-instance="npu-0"' in html
 

@@ -1,0 +1,155 @@
+"""The page of one model version: what it is (signature, served config, sizes, sha256, format), how it was
+made (its conversion jobs, the ATC command, the duration), where it serves, its figures, and what a
+maintainer does with it (note and tags, archive or restore, delete; refused while it is in use)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django import forms
+from django.contrib import messages
+from django.core.exceptions import ValidationError
+from django.db.models import Q, Sum
+from django.http import HttpResponseBadRequest
+from django.shortcuts import get_object_or_404, redirect
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.html import format_html, format_html_join
+
+from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
+from apps.monitoring.models import ModelMetrics
+from apps.registry import versions
+from apps.registry.models import MAX_NOTE_LENGTH, ModelVersion
+from apps.teams.models import Action
+from frontend.registry import ModelPageView
+
+FIGURES_WINDOW = timedelta(hours=24)
+
+
+class VersionNotesForm(forms.Form):
+    note = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 3}), required=False, max_length=MAX_NOTE_LENGTH
+    )
+    tags = forms.CharField(
+        required=False,
+        max_length=400,
+        help_text="Comma-separated, e.g. prod, int8 (lowercase letters, digits, . _ -).",
+    )
+
+
+def directory_size(path) -> int | None:
+    """Bytes of the files below ``path`` (the servable model directory), None when it is not there."""
+    if not path.is_dir():
+        return None
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def in_use_message(team_slug: str, error: versions.VersionInUse):
+    """The refusal with each deployment it names linked."""
+    links = format_html_join(
+        " · ",
+        '<a href="{}">{}</a>',
+        (
+            (reverse("deployment-detail", args=[team_slug, use.target_id]), use.message)
+            for use in error.uses
+            if use.target_type == "deployment"
+        ),
+    )
+    return format_html("{} {}", str(error), links) if links else str(error)
+
+
+class VersionDetailView(ModelPageView):
+    template_name = "frontend/registry/version_detail.html"
+
+    def get_version(self) -> ModelVersion:
+        return get_object_or_404(
+            ModelVersion.objects.for_user(self.request.user, Action.VIEW)
+            .filter(model__team=self.team, model__slug=self.model_slug)
+            .select_related("model__team", "created_by"),
+            number=self.kwargs["number"],
+        )
+
+    def figures(self, version: ModelVersion) -> dict:
+        rows = ModelMetrics.objects.filter(version=version, bucket__gte=timezone.now() - FIGURES_WINDOW)
+        sums = rows.aggregate(
+            success=Sum("success"),
+            failure=Sum("failure"),
+            inferences=Sum("inferences"),
+            request_us=Sum("request_us"),
+        )
+        requests = (sums["success"] or 0) + (sums["failure"] or 0)
+        return {
+            "requests": requests,
+            "failures": sums["failure"] or 0,
+            "inferences": sums["inferences"] or 0,
+            "avg_ms": (sums["request_us"] or 0) / requests / 1000 if requests else None,
+        }
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        version = self.get_version()
+        jobs = list(version.conversion_jobs.select_related("created_by").order_by("-created_at", "-id"))
+        live = (
+            Deployment.objects.for_user(self.request.user)
+            .filter(team=self.team, model=version.model)
+            .exclude(state=DeploymentState.UNDEPLOYED)
+            .filter(
+                Q(active_version=version) | Q(target_version=version) | Q(placements__served_version=version)
+            )
+            .distinct()
+        )
+        placements = (
+            DeploymentInstance.objects.filter(deployment__in=live, served_version=version)
+            .exclude(state=PlacementState.UNLOADED)
+            .select_related("instance__host", "deployment")
+        )
+        context.setdefault(
+            "notes_form", VersionNotesForm(initial={"note": version.note, "tags": ", ".join(version.tags)})
+        )
+        context.update(
+            version=version,
+            jobs=jobs,
+            latest_job=jobs[0] if jobs else None,
+            deployments=list(live),
+            placements=list(placements),
+            model_bytes=directory_size(version.servable_dir()),
+            figures=self.figures(version),
+            figures_hours=int(FIGURES_WINDOW.total_seconds() // 3600),
+        )
+        return context
+
+    def post(self, request, *args, **kwargs):
+        self.require(Action.CHANGE)
+        version = self.get_version()
+        operation = request.POST.get("op", "")
+        here = reverse("version-detail", args=[self.team.slug, version.model.slug, version.number])
+        try:
+            if operation == "notes":
+                form = VersionNotesForm(request.POST)
+                if not form.is_valid():
+                    return self.render_to_response(self.get_context_data(notes_form=form), status=400)
+                tags = [t for t in (part.strip() for part in form.cleaned_data["tags"].split(",")) if t]
+                try:
+                    versions.update_version(
+                        actor=request.user, version=version, note=form.cleaned_data["note"], tags=tags
+                    )
+                except ValidationError as error:
+                    for message in error.messages:
+                        form.add_error("tags" if "tag" in message else "note", message)
+                    return self.render_to_response(self.get_context_data(notes_form=form), status=400)
+                messages.success(request, "Note and tags saved.")
+            elif operation == "archive":
+                versions.archive_version(actor=request.user, version=version)
+                messages.success(request, f"{version} archived: it is no longer offered to deploy.")
+            elif operation == "unarchive":
+                versions.unarchive_version(actor=request.user, version=version)
+                messages.success(request, f"{version} restored.")
+            elif operation == "delete":
+                versions.delete_version(actor=request.user, version=version)
+                messages.success(request, f"{version} and its files deleted.")
+                return redirect("model-detail", team_slug=self.team.slug, model_slug=version.model.slug)
+            else:
+                return HttpResponseBadRequest(f"Unknown operation '{operation}'.")
+        except versions.VersionInUse as error:
+            messages.error(request, in_use_message(self.team.slug, error))
+        return redirect(here)
