@@ -9,9 +9,10 @@ from django.urls import reverse
 
 from apps.conversions import services
 from apps.conversions.models import ConversionJob
+from apps.deployments.models import Deployment, DeploymentState
 from apps.registry.models import ModelVersion, VersionState
 from apps.teams.models import Action
-from frontend.pages import TeamPageView
+from frontend.pages import FOLLOWS_STATE, TeamPageView
 
 
 class ConversionJobView(TeamPageView):
@@ -33,6 +34,12 @@ class ConversionJobView(TeamPageView):
         context.update(
             job=job,
             version=version,
+            # The next step once the version is READY: deploy it, or switch the model's live deployment to it.
+            deployment=Deployment.objects.for_user(self.request.user)
+            .filter(team=self.team, model=version.model)
+            .exclude(state=DeploymentState.UNDEPLOYED)
+            .first(),
+            state_settled=job.is_finished(),
             can_rerun=self.can(Action.CHANGE) and job.is_finished() and version.state == VersionState.FAILED,
             other_jobs=version.conversion_jobs.exclude(pk=job.pk).order_by("-created_at")[:10],
         )
@@ -46,12 +53,16 @@ class ConversionJobView(TeamPageView):
         except ValidationError as error:
             messages.error(request, " ".join(error.messages))
             return redirect("conversion-job", team_slug=self.team.slug, pk=job.pk)
-        messages.success(request, f"Conversion of {job.version} queued again.")
+        messages.success(request, f"Conversion of {job.version} queued again.", extra_tags=FOLLOWS_STATE)
         return redirect("conversion-job", team_slug=self.team.slug, pk=new_job.pk)
 
 
 class ConversionJobProgressView(ConversionJobView):
     template_name = "frontend/conversions/progress.html"
+
+    def get_context_data(self, **kwargs):
+        # A polled partial: once the job has finished it also removes the flash that said it was queued.
+        return {**super().get_context_data(**kwargs), "partial": True}
 
 
 class VersionConfigView(TeamPageView):

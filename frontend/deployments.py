@@ -17,7 +17,7 @@ from apps.fleet.models import TritonInstance
 from apps.registry.models import ModelVersion, RegisteredModel
 from apps.teams.models import Action
 from backend_ge.config import ModelSignature
-from frontend.pages import TeamPageView
+from frontend.pages import FOLLOWS_STATE, TeamPageView
 from frontend.views import add_service_errors
 
 # States in which the agents are still working: the status partial keeps polling.
@@ -104,6 +104,7 @@ class DeploymentCreateView(TeamPageView):
 
     def post(self, request, *args, **kwargs):
         form = self.make_form(request.POST)
+        existing = None
         if form.is_valid():
             model = form.chosen_model
             version = model.versions.get(number=form.cleaned_data["version"])
@@ -117,10 +118,23 @@ class DeploymentCreateView(TeamPageView):
                 )
             except ValidationError as error:
                 add_service_errors(form, error)
+                # "already deployed" names a deployment: link it.
+                existing = (
+                    Deployment.objects.for_user(request.user)
+                    .filter(team=self.team, model=model)
+                    .exclude(state=DeploymentState.UNDEPLOYED)
+                    .first()
+                )
             else:
-                messages.success(request, f"Deploying {version}; this page follows it until it serves.")
+                messages.success(
+                    request,
+                    f"Deploying {version}; this page follows it until it serves.",
+                    extra_tags=FOLLOWS_STATE,
+                )
                 return redirect("deployment-detail", team_slug=self.team.slug, pk=deployment.pk)
-        return self.render_to_response(self.get_context_data(form=form), status=400)
+        return self.render_to_response(
+            self.get_context_data(form=form, existing_deployment=existing), status=400
+        )
 
 
 class DeploymentPageView(TeamPageView):
@@ -148,6 +162,7 @@ class DeploymentDetailView(DeploymentPageView):
         context = super().get_context_data(**kwargs)
         deployment = self.get_deployment()
         context.update(self.status_context(deployment))
+        context["state_settled"] = not context["in_flight"]
         try:
             context["snippets"] = calling.snippets(deployment)
         except ValidationError:
@@ -165,9 +180,7 @@ class DeploymentDetailView(DeploymentPageView):
                 for index, tensor in enumerate(signature.inputs)
             ]
         context["switch_versions"] = (
-            deployment.model.versions.ready()
-            .exclude(pk=deployment.active_version_id)
-            .order_by("-number")
+            deployment.model.versions.ready().exclude(pk=deployment.active_version_id).order_by("-number")
         )
         context["can_switch"] = deployment.state in (DeploymentState.SERVING, DeploymentState.FAILED)
         return context
@@ -186,11 +199,13 @@ class DeploymentDetailView(DeploymentPageView):
                     raise ValidationError({"version": [f"{deployment.model} has no version '{number}'."]})
                 services.switch_version(actor=request.user, deployment=deployment, version=version)
                 messages.success(
-                    request, f"Switching to {version}; the old version serves until it is ready."
+                    request,
+                    f"Switching to {version}; the old version serves until it is ready.",
+                    extra_tags=FOLLOWS_STATE,
                 )
             elif operation == "undeploy":
                 services.undeploy(actor=request.user, deployment=deployment)
-                messages.success(request, f"Undeploying {deployment.model}.")
+                messages.success(request, f"Undeploying {deployment.model}.", extra_tags=FOLLOWS_STATE)
             else:
                 return HttpResponseBadRequest(f"Unknown operation '{operation}'.")
         except ValidationError as error:
@@ -206,7 +221,7 @@ class DeploymentStatusView(DeploymentPageView):
 
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
-        context.update(self.status_context(self.get_deployment()))
+        context.update(self.status_context(self.get_deployment()), partial=True)
         return context
 
 

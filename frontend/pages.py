@@ -9,6 +9,11 @@ from django.views.generic import TemplateView
 
 from apps.teams.models import ACTION_MIN_ROLE, Action, Team, role_allows, team_roles
 
+# The extra tag of a flash message that describes a state the page follows ("this page follows it until
+# it serves"): base.html gives it the id "state-flash"; the polled partial removes it once the state has
+# settled, and a page rendered with ``state_settled`` leaves it out.
+FOLLOWS_STATE = "follows-state"
+
 
 class TeamPageView(LoginRequiredMixin, TemplateView):
     """A page about one team, addressed as /teams/<team_slug>/...

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import models
+from django.utils import timezone
 
 from apps.teams.models import TeamScopedQuerySet
 
@@ -75,3 +76,9 @@ class ConversionJob(models.Model):
 
     def is_finished(self) -> bool:
         return self.state in (JobState.SUCCEEDED, JobState.FAILED)
+
+    def duration(self):
+        """How long it ran (so far, while it runs); None before a worker started it."""
+        if self.started_at is None:
+            return None
+        return (self.finished_at or timezone.now()) - self.started_at

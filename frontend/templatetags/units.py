@@ -27,6 +27,25 @@ def format_binary_size(value: float | int) -> str:
     raise AssertionError("unreachable")
 
 
+def format_duration(seconds: float) -> str:
+    """0.42 -> "0.4 s", 65 -> "1 min 5 s", 3720 -> "1 h 2 min"."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    whole = int(seconds)
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60} s"
+    return f"{whole // 3600} h {whole % 3600 // 60} min"
+
+
+@register.filter
+def duration(value) -> str:
+    """A timedelta (or seconds) as a short duration; None shows as "—"."""
+    if value is None:
+        return "—"
+    seconds = value.total_seconds() if hasattr(value, "total_seconds") else float(value)
+    return format_duration(max(seconds, 0.0))
+
+
 @register.filter
 def binary_size(value, unit: str = "bytes") -> str:
     """Format a size given in ``unit`` (bytes by default); anything that is not a number shows as "—"."""
