@@ -35,11 +35,19 @@ from backend_ge import config as ge_config  # noqa: E402
 from backend_ge.runtime import TritonServer, load_all  # noqa: E402
 
 
-def raw_onnxruntime(path: Path, feeds: dict[str, np.ndarray], seconds: float, max_runs: int) -> dict:
-    """Back-to-back runs of one in-process session: per-call latency and rows per second."""
+def raw_onnxruntime(
+    path: Path, feeds: dict[str, np.ndarray], seconds: float, max_runs: int, intra_op_threads: int = 0
+) -> dict:
+    """Back-to-back runs of one in-process session: per-call latency and rows per second.
+
+    ``intra_op_threads`` 0 is onnxruntime's default (every core, spinning workers); the served MLP's config
+    asks for one thread, so its compute alone is slower than the default session's at batch 1.
+    """
     import onnxruntime as ort
 
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads
+    sess = ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
     for _ in range(3):
         sess.run(names, feeds)
@@ -221,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             ):
                 rounds.setdefault(key, []).append(served(server, model, conc, n(count), p, mlp_x))
             rounds.setdefault("raw_mlp_b1", []).append(raw_onnxruntime(mlp_path, mlp_x, 3 * scale + 1, 20000))
+            rounds.setdefault("raw_mlp_b1_t1", []).append(
+                raw_onnxruntime(mlp_path, mlp_x, 3 * scale + 1, 20000, intra_op_threads=1)
+            )
             mlp_16 = {"input": np.repeat(mlp_x["input"], 16, 0)}
             rounds.setdefault("raw_mlp_b16", []).append(
                 raw_onnxruntime(mlp_path, mlp_16, 2 * scale + 1, 20000)
@@ -271,7 +282,8 @@ def print_report(r: dict) -> None:
             f"{s['compute_infer_us']:>8.0f}{s['compute_output_us']:>6.0f}"
             f"{x['client_cpu_us']:>11.0f}{x['server_cpu_us']:>7.0f}{x['stub_cpu_us']:>7.0f}"
         )
-    for key, label in (("raw_mlp_b1", "raw onnxruntime mlp b=1"), ("raw_mlp_b16", "raw onnxruntime mlp b=16"),
+    for key, label in (("raw_mlp_b1", "raw onnxruntime mlp b=1"), ("raw_mlp_b1_t1", "raw ... b=1, 1 thread"),
+                       ("raw_mlp_b16", "raw onnxruntime mlp b=16"),
                        ("raw_resnet50", f"raw onnxruntime resnet50 b={r['raw_resnet50']['batch']}")):  # fmt: skip
         x = r[key]
         print(
@@ -283,6 +295,9 @@ def print_report(r: dict) -> None:
     of_raw = r["mlp_c16_batching"]["throughput_rps"] / r["raw_mlp_b16"]["throughput_rps"]
     added_p50 = r["mlp_c1_nobatch"]["latency_ms"]["p50"] - r["raw_mlp_b1"]["latency_ms"]["p50"]
     added_p50_batching = r["mlp_c1_batching"]["latency_ms"]["p50"] - r["raw_mlp_b1"]["latency_ms"]["p50"]
+    added_p50_same_threads = (
+        r["mlp_c1_nobatch"]["latency_ms"]["p50"] - r["raw_mlp_b1_t1"]["latency_ms"]["p50"]
+    )
     print()
     for label, value, unit, target, ok in (
         ("resnet50 served / raw (same batch)", resnet_ratio, "x ", ">= 0.95x", resnet_ratio >= 0.95),
@@ -292,12 +307,16 @@ def print_report(r: dict) -> None:
     ):
         print(f"{label + ':':<38}{value:6.2f}{unit:<4}target {target:<11}{'ok' if ok else 'MISSED'}")
     print(f"  (with dynamic batching, 100us queue delay: {added_p50_batching:.2f} ms)")
+    print(
+        f"  (against raw onnxruntime with the served config's one intra-op thread: {added_p50_same_threads:.2f} ms)"
+    )
     print("req/s of every round (median reported above):")
     for key in ("mlp_c16_batching", "mlp_c16_nobatch", "resnet50_c4", "raw_resnet50"):
         print(f"  {key:<18} {r[key]['rounds_rps']}")
     r["summary"] = {"resnet50_ratio": resnet_ratio, "mlp_batching_ratio": batching_ratio,
                     "mlp_batching_of_raw_b16": of_raw, "added_p50_ms": added_p50,
-                    "added_p50_batching_ms": added_p50_batching}  # fmt: skip
+                    "added_p50_batching_ms": added_p50_batching,
+                    "added_p50_same_threads_ms": added_p50_same_threads}  # fmt: skip
 
 
 def print_memory(figures: list[dict]) -> None:
