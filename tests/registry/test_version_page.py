@@ -47,7 +47,7 @@ def test_version_page_shows_signature_config_sizes_job_and_figures(web, v1, inst
     assert "max_batch_size: 8" in html
     assert "3 MiB" in html and "7 bytes" in html  # uploaded size, and the served directory on disk
     assert "ab" * 32 in html
-    assert f'href="/teams/vision/conversions/{job.pk}/"' in html and "2\xa0minutes" in html
+    assert f'href="/teams/vision/conversions/{job.pk}/"' in html and "2 min 5 s" in html
     assert "atc --model=model.onnx --framework=5" in html
     assert '>10</span><span class="stat-label">requests' in html and "5.0 ms" in html
     assert 'id="deploy-version"' in html and 'id="not-serving"' in html

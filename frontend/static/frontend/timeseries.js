@@ -29,7 +29,7 @@
       data.push(line.values);
     });
     var plot = new uPlot({
-      width: Math.max(el.clientWidth, 320),
+      width: Math.max(el.clientWidth, 240),
       height: 220,
       series: series,
       scales: { x: { time: true }, y: { range: function (u, min, max) { return [0, max > 0 ? max * 1.1 : 1]; } } },
@@ -116,7 +116,7 @@
   window.addEventListener("resize", function () {
     Object.keys(window.metricsCharts).forEach(function (id) {
       var el = document.getElementById(id);
-      if (el) { window.metricsCharts[id].setSize({ width: Math.max(el.clientWidth, 320), height: 220 }); }
+      if (el) { window.metricsCharts[id].setSize({ width: Math.max(el.clientWidth, 240), height: 220 }); }
     });
   });
 
