@@ -119,6 +119,7 @@ class TeamSettingsView(TeamPageView):
                 ApiToken.objects.for_user(self.request.user, Action.MANAGE)
                 .filter(team=self.team)
                 .select_related("created_by")
+                .with_creator_role()
             )
             # The plaintext is handed over exactly once, through the session, then dropped.
             context["new_token"] = self.request.session.pop("new_token", None)

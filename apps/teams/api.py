@@ -153,7 +153,13 @@ class MembershipViewSet(
 class ApiTokenSerializer(serializers.ModelSerializer):
     prefix = serializers.CharField(source="display_prefix", read_only=True)
     created_by = serializers.CharField(source="created_by.username", read_only=True)
-    status = serializers.CharField(read_only=True)
+    status = serializers.CharField(
+        read_only=True, help_text="active, revoked, expired, or inactive (its creator left the team)."
+    )
+    access = serializers.CharField(
+        read_only=True,
+        help_text="What it may do: the read-only flag narrowed by the creator's role (a viewer's token is read-only).",
+    )
 
     class Meta:
         model = ApiToken
@@ -164,6 +170,7 @@ class ApiTokenSerializer(serializers.ModelSerializer):
             "read_only",
             "inference_only",
             "status",
+            "access",
             "created_by",
             "created_at",
             "expires_at",
@@ -198,7 +205,7 @@ class ApiTokenViewSet(
     """A team's API tokens (owners only). Creating returns the secret once; listing never does; DELETE
     revokes (the row stays, for the audit trail)."""
 
-    queryset = ApiToken.objects.select_related("created_by")
+    queryset = ApiToken.objects.select_related("created_by").with_creator_role()
     serializer_class = ApiTokenSerializer
     filterset_class = ApiTokenFilter
     ordering_fields = ["created_at", "name", "last_used_at"]

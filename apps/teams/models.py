@@ -142,6 +142,16 @@ def hash_token_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
+class TokenQuerySet(TeamScopedQuerySet):
+    def with_creator_role(self):
+        """Annotate ``creator_role``: the creator's role in the token's team now (None once they left the team
+        or their account was deactivated; authentication then refuses the token)."""
+        role = Membership.objects.filter(
+            team=models.OuterRef("team"), user=models.OuterRef("created_by"), user__is_active=True
+        ).values("role")[:1]
+        return self.annotate(creator_role=models.Subquery(role))
+
+
 class ApiToken(models.Model):
     """A team-scoped API credential: ``tgp_<prefix>_<secret>``.
 
@@ -165,13 +175,36 @@ class ApiToken(models.Model):
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
 
-    objects = TeamScopedQuerySet.as_manager()
+    objects = TokenQuerySet.as_manager()
 
     class Meta:
         ordering = ["-created_at"]
 
     def __str__(self) -> str:
         return f"{self.display_prefix} ({self.name})"
+
+    def _creator_role(self) -> str | None:
+        if hasattr(self, "creator_role"):  # annotated by TokenQuerySet.with_creator_role
+            return self.creator_role
+        if not self.created_by.is_active:
+            return None
+        return (
+            Membership.objects.filter(team_id=self.team_id, user_id=self.created_by_id)
+            .values_list("role", flat=True)
+            .first()
+        )
+
+    @property
+    def access(self) -> str:
+        """What the token may do, as authentication grants it: its flags narrowed by its creator's role."""
+        if self.inference_only:
+            return "inference only"
+        role = self._creator_role()
+        if role is None:
+            return "none"
+        if self.read_only or role == Role.VIEWER:
+            return "read-only"
+        return "read-write, manage" if role == Role.OWNER else "read-write"
 
     @property
     def display_prefix(self) -> str:
@@ -185,6 +218,9 @@ class ApiToken(models.Model):
 
     @property
     def status(self) -> str:
+        """revoked, expired, inactive (its creator is no longer an active member: refused) or active."""
         if self.revoked_at is not None:
             return "revoked"
-        return "expired" if self.is_expired() else "active"
+        if self.is_expired():
+            return "expired"
+        return "active" if self._creator_role() is not None else "inactive"
