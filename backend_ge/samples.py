@@ -48,14 +48,23 @@ def kserve_json_body(inputs: dict[str, np.ndarray]) -> dict:
     }
 
 
-def curl_example(url: str, model_name: str, signature: ModelSignature, inline_limit: int = 64) -> str:
+# The snippets read the API token from this environment variable, so no secret is ever shown on a page.
+TOKEN_ENV = "TGP_TOKEN"
+
+
+def curl_example(
+    url: str, model_name: str, signature: ModelSignature, inline_limit: int = 64, auth: bool = False
+) -> str:
     """A runnable curl command (seed example 1, step 5). Small inputs go inline; large ones (an image is
-    150,528 values) are written to body.json by a short python one-liner first."""
+    150,528 values) are written to body.json by a short python one-liner first. ``auth`` adds the gateway's
+    ``Authorization: Bearer $TGP_TOKEN`` header."""
     body = kserve_json_body(example_inputs(signature))
     endpoint = f"{url}/v2/models/{model_name}/infer"
+    header = f'  -H "Authorization: Bearer ${TOKEN_ENV}" \\\n' if auth else ""
     if all(len(item["data"]) <= inline_limit for item in body["inputs"]):
         return (
-            f"curl -X POST {endpoint} \\\n  -H 'Content-Type: application/json' \\\n  -d '{json.dumps(body)}'"
+            f"curl -X POST {endpoint} \\\n{header}  -H 'Content-Type: application/json' \\\n"
+            f"  -d '{json.dumps(body)}'"
         )
     generated = []
     for item in body["inputs"]:
@@ -69,20 +78,25 @@ def curl_example(url: str, model_name: str, signature: ModelSignature, inline_li
     script = f'import json; print(json.dumps({{"inputs": [{", ".join(generated)}]}}))'
     return (
         f"python3 -c '{script}' > body.json\n"
-        f"curl -X POST {endpoint} \\\n  -H 'Content-Type: application/json' \\\n  -d @body.json"
+        f"curl -X POST {endpoint} \\\n{header}  -H 'Content-Type: application/json' \\\n  -d @body.json"
     )
 
 
-def tritonclient_example(url: str, model_name: str, signature: ModelSignature) -> str:
-    """The seed's example-3 client script, filled in for this model."""
+def tritonclient_example(url: str, model_name: str, signature: ModelSignature, auth: bool = False) -> str:
+    """The seed's example-3 client script, filled in for this model; ``auth`` adds the gateway's token header
+    (read from the ``TGP_TOKEN`` environment variable)."""
     host = url.split("://", 1)[-1]
-    lines = [
-        "import numpy as np",
-        "import tritonclient.http as httpclient",
+    ssl = ", ssl=True" if url.startswith("https://") else ""
+    headers = ", headers=headers" if auth else ""
+    lines = ["import os"] if auth else []
+    lines += ["import numpy as np", "import tritonclient.http as httpclient"]
+    if auth:
+        lines += ["", f'headers = {{"Authorization": "Bearer " + os.environ["{TOKEN_ENV}"]}}']
+    lines += [
         "",
-        f'client = httpclient.InferenceServerClient(url="{host}")',
+        f'client = httpclient.InferenceServerClient(url="{host}"{ssl})',
         'print("Server ready:", client.is_server_ready())',
-        f'print("Model ready:", client.is_model_ready("{model_name}"))',
+        f'print("Model ready:", client.is_model_ready("{model_name}"{headers}))',
         "",
         "inputs = []",
     ]
@@ -104,7 +118,7 @@ def tritonclient_example(url: str, model_name: str, signature: ModelSignature) -
     lines += [
         "",
         f"outputs = [{outputs}]",
-        f'results = client.infer(model_name="{model_name}", inputs=inputs, outputs=outputs)',
+        f'results = client.infer(model_name="{model_name}", inputs=inputs, outputs=outputs{headers})',
     ]
     for tensor in signature.outputs:
         lines.append(f'print("{tensor.name}:", results.as_numpy("{tensor.name}").shape)')

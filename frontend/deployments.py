@@ -3,17 +3,21 @@ deploy, switch or undeploy is in flight), switch/undeploy actions, "How to call 
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from django import forms
 from django.contrib import messages
 from django.core.exceptions import ValidationError
 from django.db.models import Exists, OuterRef
 from django.http import HttpResponse, HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
 
 from apps.core.body_limits import PLAYGROUND_HINT, limit_body
 from apps.deployments import calling, services
 from apps.deployments.models import Deployment, DeploymentState
 from apps.fleet.models import TritonInstance
+from apps.gateway.metrics import deployment_summary
 from apps.registry.models import ModelVersion, RegisteredModel
 from apps.teams.models import Action
 from backend_ge.config import ModelSignature
@@ -163,6 +167,7 @@ class DeploymentDetailView(DeploymentPageView):
         deployment = self.get_deployment()
         context.update(self.status_context(deployment))
         context["state_settled"] = not context["in_flight"]
+        context["gateway"] = deployment_summary(deployment, timezone.now() - timedelta(hours=1))
         try:
             context["snippets"] = calling.snippets(deployment)
         except ValidationError:

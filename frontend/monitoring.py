@@ -3,12 +3,16 @@ charts fetch the REST API's metrics endpoints; the pages only lay them out."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from django.contrib.auth.mixins import LoginRequiredMixin
 from django.shortcuts import get_object_or_404
 from django.urls import reverse
+from django.utils import timezone
 from django.views.generic import TemplateView
 
 from apps.fleet.models import TritonInstance
+from apps.gateway.metrics import model_summary
 from apps.monitoring import rollups, services
 from apps.registry.models import RegisteredModel
 from apps.teams.models import Action
@@ -38,6 +42,7 @@ class ModelMetricsView(RangeMixin, TeamPageView):
         )
         context["model"] = model
         context["api_url"] = reverse("team-model-metrics", args=[self.team.slug, model.slug])
+        context["gateway"] = model_summary(model, timezone.now() - timedelta(hours=1))
         return context
 
 

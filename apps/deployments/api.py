@@ -125,8 +125,16 @@ class SwitchSerializer(serializers.Serializer):
 
 
 class SnippetsSerializer(serializers.Serializer):
-    endpoint = serializers.CharField()
+    endpoint = serializers.CharField(
+        help_text="The inference gateway (GATEWAY_PUBLIC_URL): clients never call an instance."
+    )
     endpoints = serializers.ListField(child=serializers.CharField())
+    grpc_endpoint = serializers.CharField(
+        help_text="The gateway's gRPC address (only to instances dedicated to the team)."
+    )
+    token_env = serializers.CharField(
+        help_text="The environment variable the snippets read the API token from."
+    )
     triton_model_name = serializers.CharField()
     version = serializers.IntegerField()
     infer_url = serializers.CharField()

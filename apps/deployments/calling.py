@@ -75,20 +75,24 @@ def snippets(deployment: Deployment) -> dict:
         raise ValidationError(
             {"non_field_errors": ["This deployment has no version with a signature to describe."]}
         )
-    urls = endpoints(deployment)
-    if not urls:
+    if not endpoints(deployment):
         raise ValidationError({"non_field_errors": ["This deployment is not placed on any instance."]})
     signature = ModelSignature.from_dict(version.signature)
     name = deployment.triton_model_name()
+    # Clients call the gateway (token checked, balanced over the placements), never an instance: instances
+    # answer only the gateway and the platform.
+    url = settings.GATEWAY_PUBLIC_URL.rstrip("/")
     return {
-        "endpoint": urls[0],
-        "endpoints": urls,
+        "endpoint": url,
+        "endpoints": [url],
+        "grpc_endpoint": settings.GATEWAY_PUBLIC_GRPC,
+        "token_env": samples.TOKEN_ENV,
         "triton_model_name": name,
         "version": version.number,
-        "infer_url": f"{urls[0]}/v2/models/{name}/infer",
+        "infer_url": f"{url}/v2/models/{name}/infer",
         "signature": version.signature,
-        "tritonclient": samples.tritonclient_example(urls[0], name, signature),
-        "curl": samples.curl_example(urls[0], name, signature),
+        "tritonclient": samples.tritonclient_example(url, name, signature, auth=True),
+        "curl": samples.curl_example(url, name, signature, auth=True),
     }
 
 
@@ -362,7 +366,7 @@ def run_playground(deployment: Deployment, specs: dict[str, InputSpec]) -> Playg
     )
     try:
         started = time.perf_counter()
-        result = client.infer(deployment.triton_model_name(), inputs)
+        result = client.infer(deployment.triton_model_name(), inputs, headers=instance.key_headers())
         latency_ms = (time.perf_counter() - started) * 1000
     except InferenceServerException as exc:
         raise PlaygroundUnavailable(f"Triton on {instance} answered: {exc.message()}") from None

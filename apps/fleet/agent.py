@@ -354,6 +354,9 @@ class HostAgent:
             grpc_port=instance.grpc_port,
             metrics_port=instance.metrics_port,
             extra_args=extra,
+            # Every API but health needs the instance's key: only the gateway and the platform hold it.
+            api_key=instance.api_key,
+            open_apis=("health",),
             # If this agent is killed outright, Linux interrupts its servers (a graceful stop) instead of
             # leaving them orphaned on the instance's ports.
             die_with_parent=True,

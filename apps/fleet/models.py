@@ -16,6 +16,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from apps.teams.models import Action, TeamScopedQuerySet, team_ids_for
+from backend_ge.runtime import API_KEY_HEADER, GRPC_API_KEY_HEADER
 
 host_name_validator = RegexValidator(
     r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$",
@@ -228,6 +229,10 @@ class TritonInstance(models.Model):
 
     def endpoint_url(self) -> str:
         return f"http://{self.host.address}:{self.http_port}"
+
+    def key_headers(self, protocol: str = "http") -> dict[str, str]:
+        """The header that unlocks this instance's APIs (all but health): only the platform sends it."""
+        return {(GRPC_API_KEY_HEADER if protocol == "grpc" else API_KEY_HEADER): self.api_key}
 
     def grpc_endpoint(self) -> str:
         return f"{self.host.address}:{self.grpc_port}"

@@ -84,7 +84,7 @@ def smoke_test(server: TritonServer, name: str, version: ModelVersion) -> float:
     client = httpclient.InferenceServerClient(server.http_url, network_timeout=60)
     started = time.perf_counter()
     try:
-        result = client.infer(name, inputs, model_version=str(version.number))
+        result = client.infer(name, inputs, model_version=str(version.number), headers=server.key_headers())
     except InferenceServerException as exc:
         raise SmokeTestError(f"smoke inference on {version} failed: {exc.message()}") from None
     finally:

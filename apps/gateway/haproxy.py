@@ -134,7 +134,7 @@ def _json_error(status: int, message: str, extra: str = "") -> str:
 def _grpc_error(code: int, message: str) -> str:
     if '"' in message:
         raise ValueError("gRPC messages are written in double quotes")
-    return f'http-request return status 200 hdr content-type application/grpc hdr grpc-status {code} hdr grpc-message "{message}"'
+    return f'http-request return status 200 hdr grpc-status {code} hdr grpc-message "{message}"'
 
 
 def _server_lines(
@@ -194,9 +194,13 @@ def render_config(state: GatewayState, o: Options) -> str:
         "    timeout queue 30s",
         f"    timeout check {max(inter, 500)}ms",
         "    retries 3",
+        # Server connections stay with their client connection: with a shared pool, an instance killed with
+        # requests in flight made HAProxy 2.6 close some clients' keep-alive connections without an answer.
+        "    http-reuse never",
         "    option redispatch 1",
-        # Refused connections and connections closed without an answer go to another placement.
-        "    retry-on conn-failure empty-response junk-response",
+        # Refused connections, connections closed without an answer, and an instance that does not have the
+        # model (yet: restarted, reloading) go to another placement; none of them ran the request.
+        "    retry-on conn-failure empty-response junk-response 404 503",
         "    http-error status 503 content-type application/json string "
         """'{"error":"no instance of this model is ready; retry shortly"}'""",
         "    http-error status 504 content-type application/json string "

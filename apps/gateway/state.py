@@ -23,10 +23,8 @@ from apps.deployments.models import Deployment, DeploymentState, PlacementState
 from apps.fleet.models import InstanceState, TritonInstance
 from apps.gateway.haproxy import NEVER_EXPIRES, GatewayState, Options, Server
 from apps.teams.models import ApiToken, Team
+from backend_ge.runtime import API_KEY_HEADER, GRPC_API_KEY_HEADER
 
-# Triton's header for every restricted API; the gRPC form is what Triton reads for restricted protocols.
-INSTANCE_KEY_HEADER = "x-ge-instance-key"
-GRPC_INSTANCE_KEY_HEADER = f"triton-grpc-protocol-{INSTANCE_KEY_HEADER}"
 # Expired tokens are kept this long so a client hears "expired" rather than "invalid".
 EXPIRED_TOKENS_KEPT = timedelta(days=7)
 
@@ -37,8 +35,8 @@ def options() -> Options:
         bind=settings.GATEWAY_BIND,
         grpc_bind=settings.GATEWAY_GRPC_BIND,
         stats_bind=settings.GATEWAY_STATS_BIND,
-        key_header=INSTANCE_KEY_HEADER,
-        grpc_key_header=GRPC_INSTANCE_KEY_HEADER,
+        key_header=API_KEY_HEADER,
+        grpc_key_header=GRPC_API_KEY_HEADER,
         default_limit=settings.GATEWAY_DEFAULT_REQUESTS_PER_SECOND,
         threads=settings.GATEWAY_THREADS,
         check_interval_ms=settings.GATEWAY_CHECK_INTERVAL_MS,

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from functools import lru_cache
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
@@ -184,4 +185,12 @@ def targets_view(request: HttpRequest) -> HttpResponse:
         }
         for instance in TritonInstance.objects.select_related("host").order_by("host__name", "name")
     ]
+    # The inference gateway's HAProxy exporter (per frontend, backend = deployment, and server counters).
+    gateway = urlsplit(settings.GATEWAY_METRICS_URL)
+    groups.append(
+        {
+            "targets": [gateway.netloc],
+            "labels": {"job": "gateway", "__metrics_path__": gateway.path or "/metrics"},
+        }
+    )
     return JsonResponse(groups, safe=False)

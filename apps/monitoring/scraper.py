@@ -52,8 +52,10 @@ class CycleResult:
     errors: dict[str, str] = field(default_factory=dict)
 
 
-def _get(url: str, timeout: float) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
+def _get(url: str, timeout: float, headers: dict[str, str] | None = None) -> bytes:
+    with urllib.request.urlopen(
+        urllib.request.Request(url, headers=headers or {}), timeout=timeout
+    ) as response:
         return response.read()
 
 
@@ -63,7 +65,10 @@ def fetch_instance(instance: TritonInstance, timeout: float | None = None) -> Fe
     fetched = Fetched(instance, timezone.now(), str(instance.pid or ""))
     try:
         text = _get(instance.metrics_url(), timeout).decode("utf-8", errors="replace")
-        stats = json.loads(_get(f"{instance.endpoint_url()}/v2/models/stats", timeout))
+        # The statistics API needs the instance key; the metrics port has no restriction (it stays private).
+        stats = json.loads(
+            _get(f"{instance.endpoint_url()}/v2/models/stats", timeout, instance.key_headers())
+        )
         reading = parsing.parse_metrics(text)
         fetched.reading = parsing.parse_statistics(stats, reading)
     except (OSError, urllib.error.URLError, ValueError) as exc:  # timeouts and refusals are OSErrors

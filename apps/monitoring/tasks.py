@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
+from apps.gateway.metrics import scrape_gateway
 from apps.monitoring import rollups, scraper
 
 
@@ -11,7 +12,14 @@ from apps.monitoring import rollups, scraper
 def scrape_instances() -> dict:
     """Scrape every READY instance once (every ``METRICS_SCRAPE_INTERVAL`` seconds from beat)."""
     result = scraper.scrape_all()
-    return {"instances": result.instances, "failures": result.failures, "rows": result.rows}
+    # The gateway's exporter in the same cycle: per-deployment requests, response classes, gateway time.
+    gateway_rows = scrape_gateway()
+    return {
+        "instances": result.instances,
+        "failures": result.failures,
+        "rows": result.rows,
+        "gateway_rows": gateway_rows,
+    }
 
 
 @shared_task(name="apps.monitoring.tasks.downsample_metrics", ignore_result=True)

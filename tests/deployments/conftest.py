@@ -9,6 +9,7 @@ from django.utils import timezone
 from apps.fleet.models import Host, InstanceState, TritonInstance
 from apps.registry.models import ModelVersion, RegisteredModel, VersionState
 from tests.fleet.conftest import artifact_root, make_ready_version, start_agent  # noqa: F401 - shared fixtures
+from tests.gateway.conftest import gateway_env, start_gateway  # noqa: F401 - shared fixtures
 
 CLASSIFIER_SIGNATURE = {
     "inputs": [{"name": "input", "dtype": "FP32", "dims": [3, 224, 224], "format": "NCHW"}],

@@ -157,12 +157,16 @@ def test_undeploy(owner_client, deployment):
 
 def test_snippets_describe_the_model_for_viewers(viewer_client, deployment):
     body = viewer_client.get(f"{BASE}{deployment.pk}/snippets/").json()
-    assert body["endpoint"] == "http://127.0.0.1:18100"
+    # Everything a user copies points at the gateway (GATEWAY_PUBLIC_URL) with a token header.
+    assert body["endpoint"] == "http://127.0.0.1:8080" and body["grpc_endpoint"] == "127.0.0.1:8081"
     assert body["triton_model_name"] == "vision__classifier" and body["version"] == 1
-    assert body["infer_url"] == "http://127.0.0.1:18100/v2/models/vision__classifier/infer"
-    assert 'client.infer(model_name="vision__classifier"' in body["tritonclient"]
-    assert 'InferenceServerClient(url="127.0.0.1:18100")' in body["tritonclient"]
-    assert "curl -X POST http://127.0.0.1:18100/v2/models/vision__classifier/infer" in body["curl"]
+    assert body["infer_url"] == "http://127.0.0.1:8080/v2/models/vision__classifier/infer"
+    call = 'client.infer(model_name="vision__classifier", inputs=inputs, outputs=outputs, headers=headers)'
+    assert call in body["tritonclient"]
+    assert 'InferenceServerClient(url="127.0.0.1:8080")' in body["tritonclient"]
+    assert 'headers = {"Authorization": "Bearer " + os.environ["TGP_TOKEN"]}' in body["tritonclient"]
+    assert "curl -X POST http://127.0.0.1:8080/v2/models/vision__classifier/infer" in body["curl"]
+    assert '-H "Authorization: Bearer $TGP_TOKEN"' in body["curl"]
 
 
 def test_snippets_of_an_undeployed_deployment_are_400(owner_client, deployment):

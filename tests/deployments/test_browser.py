@@ -53,8 +53,9 @@ def test_deploy_from_the_ui_and_run_the_playground(
     assert page.get_attribute("#deployment-status", "hx-trigger") is None
     assert "deployed" in page.inner_text("#event-table")
     assert page.inner_text("#triton-model-name") == "vision__classifier"
-    assert f'InferenceServerClient(url="{agent.url}")' in page.inner_text("#snippet-python")
-    assert f"curl -X POST http://{agent.url}/v2/models/vision__classifier/infer" in page.inner_text(
+    # Clients call the gateway with a token, never the instance.
+    assert 'InferenceServerClient(url="127.0.0.1:8080")' in page.inner_text("#snippet-python")
+    assert "curl -X POST http://127.0.0.1:8080/v2/models/vision__classifier/infer" in page.inner_text(
         "#snippet-curl"
     )
     deployment = Deployment.objects.get()

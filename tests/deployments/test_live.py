@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -44,15 +45,21 @@ def serving_deployment(client, start_agent, make_ready_version) -> tuple[Deploym
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed")
 def test_generated_curl_and_tritonclient_snippets_work(
-    owner_client, start_agent, make_ready_version, tmp_path
+    owner_client, start_agent, make_ready_version, tmp_path, start_gateway, make_token, settings
 ):
     deployment, agent = serving_deployment(owner_client, start_agent, make_ready_version)
+    gateway = start_gateway()
+    settings.GATEWAY_PUBLIC_URL = f"http://{gateway.url}"
+    _, token = make_token(name="snippets")
+    wait_for(lambda: gateway.get("/v2/models/vision__classifier/ready", token)[0] == 200, 10, "the route")
     snippets = owner_client.get(f"/api/v1/teams/vision/deployments/{deployment.pk}/snippets/").json()
-    assert snippets["endpoint"] == f"http://{agent.url}"
+    assert snippets["endpoint"] == f"http://{gateway.url}"
+    env = {**os.environ, "TGP_TOKEN": token}
 
     script = subprocess.run(
-        [sys.executable, "-c", snippets["tritonclient"]], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", snippets["tritonclient"]], capture_output=True, text=True, timeout=60, env=env
     )
     assert script.returncode == 0, script.stderr
     assert "Server ready: True" in script.stdout and "Model ready: True" in script.stdout
@@ -61,7 +68,7 @@ def test_generated_curl_and_tritonclient_snippets_work(
     # The input has 150,528 values, so the command writes body.json first; run it as written.
     curl = subprocess.run(
         ["bash", "-c", snippets["curl"] + " --silent --show-error --fail"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env,
     )  # fmt: skip
     assert curl.returncode == 0, curl.stderr
     answer = json.loads(curl.stdout)

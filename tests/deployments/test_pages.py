@@ -98,9 +98,10 @@ def test_outsider_gets_404_for_deployment_pages(client, outsider, serving):
 def test_detail_shows_how_to_call_it_and_a_playground_form_from_the_signature(web, serving):
     html = web.get(f"/teams/vision/deployments/{serving.pk}/").content.decode()
     assert '<code id="triton-model-name">vision__classifier</code>' in html
-    assert '<code id="endpoint">http://127.0.0.1:18100</code>' in html
+    assert '<code id="endpoint">http://127.0.0.1:8080</code>' in html  # the gateway, never an instance
     assert "client.infer(model_name=&quot;vision__classifier&quot;" in html
-    assert "curl -X POST http://127.0.0.1:18100/v2/models/vision__classifier/infer" in html
+    assert "curl -X POST http://127.0.0.1:8080/v2/models/vision__classifier/infer" in html
+    assert "Authorization: Bearer $TGP_TOKEN" in html
     assert 'data-copy="snippet-python"' in html and 'data-copy="snippet-curl"' in html
     assert 'data-input="input"' in html and "File (.npy or image)" in html  # [3,224,224] is image-shaped
     # Settled: the status partial does not poll.

@@ -99,6 +99,14 @@ def make_ready_version(team, owner, artifact_root, tmp_path):
     return _make
 
 
+def instance_key_headers(url: str) -> dict[str, str]:
+    """The key header of the instance at ``host:port`` (every Triton API but health requires it)."""
+    from apps.fleet.models import TritonInstance
+
+    port = int(url.rsplit(":", 1)[1].split("/", 1)[0])
+    return TritonInstance.objects.get(http_port=port).key_headers()
+
+
 class Agent:
     """A `manage.py hostagent` process with one CPU instance on free ports."""
 

@@ -18,7 +18,7 @@ from apps.fleet.models import Host, InstanceState, TritonInstance
 from apps.registry.models import ModelVersion
 from backend_ge import config as gc
 from tests.conftest import wait_for
-from tests.fleet.conftest import expected_output
+from tests.fleet.conftest import expected_output, instance_key_headers
 
 pytestmark = [pytest.mark.triton, pytest.mark.django_db(transaction=True)]
 
@@ -53,7 +53,9 @@ def seed_example_3(url: str, model_name: str) -> np.ndarray:
     inputs = [httpclient.InferInput("input", input_data.shape, "FP32")]
     inputs[0].set_data_from_numpy(input_data)
     outputs = [httpclient.InferRequestedOutput("output")]
-    results = client.infer(model_name=model_name, inputs=inputs, outputs=outputs)
+    results = client.infer(
+        model_name=model_name, inputs=inputs, outputs=outputs, headers=instance_key_headers(url)
+    )
     output_data = results.as_numpy("output")
     assert output_data.shape == (1, 1000)
     top5 = np.argsort(output_data[0])[-5:][::-1]
@@ -81,6 +83,7 @@ def test_deploy_to_two_hosts_and_the_seed_client_works_against_each(start_agent,
 
 def _load(url: str, model_name: str, stop: threading.Event, results: dict) -> None:
     client = httpclient.InferenceServerClient(url=url)
+    headers = instance_key_headers(url)
     batch = np.random.default_rng(1).random((1, 3, 224, 224), dtype=np.float32)
     deadline = time.monotonic() + 120
     while not stop.is_set() and results["sent"] < 5000 and time.monotonic() < deadline:
@@ -88,7 +91,7 @@ def _load(url: str, model_name: str, stop: threading.Event, results: dict) -> No
         inputs[0].set_data_from_numpy(batch)
         results["sent"] += 1
         try:
-            out = client.infer(model_name, inputs).as_numpy("output")
+            out = client.infer(model_name, inputs, headers=headers).as_numpy("output")
             results["last"] = out
         except Exception as exc:  # counted: the test asserts there are none
             results["failures"].append(str(exc))

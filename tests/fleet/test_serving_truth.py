@@ -39,6 +39,7 @@ from apps.deployments.models import Deployment, DeploymentInstance, DeploymentSt
 from apps.fleet.models import InstanceState, TritonInstance
 from apps.registry.models import RegisteredModel
 from tests.conftest import wait_for
+from tests.fleet.conftest import instance_key_headers
 
 pytestmark = [pytest.mark.triton, pytest.mark.django_db(transaction=True)]
 
@@ -76,7 +77,7 @@ def triton_ready(url: str) -> set[tuple[str, int]]:
     """(name, version) of every model version Triton has available: its statistics API lists exactly those
     (a version leaves the list when its unload starts, and joins it when its load finished). One request, so
     sampling often does not steal the agent's CPU."""
-    reply = requests.get(f"http://{url}/v2/models/stats", timeout=10)
+    reply = requests.get(f"http://{url}/v2/models/stats", headers=instance_key_headers(url), timeout=10)
     reply.raise_for_status()
     return {(m["name"], int(m["version"])) for m in reply.json()["model_stats"]}
 

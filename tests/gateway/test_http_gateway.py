@@ -4,6 +4,8 @@ the per-team rate limit."""
 from __future__ import annotations
 
 import time
+import urllib.error
+import urllib.request
 from datetime import timedelta
 
 import pytest
@@ -11,8 +13,9 @@ from django.utils import timezone
 
 from apps.registry.models import RegisteredModel
 from apps.teams import services as team_services
+from backend_ge.runtime import API_KEY_HEADER
 from tests.conftest import wait_for
-from tests.gateway.conftest import deploy, output_of, ready_instance, requires_haproxy
+from tests.gateway.conftest import INFER_BODY, deploy, output_of, ready_instance, requires_haproxy
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 
@@ -141,3 +144,31 @@ def test_team_rate_limit_answers_429_naming_the_limit(
     assert codes.count(200) >= 4 and codes.count(429) >= 5, codes
     limited = next(body for status, body in statuses if status == 429)
     assert limited["error"] == "rate limit exceeded: team vision may send 5 requests per second"
+
+
+def test_triton_refuses_direct_calls_without_the_instance_key(two_teams_on_a_shared_instance):
+    instance = two_teams_on_a_shared_instance
+    base = instance.endpoint_url()
+
+    def call(method: str, path: str, headers: dict | None = None) -> int:
+        body = INFER_BODY if method == "POST" else None
+        request = urllib.request.Request(base + path, data=body, method=method, headers=headers or {})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    # Without the key: inference, metadata, statistics, the repository API - all 403. Health stays open.
+    for method, path in [
+        ("POST", "/v2/models/vision__scaler/infer"),
+        ("GET", "/v2/models/vision__scaler"),
+        ("GET", "/v2/models/vision__scaler/config"),
+        ("GET", "/v2/models/stats"),
+        ("POST", "/v2/repository/index"),
+    ]:
+        assert call(method, path) == 403, (method, path)
+        assert call(method, path, {API_KEY_HEADER: "not-the-key"}) == 403, (method, path)
+    assert call("GET", "/v2/health/ready") == 200
+    # The platform holds the key.
+    assert call("POST", "/v2/models/vision__scaler/infer", instance.key_headers()) == 200

@@ -17,6 +17,7 @@ from apps.monitoring.models import InstanceMetrics, ModelMetrics, ScrapeState
 from apps.monitoring.scraper import scrape_instance
 from backend_ge.runtime import free_port
 from tests.conftest import wait_for
+from tests.fleet.conftest import instance_key_headers
 from tests.fleet.test_agent import deployment_settled
 from tests.monitoring.builders import infer_body
 
@@ -24,9 +25,8 @@ pytestmark = [pytest.mark.triton, pytest.mark.django_db(transaction=True)]
 
 
 def post(url: str, body: dict) -> int:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
+    headers = {"Content-Type": "application/json", **instance_key_headers(url.split("://", 1)[1])}
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.status

@@ -163,7 +163,9 @@ def test_targets_json_lists_every_instance_for_file_based_discovery(db, metrics_
         {
             "targets": ["127.0.0.1:18002"],
             "labels": {"host": "metrics-host", "instance": "cpu-0", "__metrics_path__": "/metrics"},
-        }
+        },
+        # The inference gateway's HAProxy exporter.
+        {"targets": ["127.0.0.1:8404"], "labels": {"job": "gateway", "__metrics_path__": "/metrics"}},
     ]
     assert Client(REMOTE_ADDR="192.0.2.1").get("/metrics/targets.json").status_code == 404
 

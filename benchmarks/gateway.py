@@ -1,0 +1,236 @@
+"""What the inference gateway (HAProxy) adds: the MLP example called directly on Triton and through the
+gateway, with the same client in the same run, at concurrency 1 and 16.
+
+The gateway runs the platform's real configuration (``apps.gateway.haproxy``: allow-list, token hash and map
+lookup, team check, rate-limit table, version pinning, the instance-key header) with 10,000 tokens in its
+map; Triton runs with every API but health restricted to its key, as the host agent starts it. Direct calls
+send the key, gateway calls send a token.
+
+Reported: p50/p99 latency and throughput per path, the added p50 and the throughput ratio, the gateway's CPU
+per request (``/proc/<pid>/stat`` of the HAProxy worker), and the token lookup cost (p50 through the gateway
+with 1 token vs 10,000 tokens in the map). Targets (issue 10): added p50 <= 0.2 ms at concurrency 1;
+throughput >= 0.85x direct at concurrency 1 and >= 0.8x at 16.
+
+Usage: ``python benchmarks/gateway.py [--requests 4000] [--rounds 3] [--json FILE]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import secrets
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from apps.gateway.haproxy import GatewayState, HAProxyProcess, Options, Server, write_files  # noqa: E402
+from backend_ge import examples  # noqa: E402
+from backend_ge.runtime import API_KEY_HEADER, GRPC_API_KEY_HEADER, TritonServer, free_port  # noqa: E402
+
+MODEL = "bench__mlp"
+
+
+def request_bytes(port: int, extra_header: str) -> bytes:
+    import tritonclient.http as httpclient
+
+    data = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32)
+    item = httpclient.InferInput("input", list(data.shape), "FP32")
+    item.set_data_from_numpy(data)
+    body, json_size = httpclient.InferenceServerClient.generate_request_body([item])
+    head = (
+        f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{extra_header}\r\n"
+        f"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: {json_size}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def _stream(port: int, request: bytes, count: int, ready, start, results) -> None:
+    """One keep-alive connection sending pre-built bytes (a generic client's header parsing would take the CPU
+    the measured servers need on a 2-core machine); parses only the status line and the length."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    pending = b""
+
+    def call() -> int:
+        nonlocal pending
+        sock.sendall(request)
+        buf = pending
+        while (end := buf.find(b"\r\n\r\n")) < 0:
+            buf += sock.recv(1 << 16)
+        head = buf[:end].decode("latin-1")
+        length = int(
+            next(
+                line.split(":")[1] for line in head.split("\r\n") if line.lower().startswith("content-length")
+            )
+        )
+        rest = buf[end + 4 :]
+        while len(rest) < length:
+            rest += sock.recv(1 << 16)
+        pending = rest[length:]
+        return int(head[9:12])
+
+    for _ in range(20):
+        if call() != 200:
+            ready.put("warm-up request failed")
+            return
+    ready.put(True)
+    start.wait(60)
+    latencies, errors = [], 0
+    first = time.perf_counter()
+    for _ in range(count):
+        t0 = time.perf_counter()
+        if call() != 200:
+            errors += 1
+        latencies.append(time.perf_counter() - t0)
+    results.put((first, time.perf_counter(), latencies, errors))
+    sock.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(port: int, request: bytes, concurrency: int, requests: int, cpu_pid: int | None = None) -> dict:
+    ctx = mp.get_context("spawn")
+    ready, results, start = ctx.Queue(), ctx.Queue(), ctx.Event()
+    counts = [requests // concurrency] * concurrency
+    procs = [ctx.Process(target=_stream, args=(port, request, n, ready, start, results)) for n in counts]
+    for proc in procs:
+        proc.start()
+    for _ in procs:
+        status = ready.get(timeout=60)
+        if status is not True:
+            raise RuntimeError(status)
+    cpu_before = cpu_seconds(cpu_pid) if cpu_pid else 0.0
+    start.set()
+    outcomes = [results.get(timeout=300) for _ in procs]
+    cpu_after = cpu_seconds(cpu_pid) if cpu_pid else 0.0
+    for proc in procs:
+        proc.join(10)
+    latencies = np.array([t for o in outcomes for t in o[2]]) * 1000
+    duration = max(o[1] for o in outcomes) - min(o[0] for o in outcomes)
+    done = len(latencies)
+    return {
+        "requests": done,
+        "errors": sum(o[3] for o in outcomes),
+        "throughput_rps": done / duration,
+        "p50_ms": float(np.percentile(latencies, 50)),
+        "p99_ms": float(np.percentile(latencies, 99)),
+        "gateway_cpu_us_per_request": (cpu_after - cpu_before) / done * 1e6 if cpu_pid else None,
+    }
+
+
+def gateway_state(key: str, triton_port: int, tokens: int, token: tuple[str, str]) -> GatewayState:
+    state = GatewayState(
+        backends={"d1": (Server(key, "127.0.0.1", triton_port),)},
+        checked_models={"d1": MODEL},
+        routes={MODEL: "bench/d1/1"},
+        limits={"bench": "1000000"},
+    )
+    for _ in range(tokens - 1):
+        state.tokens[f"{secrets.token_hex(4)}:{hashlib.sha256(secrets.token_bytes(16)).hexdigest()}"] = (
+            "other:0"
+        )
+    prefix, secret = token
+    state.tokens[f"{prefix}:{hashlib.sha256(secret.encode()).hexdigest()}"] = "bench:32503680000"
+    return state
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=4000, help="requests per measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating direct/gateway rounds (median)")
+    parser.add_argument("--threads", type=int, default=1, help="HAProxy threads (GATEWAY_THREADS)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
+    src = work / "src"
+    examples.write_examples(src, ["mlp"])
+    (src / "mlp").rename(src / MODEL)
+    config = src / MODEL / "config.pbtxt"
+    if config.exists():
+        config.write_text(config.read_text().replace('name: "mlp"', f'name: "{MODEL}"'))
+    from backend_ge.runtime import prepare_repository
+
+    models, problems = prepare_repository(src, work / "repository")
+    assert not problems, problems
+    key = secrets.token_hex(24)
+    server = TritonServer(work / "repository", workdir=work / "triton", api_key=key, open_apis=("health",),
+                          load_models=models, exit_timeout=10, die_with_parent=True)  # fmt: skip
+    server.start(timeout=120)
+    token = (secrets.token_hex(4), secrets.token_urlsafe(32))
+    port = free_port()
+    options = Options(
+        directory=work / "gateway", bind=f"127.0.0.1:{port}", grpc_bind=f"127.0.0.1:{free_port()}",
+        stats_bind=f"127.0.0.1:{free_port()}", key_header=API_KEY_HEADER, grpc_key_header=GRPC_API_KEY_HEADER,
+        default_limit=1_000_000, threads=args.threads,
+    )  # fmt: skip
+    gateway = HAProxyProcess(options)
+    write_files(gateway_state(key, server.http_port, 10_000, token), options)
+    gateway.start()
+    report: dict = {"threads": args.threads, "tokens_in_map": 10_000, "runs": {}}
+    try:
+        direct = request_bytes(server.http_port, f"{API_KEY_HEADER}: {key}")
+        through = request_bytes(port, f"Authorization: Bearer tgp_{token[0]}_{token[1]}")
+        time.sleep(1.5)  # the health check marks the server UP
+        for concurrency in (1, 16):
+            rows = {"direct": [], "gateway": []}
+            for _ in range(args.rounds):
+                rows["direct"].append(measure(server.http_port, direct, concurrency, args.requests))
+                pid = gateway.admin.worker_pid()
+                rows["gateway"].append(measure(port, through, concurrency, args.requests, cpu_pid=pid))
+            summary = {
+                path: {k: float(np.median([r[k] for r in runs])) for k in runs[0] if runs[0][k] is not None}
+                for path, runs in rows.items()
+            }
+            summary["added_p50_ms"] = summary["gateway"]["p50_ms"] - summary["direct"]["p50_ms"]
+            summary["throughput_ratio"] = (
+                summary["gateway"]["throughput_rps"] / summary["direct"]["throughput_rps"]
+            )
+            report["runs"][f"c{concurrency}"] = summary
+        # Token lookup: the same gateway with 1 token in the map instead of 10,000.
+        write_files(gateway_state(key, server.http_port, 1, token), options)
+        gateway.reload()
+        time.sleep(1.5)
+        small = [measure(port, through, 1, args.requests) for _ in range(args.rounds)]
+        big = report["runs"]["c1"]["gateway"]["p50_ms"]
+        one = float(np.median([r["p50_ms"] for r in small]))
+        report["token_lookup"] = {
+            "p50_ms_1_token": one,
+            "p50_ms_10000_tokens": big,
+            "difference_us": (big - one) * 1000,
+        }
+    finally:
+        gateway.stop()
+        server.close()
+    for name, run in report["runs"].items():
+        d, g = run["direct"], run["gateway"]
+        print(
+            f"{name}: direct {d['throughput_rps']:.0f} req/s p50 {d['p50_ms']:.3f} ms | gateway "
+            f"{g['throughput_rps']:.0f} req/s p50 {g['p50_ms']:.3f} ms | added p50 {run['added_p50_ms']:.3f} ms, "
+            f"throughput {run['throughput_ratio']:.2f}x, gateway CPU {g['gateway_cpu_us_per_request']:.1f} us/request"
+        )
+    t = report["token_lookup"]
+    print(
+        f"token lookup: p50 {t['p50_ms_1_token']:.3f} ms with 1 token, {t['p50_ms_10000_tokens']:.3f} ms with "
+        f"10,000 ({t['difference_us']:+.1f} us)"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
