@@ -14,6 +14,7 @@ from django.core.exceptions import ValidationError
 from django.db.models import Count
 from django.http import StreamingHttpResponse
 from django.shortcuts import get_object_or_404
+from django_filters import rest_framework as django_filters
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field, inline_serializer
 from rest_framework import filters, mixins, serializers, status
@@ -131,6 +132,19 @@ class VersionUpdateSerializer(serializers.Serializer):
     tags = serializers.ListField(
         child=serializers.CharField(max_length=64), required=False, max_length=versions.MAX_TAGS * 2
     )
+
+
+class ModelVersionFilter(django_filters.FilterSet):
+    archived = django_filters.BooleanFilter(
+        field_name="archived_at",
+        lookup_expr="isnull",
+        exclude=True,
+        help_text="true: only archived versions.",
+    )
+
+    class Meta:
+        model = ModelVersion
+        fields = ["state", "source_format", "archived"]
 
 
 class VersionInUseError(APIException):
@@ -311,7 +325,7 @@ class ModelVersionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Team
     serializer_class = ModelVersionSerializer
     lookup_field = "number"
     lookup_value_regex = r"[0-9]+"
-    filterset_fields = ["state", "source_format"]
+    filterset_class = ModelVersionFilter
     ordering_fields = ["number", "created_at", "state"]
     action_requirements = {"artifact": Action.VIEW, "archive": Action.CHANGE, "unarchive": Action.CHANGE}
     http_method_names = ["get", "head", "options", "post", "patch", "delete"]

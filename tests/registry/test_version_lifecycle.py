@@ -57,6 +57,8 @@ def test_archived_version_is_not_latest_nor_deployable_but_kept(owner, model, v1
     v2.refresh_from_db()
     assert v2.is_archived() and not v2.is_servable() and v2.servable_dir().is_dir()
     assert AuditEvent.objects.filter(action="version.archived", target_id=str(v2.pk)).exists()
+    assert [v["number"] for v in maintainer_client.get(URL, {"archived": "true"}).json()["results"]] == [2]
+    assert [v["number"] for v in maintainer_client.get(URL, {"archived": "false"}).json()["results"]] == [1]
     restored = maintainer_client.post(f"{URL}2/unarchive/")
     assert restored.json()["archived_at"] is None and model.latest_version() == v2
 
