@@ -53,6 +53,12 @@ def check_version_servable(version: ModelVersion) -> None:
         )
 
 
+def _lock_servable(version: ModelVersion) -> None:
+    """Lock the version's row and check it again: archive and delete lock it first too (then the model's
+    deployments), so a version archived or deleted meanwhile is refused instead of deployed."""
+    check_version_servable(ModelVersion.objects.select_for_update().get(pk=version.pk))
+
+
 def check_instances_usable(team, instances: list[TritonInstance]) -> None:
     if not instances:
         raise ValidationError({"instances": ["Pick at least one instance to deploy on."]})
@@ -93,6 +99,7 @@ def deploy_version(
     check_version_servable(version)
     check_instances_usable(model.team, instances)
     with transaction.atomic():
+        _lock_servable(version)
         if (
             Deployment.objects.select_for_update()
             .filter(model=model)
@@ -134,6 +141,7 @@ def switch_version(*, actor, deployment: Deployment, version: ModelVersion) -> D
         raise ValidationError({"version": [f"{version} is not a version of {deployment.model}."]})
     check_version_servable(version)
     with transaction.atomic():
+        _lock_servable(version)
         deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
         if deployment.state not in (DeploymentState.SERVING, DeploymentState.FAILED):
             raise ValidationError(

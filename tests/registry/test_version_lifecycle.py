@@ -5,6 +5,7 @@ audited, files removed only once the row is gone; roles and tenancy on the API."
 from __future__ import annotations
 
 import pytest
+from django.core.exceptions import ValidationError
 
 from apps.audit.models import AuditEvent
 from apps.deployments import services as deployments
@@ -172,3 +173,14 @@ def test_deploy_choices_skip_archived_versions(owner, model, v1, v2, instance):
     with pytest.raises(Exception, match="archived; restore it"):
         deployments.deploy_version(actor=owner, model=model, version=v2, instances=[instance])
     assert list(RegisteredModel.objects.get(pk=model.pk).versions.ready()) == [v1]
+
+
+def test_a_version_archived_meanwhile_is_refused_by_deploy_and_switch(owner, model, v1, v2, instance):
+    stale = ModelVersion.objects.get(pk=v2.pk)  # read before the archive, as a form or a request would have
+    versions.archive_version(actor=owner, version=v2)
+    with pytest.raises(ValidationError, match="archived; restore it"):
+        deployments.deploy_version(actor=owner, model=model, version=stale, instances=[instance])
+    deployment = serve(owner, v1, instance)
+    with pytest.raises(ValidationError, match="archived; restore it"):
+        deployments.switch_version(actor=owner, deployment=deployment, version=stale)
+    assert Deployment.objects.get(pk=deployment.pk).target_version is None
