@@ -62,7 +62,11 @@ def update_version(*, actor, version: ModelVersion, note: str | None = None, tag
     if tags is not None:
         changes["tags"] = check_tags(tags)
     with transaction.atomic():
-        locked = ModelVersion.objects.select_for_update().select_related("model__team").get(pk=version.pk)
+        locked = (
+            ModelVersion.objects.select_for_update(of=("self",))
+            .select_related("model__team")
+            .get(pk=version.pk)
+        )
         diff = {
             k: {"from": getattr(locked, k), "to": v} for k, v in changes.items() if getattr(locked, k) != v
         }
@@ -103,7 +107,11 @@ def _check_not_in_use(version: ModelVersion, action: str) -> None:
 def archive_version(*, actor, version: ModelVersion) -> ModelVersion:
     """Hide a version from "latest" and every deploy choice; its files and history stay."""
     with transaction.atomic():
-        locked = ModelVersion.objects.select_for_update().select_related("model__team").get(pk=version.pk)
+        locked = (
+            ModelVersion.objects.select_for_update(of=("self",))
+            .select_related("model__team")
+            .get(pk=version.pk)
+        )
         if locked.is_archived():
             return locked
         _check_not_in_use(locked, "archive")
@@ -121,7 +129,11 @@ def archive_version(*, actor, version: ModelVersion) -> ModelVersion:
 
 def unarchive_version(*, actor, version: ModelVersion) -> ModelVersion:
     with transaction.atomic():
-        locked = ModelVersion.objects.select_for_update().select_related("model__team").get(pk=version.pk)
+        locked = (
+            ModelVersion.objects.select_for_update(of=("self",))
+            .select_related("model__team")
+            .get(pk=version.pk)
+        )
         if not locked.is_archived():
             return locked
         locked.archived_at = None
@@ -149,7 +161,11 @@ def delete_version(*, actor, version: ModelVersion) -> None:
     """Delete a version and its files. Refused while it is uploading, converting or in use; the files go only
     once the row's deletion has committed, so a refused or failed delete loses nothing."""
     with transaction.atomic():
-        locked = ModelVersion.objects.select_for_update().select_related("model__team").get(pk=version.pk)
+        locked = (
+            ModelVersion.objects.select_for_update(of=("self",))
+            .select_related("model__team")
+            .get(pk=version.pk)
+        )
         _check_not_in_use(locked, "delete")
         storage = locked.storage_dir()
         record(
