@@ -82,7 +82,7 @@
       draw("chart-requests", ts, [{ label: "requests/s", values: d.requests_per_second }], "", 2);
       draw("chart-cpu", ts, [{ label: "CPU", values: d.cpu_percent }], "%", 1);
       draw("chart-npu", ts, d.devices.map(function (dev) { return { label: dev.name, values: dev.aicore_percent }; }), "%", 1);
-      draw("chart-hbm", ts, d.devices.map(function (dev) { return { label: dev.name, values: dev.hbm_used_mb }; }), " MB", 0);
+      draw("chart-hbm", ts, d.devices.map(function (dev) { return { label: dev.name, values: dev.hbm_used_mb }; }), " MiB", 0);
       draw("chart-scrapes", ts, [{ label: "failed scrapes", values: d.scrape_failures }], "", 0);
       return true;
     },
