@@ -419,6 +419,7 @@ class HAProxyProcess:
 
     def start(self, timeout: float = 10.0) -> None:
         self.check_config()
+        self._stop_orphan()
         log = open(self.o.directory / "haproxy.log", "ab")  # noqa: SIM115 - the child writes to it
         try:
             self.process = subprocess.Popen(
@@ -435,10 +436,29 @@ class HAProxyProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                # A gateway command killed outright stops its HAProxy gracefully instead of leaving it running.
+                preexec_fn=_soft_stop_when_parent_dies,
             )
         finally:
             log.close()
         self._wait_for_worker(None, timeout)
+
+    def _stop_orphan(self, timeout: float = 30.0) -> None:
+        """An HAProxy left running from this directory (its gateway command was killed) would share the ports
+        with the new one (SO_REUSEPORT) and keep routing from stale files: stop it first."""
+        try:
+            pid = int((self.o.directory / "haproxy.pid").read_text().split()[0])
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            return
+        if str(self.o.config_file).encode() not in cmdline:
+            return  # the pid was reused by something else
+        os.kill(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + timeout
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGTERM)
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -485,11 +505,17 @@ class HAProxyProcess:
             return ""
 
 
+def _soft_stop_when_parent_dies() -> None:
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGUSR1)
+
+
 def pid_alive(pid: int) -> bool:
+    """Running (an exited process its parent has not reaped yet counts as gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True
-    return True
+    return state not in ("Z", "X")
