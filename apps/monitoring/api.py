@@ -21,7 +21,16 @@ RANGE_PARAMETER = OpenApiParameter(
     OpenApiParameter.QUERY,
     enum=list(rollups.RANGES),
     default="1h",
-    description="How far back: one point per minute (1h, 6h), 5 minutes (24h) or hour (7d).",
+    description="How far back: one point per minute (15m, 1h, 6h), 5 minutes (24h) or hour (7d).",
+)
+VERSION_PARAMETER = OpenApiParameter(
+    "version", OpenApiTypes.INT, OpenApiParameter.QUERY, description="Keep one version's line."
+)
+DEPLOYMENT_PARAMETER = OpenApiParameter(
+    "deployment",
+    OpenApiTypes.INT,
+    OpenApiParameter.QUERY,
+    description="A deployment of this model: only its instances' traffic and its own markers.",
 )
 
 
@@ -32,6 +41,20 @@ def points() -> serializers.ListField:
 
 class RangeQuerySerializer(serializers.Serializer):
     range = serializers.ChoiceField(choices=list(rollups.RANGES), default="1h")
+
+
+class ModelQuerySerializer(RangeQuerySerializer):
+    version = serializers.IntegerField(required=False, min_value=1)
+    deployment = serializers.IntegerField(required=False, min_value=1)
+
+
+class MarkerSerializer(serializers.Serializer):
+    time = serializers.IntegerField(help_text="Unix seconds.")
+    kind = serializers.CharField()
+    label = serializers.CharField()
+    message = serializers.CharField()
+    deployment = serializers.IntegerField()
+    version = serializers.IntegerField(allow_null=True)
 
 
 class FrameSerializer(serializers.Serializer):
@@ -51,6 +74,7 @@ class CountsSerializer(serializers.Serializer):
 
 class VersionSeriesSerializer(serializers.Serializer):
     version = serializers.IntegerField()
+    latency = serializers.ChoiceField(choices=["quantiles", "average"])
     requests_per_second = points()
     error_rate = points()
     avg_latency_ms = points()
@@ -70,7 +94,11 @@ class ModelMetricsSerializer(FrameSerializer):
     latency = serializers.ChoiceField(
         choices=["quantiles", "average"], help_text="Quantiles where Triton's latency summaries are on."
     )
+    latency_label = serializers.CharField()
+    focus_version = serializers.IntegerField(allow_null=True)
+    deployment = serializers.IntegerField(allow_null=True)
     versions = VersionSeriesSerializer(many=True)
+    markers = MarkerSerializer(many=True, help_text="Deploys, switches and rollbacks in the range.")
     totals = CountsSerializer()
     failure_reasons = serializers.DictField(child=serializers.IntegerField())
 
@@ -132,6 +160,8 @@ def _range(request) -> str:
             "model_slug", OpenApiTypes.STR, OpenApiParameter.PATH, description="The model's slug."
         ),
         RANGE_PARAMETER,
+        VERSION_PARAMETER,
+        DEPLOYMENT_PARAMETER,
     ]
 )
 class ModelMetricsViewSet(TeamScopedViewSet):
@@ -146,7 +176,18 @@ class ModelMetricsViewSet(TeamScopedViewSet):
     @extend_schema(responses=ModelMetricsSerializer, operation_id="team_model_metrics")
     def retrieve(self, request, *args, **kwargs):
         model = get_object_or_404(self.get_queryset(), slug=kwargs["model_slug"])
-        return Response(ModelMetricsSerializer(services.model_metrics(model, _range(request))).data)
+        query = ModelQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        deployment = None
+        if "deployment" in query.validated_data:
+            deployment = get_object_or_404(model.deployments.all(), pk=query.validated_data["deployment"])
+        data = services.model_metrics(
+            model,
+            query.validated_data["range"],
+            version=query.validated_data.get("version"),
+            deployment=deployment,
+        )
+        return Response(ModelMetricsSerializer(data).data)
 
 
 @extend_schema(

@@ -37,8 +37,9 @@ class Range:
     step: int
 
 
-# ~60-360 points per line: enough detail, and the 7-day range reads hourly rows where minutes are gone.
+# ~15-360 points per line: enough detail, and the 7-day range reads hourly rows where minutes are gone.
 RANGES = {
+    "15m": Range("15m", 900, MINUTE),
     "1h": Range("1h", 3600, MINUTE),
     "6h": Range("6h", 6 * 3600, MINUTE),
     "24h": Range("24h", 24 * 3600, 5 * MINUTE),

@@ -6,6 +6,7 @@ from datetime import datetime
 
 from django.db.models import Count, Sum
 
+from apps.deployments.models import Deployment, DeploymentEvent
 from apps.fleet.models import Device, InstanceState, TritonInstance, is_platform_staff
 from apps.monitoring import rollups
 from apps.monitoring.models import ModelMetrics
@@ -37,14 +38,68 @@ def visible_rows(user):
     return rows if is_platform_staff(user) else rows.filter(team_id__in=team_ids_for(user, Action.VIEW))
 
 
-def model_metrics(model: RegisteredModel, range_key: str | None = None, now: datetime | None = None) -> dict:
+# Deployment events drawn as vertical lines on the model and deployment charts, with their label.
+MARKER_KINDS = {
+    "deploy_requested": "deploy",
+    "deployed": "deployed",
+    "deploy_failed": "deploy failed",
+    "switch_requested": "switch",
+    "switched": "switched",
+    "switch_failed": "rollback",
+    "undeployed": "undeployed",
+}
+AVERAGE_LABEL = "mean (enable latency summaries for percentiles)"
+
+
+def markers(deployments, window: rollups.Window) -> list[dict]:
+    """Deploys, switches and rollbacks of ``deployments`` within the window, oldest first."""
+    events = (
+        DeploymentEvent.objects.filter(
+            deployment__in=deployments,
+            kind__in=MARKER_KINDS,
+            created_at__gte=window.start,
+            created_at__lt=window.end,
+        )
+        .select_related("version")
+        .order_by("created_at", "id")
+    )
+    return [
+        {
+            "time": int(event.created_at.timestamp()),
+            "kind": event.kind,
+            "label": MARKER_KINDS[event.kind] + (f" v{event.version.number}" if event.version else ""),
+            "message": event.message,
+            "deployment": event.deployment_id,
+            "version": event.version.number if event.version else None,
+        }
+        for event in events[:200]
+    ]
+
+
+def model_metrics(
+    model: RegisteredModel,
+    range_key: str | None = None,
+    now: datetime | None = None,
+    version: int | None = None,
+    deployment: Deployment | None = None,
+) -> dict:
     """One line per version: requests/s, error rate, latency (quantiles where the instances report them,
-    else the average), queue and compute time, average batch size."""
+    else the average), queue and compute time, average batch size; the deploy/switch markers.
+
+    ``version`` keeps one version's line; ``deployment`` (of this model) keeps the traffic of its instances
+    and its own events.
+    """
     window = rollups.Window.ending(check_range(range_key), now)
     rows = ModelMetrics.objects.filter(model=model)
+    if version is not None:
+        rows = rows.filter(version__number=version)
+    if deployment is not None:
+        rows = rows.filter(instance__in=deployment.instances.all())
     series = rollups.traffic_series(rows, window, "version__number")
     versions = [{"version": number, **lines} for number, lines in series.items()]
     has_quantiles = any(v is not None for line in versions for v in line["p99_ms"])
+    for line in versions:
+        line["latency"] = "quantiles" if any(v is not None for v in line["p99_ms"]) else "average"
     totals = {"requests": 0, "success": 0, "failure": 0}
     for line in versions:
         for key in totals:
@@ -55,7 +110,11 @@ def model_metrics(model: RegisteredModel, range_key: str | None = None, now: dat
         "triton_name": model.triton_model_name(),
         **_frame(window),
         "latency": "quantiles" if has_quantiles else "average",
+        "latency_label": "p50 / p95 / p99" if has_quantiles else AVERAGE_LABEL,
+        "focus_version": version,
+        "deployment": deployment.pk if deployment is not None else None,
         "versions": versions,
+        "markers": markers([deployment] if deployment is not None else model.deployments.all(), window),
         "totals": {**totals, "error_rate": rollups.ratio(totals["failure"], totals["requests"])},
         "failure_reasons": rollups.failure_reasons(rows, window),
     }
