@@ -11,6 +11,7 @@ from django.core.exceptions import ValidationError
 from django.db.models import Exists, OuterRef
 from django.http import HttpResponse, HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.utils import timezone
 
 from apps.core.body_limits import PLAYGROUND_HINT, limit_body
@@ -21,6 +22,7 @@ from apps.gateway.metrics import deployment_summary
 from apps.registry.models import ModelVersion, RegisteredModel
 from apps.teams.models import Action
 from backend_ge.config import ModelSignature
+from frontend.monitoring import chart_context
 from frontend.pages import FOLLOWS_STATE, TeamPageView
 from frontend.views import add_service_errors
 
@@ -168,6 +170,8 @@ class DeploymentDetailView(DeploymentPageView):
         context.update(self.status_context(deployment))
         context["state_settled"] = not context["in_flight"]
         context["gateway"] = deployment_summary(deployment, timezone.now() - timedelta(hours=1))
+        context.update(chart_context(self.request))
+        context["api_url"] = reverse("team-model-metrics", args=[self.team.slug, deployment.model.slug])
         try:
             context["snippets"] = calling.snippets(deployment)
         except ValidationError:

@@ -24,11 +24,20 @@ def _range_key(request) -> str:
     return key if key in rollups.RANGES else "1h"
 
 
+def chart_context(request) -> dict:
+    """The range picker's context (the range from ``?range=``, default 1 h), for any page with charts."""
+    return {"range": _range_key(request), "ranges": list(rollups.RANGES)}
+
+
+def _focus_version(request) -> int | None:
+    value = request.GET.get("version", "")
+    return int(value) if value.isdigit() and 0 < int(value) < 2**31 else None
+
+
 class RangeMixin:
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
-        context["range"] = _range_key(self.request)
-        context["ranges"] = list(rollups.RANGES)
+        context.update(chart_context(self.request))
         return context
 
 
@@ -42,6 +51,7 @@ class ModelMetricsView(RangeMixin, TeamPageView):
         )
         context["model"] = model
         context["api_url"] = reverse("team-model-metrics", args=[self.team.slug, model.slug])
+        context["focus_version"] = _focus_version(self.request)
         context["gateway"] = model_summary(model, timezone.now() - timedelta(hours=1))
         return context
 

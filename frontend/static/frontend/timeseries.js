@@ -1,22 +1,81 @@
 /* Metrics charts: fetch a metrics endpoint of the REST API and draw it with uPlot.
-   Each chart's uPlot instance is kept in window.metricsCharts[<element id>] (the browser test reads it). */
+   Each chart's uPlot instance is kept in window.metricsCharts[<element id>] (the browser test reads it).
+   Times are UTC on a 24-hour clock, like the tables. The charts refresh every REFRESH_MS while the
+   "Live" toggle is on and the tab is visible; a fetch never starts while the previous one runs. The range
+   links switch the range in place (they still work as plain links without JavaScript). */
 (function () {
   "use strict";
 
+  var REFRESH_MS = 15000;
   var PALETTE = ["#1f6feb", "#d1242f", "#1a7f37", "#8250df", "#bf8700", "#0a7ea4", "#cf222e", "#57606a"];
-  var DASHES = { p50: [], p95: [6, 4], p99: [2, 3], avg: [] };
+  var DASHES = { p50: [], p95: [6, 4], p99: [2, 3], mean: [] };
+  var markersFor = {};
   window.metricsCharts = {};
+
+  function pad(n) { return n < 10 ? "0" + n : "" + n; }
+
+  function utc(ts, withDate) {
+    var d = new Date(ts * 1000);
+    var time = pad(d.getUTCHours()) + ":" + pad(d.getUTCMinutes());
+    if (!withDate) { return time; }
+    return d.getUTCFullYear() + "-" + pad(d.getUTCMonth() + 1) + "-" + pad(d.getUTCDate()) + " " + time;
+  }
+
+  function timeTicks(u, splits) {
+    var wide = u.scales.x.max - u.scales.x.min > 86400;
+    return splits.map(function (ts) {
+      var d = new Date(ts * 1000);
+      return (wide ? pad(d.getUTCMonth() + 1) + "-" + pad(d.getUTCDate()) + " " : "") + utc(ts, false);
+    });
+  }
 
   function fmt(unit, digits) {
     return function (u, v) { return v == null ? "–" : v.toFixed(digits) + unit; };
   }
 
-  function draw(id, timestamps, lines, unit, digits) {
+  /* Deploys, switches and rollbacks as vertical lines over the plot, each with a label whose tooltip says
+     what happened and when. DOM elements (not canvas strokes) so they carry a tooltip and can be tested. */
+  function markerPlugin(id) {
+    function place(u) {
+      var layer = u.over.querySelector(".chart-markers");
+      if (!layer) {
+        layer = document.createElement("div");
+        layer.className = "chart-markers";
+        u.over.appendChild(layer);
+      }
+      layer.textContent = "";
+      var shown = 0;
+      (markersFor[id] || []).forEach(function (m) {
+        if (u.scales.x.min == null || m.time < u.scales.x.min || m.time > u.scales.x.max) { return; }
+        var line = document.createElement("div");
+        line.className = "chart-marker marker-" + m.kind;
+        line.dataset.kind = m.kind;
+        line.style.left = Math.round(u.valToPos(m.time, "x")) + "px";
+        var label = document.createElement("span");
+        label.textContent = m.label;
+        label.title = utc(m.time, true) + " UTC · " + m.label + ": " + m.message;
+        label.style.top = (shown++ % 3) * 1.4 + "em";  // staggered, so close events stay readable
+        line.appendChild(label);
+        layer.appendChild(line);
+      });
+    }
+    return { hooks: { ready: place, setData: place, setSize: place, setScale: place } };
+  }
+
+  function draw(id, timestamps, lines, unit, digits, markers) {
     var el = document.getElementById(id);
     if (!el) { return null; }
+    markersFor[id] = markers || [];
+    var data = [timestamps].concat(lines.map(function (line) { return line.values; }));
+    var labels = lines.map(function (line) { return line.label; }).join("|");
+    var existing = window.metricsCharts[id];
+    if (existing && existing.seriesLabels === labels) {
+      existing.setData(data);  // a refresh: same lines, new points
+      return existing;
+    }
+    if (existing) { existing.destroy(); }
     el.textContent = "";
-    var series = [{}];
-    var data = [timestamps];
+    var series = [{ label: "time (UTC)", value: function (u, ts) { return ts == null ? "–" : utc(ts, true) + " UTC"; } }];
     lines.forEach(function (line, i) {
       series.push({
         label: line.label,
@@ -26,16 +85,22 @@
         points: { show: false },
         value: fmt(unit, digits),
       });
-      data.push(line.values);
     });
     var plot = new uPlot({
       width: Math.max(el.clientWidth, 240),
       height: 220,
       series: series,
+      // Ticks fall on whole UTC minutes/hours/days, whatever the browser's time zone.
+      tzDate: function (ts) { return uPlot.tzDate(new Date(ts * 1000), "Etc/UTC"); },
       scales: { x: { time: true }, y: { range: function (u, min, max) { return [0, max > 0 ? max * 1.1 : 1]; } } },
-      axes: [{}, { size: 72, values: function (u, ticks) { return ticks.map(function (t) { return +t.toFixed(3) + unit; }); } }],
+      axes: [
+        { values: timeTicks, label: "UTC", labelSize: 18, labelFont: "12px system-ui" },
+        { size: 72, values: function (u, ticks) { return ticks.map(function (t) { return +t.toFixed(3) + unit; }); } },
+      ],
       legend: { live: true },
+      plugins: [markerPlugin(id)],
     }, data, el);
+    plot.seriesLabels = labels;
     window.metricsCharts[id] = plot;
     return plot;
   }
@@ -48,26 +113,28 @@
     model: function (root, d) {
       var ts = d.timestamps;
       var versions = d.versions;
+      var markers = d.markers || [];
       function perVersion(key, transform) {
         return versions.map(function (v, i) {
           return { label: "v" + v.version, color: PALETTE[i % PALETTE.length], values: transform ? transform(v[key]) : v[key] };
         });
       }
-      draw("chart-requests", ts, perVersion("requests_per_second"), "", 2);
+      draw("chart-requests", ts, perVersion("requests_per_second"), "", 2, markers);
       var latency = [];
       versions.forEach(function (v, i) {
-        var keys = d.latency === "quantiles" ? ["p50", "p95", "p99"] : ["avg"];
+        // Real percentiles where Triton's summaries are on; otherwise the mean, never called a percentile.
+        var keys = v.latency === "quantiles" ? ["p50", "p95", "p99"] : ["mean"];
         keys.forEach(function (q) {
-          var key = q === "avg" ? "avg_latency_ms" : q + "_ms";
+          var key = q === "mean" ? "avg_latency_ms" : q + "_ms";
           latency.push({ label: "v" + v.version + " " + q, color: PALETTE[i % PALETTE.length], dash: DASHES[q], values: v[key] });
         });
       });
-      root.querySelector(".latency-title").textContent =
-        d.latency === "quantiles" ? "Latency p50 / p95 / p99 (ms)" : "Average latency (ms)";
-      draw("chart-latency", ts, latency, " ms", 2);
-      draw("chart-queue", ts, perVersion("queue_ms"), " ms", 3);
-      draw("chart-batch", ts, perVersion("avg_batch_size"), "", 2);
-      draw("chart-errors", ts, perVersion("error_rate", percent), "%", 2);
+      var title = root.querySelector(".latency-title");
+      if (title) { title.textContent = "Latency " + d.latency_label + " (ms)"; }
+      draw("chart-latency", ts, latency, " ms", 2, markers);
+      draw("chart-queue", ts, perVersion("queue_ms"), " ms", 3, markers);
+      draw("chart-batch", ts, perVersion("avg_batch_size"), "", 2, markers);
+      draw("chart-errors", ts, perVersion("error_rate", percent), "%", 2, markers);
       var totals = root.querySelector(".metric-totals");
       if (totals) {
         var reasons = Object.keys(d.failure_reasons).map(function (k) { return k + " " + d.failure_reasons[k]; }).join(", ");
@@ -94,23 +161,75 @@
     },
   };
 
-  function load(root) {
+  function follow(root) {
     var status = root.querySelector(".chart-status");
-    var url = root.dataset.api + "?range=" + encodeURIComponent(root.dataset.range);
-    fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } })
-      .then(function (response) {
-        if (!response.ok) { throw new Error("the metrics API answered " + response.status); }
-        return response.json();
-      })
-      .then(function (data) {
-        var hasData = RENDER[root.dataset.kind](root, data);
-        status.textContent = hasData ? "" : "No traffic in this range yet.";
-        root.dataset.loaded = "true";
-      })
-      .catch(function (error) {
-        status.textContent = "Could not load the metrics: " + error.message;
-        root.dataset.loaded = "error";
+    var toggle = document.querySelector("input[data-refresh]");
+    var updated = document.querySelector(".refresh-updated");
+    var inflight = false;
+    var again = false;
+
+    function url() {
+      var params = new URLSearchParams({ range: root.dataset.range });
+      if (root.dataset.version) { params.set("version", root.dataset.version); }
+      if (root.dataset.deployment) { params.set("deployment", root.dataset.deployment); }
+      return root.dataset.api + "?" + params.toString();
+    }
+
+    function load() {
+      if (inflight) { again = true; return; }  // never two fetches at once; a range switch reloads after
+      inflight = true;
+      var range = root.dataset.range;
+      fetch(url(), { credentials: "same-origin", headers: { Accept: "application/json" } })
+        .then(function (response) {
+          if (!response.ok) { throw new Error("the metrics API answered " + response.status); }
+          return response.json();
+        })
+        .then(function (data) {
+          if (range !== root.dataset.range) { return; }  // switched meanwhile: the reload below draws it
+          var hasData = RENDER[root.dataset.kind](root, data);
+          status.textContent = hasData ? "" : "No traffic in this range yet.";
+          root.dataset.loaded = "true";
+          root.dataset.loads = String(Number(root.dataset.loads || 0) + 1);
+          if (updated) { updated.textContent = "updated " + utc(Date.now() / 1000, false) + " UTC"; }
+        })
+        .catch(function (error) {
+          status.textContent = "Could not load the metrics: " + error.message;
+          root.dataset.loaded = "error";
+        })
+        .finally(function () {
+          inflight = false;
+          if (again) { again = false; load(); }
+        });
+    }
+
+    document.querySelectorAll(".range-picker a[data-range]").forEach(function (link) {
+      link.addEventListener("click", function (event) {
+        event.preventDefault();
+        root.dataset.range = link.dataset.range;
+        root.dataset.loaded = "false";
+        document.querySelectorAll(".range-picker a[data-range]").forEach(function (other) {
+          var active = other === link;
+          other.classList.toggle("active", active);
+          if (active) { other.setAttribute("aria-current", "true"); } else { other.removeAttribute("aria-current"); }
+        });
+        var address = new URL(window.location.href);
+        address.searchParams.set("range", link.dataset.range);
+        window.history.replaceState(null, "", address.toString());
+        load();
       });
+    });
+
+    window.setInterval(function () {
+      if (toggle && toggle.checked && !document.hidden) { load(); }
+    }, REFRESH_MS);
+    if (toggle) {
+      toggle.addEventListener("change", function () {
+        root.dataset.live = toggle.checked ? "on" : "off";
+        if (toggle.checked) { load(); }
+      });
+      root.dataset.live = toggle.checked ? "on" : "off";
+    }
+    load();
   }
 
   window.addEventListener("resize", function () {
@@ -121,6 +240,6 @@
   });
 
   document.addEventListener("DOMContentLoaded", function () {
-    document.querySelectorAll(".metrics[data-api]").forEach(load);
+    document.querySelectorAll(".metrics[data-api]").forEach(follow);
   });
 })();
