@@ -202,7 +202,9 @@
         });
     }
 
-    document.querySelectorAll(".range-picker a[data-range]").forEach(function (link) {
+    // The fleet page's totals and tables are rendered with its range: there the links load the page.
+    var links = root.dataset.kind === "fleet" ? [] : document.querySelectorAll(".range-picker a[data-range]");
+    links.forEach(function (link) {
       link.addEventListener("click", function (event) {
         event.preventDefault();
         root.dataset.range = link.dataset.range;
