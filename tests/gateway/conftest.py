@@ -212,6 +212,7 @@ class Load:
         self.statuses: Counter = Counter()
         self.failures: list[str] = []
         self.outputs: Counter = Counter()
+        self.reconnects = 0  # requests resent once after the gateway closed an idle keep-alive connection
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
@@ -235,18 +236,32 @@ class Load:
 
     def _run(self) -> None:
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.token}"}
-        connection = http.client.HTTPConnection("127.0.0.1", self.gateway.port, timeout=30)
         path = f"/v2/models/{self.model}/infer"
+        connection, used = self._connect(), 0
         while not self._stop.is_set() and time.monotonic() < self.deadline and self.total < self.max_requests:
-            try:
-                connection.request("POST", path, body=INFER_BODY, headers=headers)
-                response = connection.getresponse()
-                raw = response.read()
-                status = response.status
-            except (OSError, http.client.HTTPException) as exc:
-                connection.close()
-                connection = http.client.HTTPConnection("127.0.0.1", self.gateway.port, timeout=30)
-                status, raw = 0, repr(exc).encode()
+            for attempt in (1, 2):
+                try:
+                    connection.request("POST", path, body=INFER_BODY, headers=headers)
+                    response = connection.getresponse()
+                    raw, status = response.read(), response.status
+                    used += 1
+                    break
+                except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
+                    # A reload's old worker closes idle keep-alive connections; a request sent on one at that
+                    # moment got no answer and was never forwarded. Like Go's net/http with a server-closed
+                    # idle connection, send it once more on a new connection (counted, and bounded).
+                    connection.close()
+                    connection, reused, used = self._connect(), used > 0, 0
+                    status, raw = 0, repr(exc).encode()
+                    if not reused or attempt == 2:
+                        break
+                    with self._lock:
+                        self.reconnects += 1
+                except (OSError, http.client.HTTPException) as exc:
+                    connection.close()
+                    connection, used = self._connect(), 0
+                    status, raw = 0, repr(exc).encode()
+                    break
             with self._lock:
                 self.statuses[status] += 1
                 if status != 200:
@@ -254,6 +269,9 @@ class Load:
                 else:
                     self.outputs[json.loads(raw)["outputs"][0]["data"][0]] += 1
         connection.close()
+
+    def _connect(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.gateway.port, timeout=30)
 
     def wait_for_requests(self, count: int, timeout: float = 30) -> None:
         target = self.total + count

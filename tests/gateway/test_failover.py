@@ -64,6 +64,9 @@ def test_instance_killed_under_load_fails_no_request(
         assert time.monotonic() - killed_at <= 2.0
         load.wait_for_requests(300)
     assert load.failures == [], load.failures[:5]
+    # HAProxy 2.6 occasionally closes a client's idle keep-alive connection when the server connection behind
+    # it is reset by the kill; the request was never forwarded and was resent (bounded, and counted).
+    assert load.reconnects <= 3, load.reconnects
     assert load.statuses[200] >= 600
 
 
@@ -103,6 +106,8 @@ def test_deploy_switch_and_undeploy_under_load_fail_no_request(
         wait_for(lambda: gateway.infer("vision__other", secret)[0] == 404, 15, "the undeployed model's 404")
         load.wait_for_requests(100)
     assert load.failures == [], load.failures[:5]
+    # The two reloads (deploy, undeploy) close idle keep-alive connections: a few requests were resent.
+    assert load.reconnects <= 10, load.reconnects
     assert load.outputs[2.0] > 0 and load.outputs[3.0] > 0
     # Pinned again once the switch finished: unversioned requests get the active version.
     status, answer = gateway.infer("vision__scaler", secret)
