@@ -156,7 +156,9 @@ AXES_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 5, minimum=1)
 AXES_COOLOFF_TIME = timedelta(minutes=env_int("LOGIN_LOCKOUT_MINUTES", 15, minimum=1))
 # The address is REMOTE_ADDR. Behind a reverse proxy every client has the proxy's address, and locking it
 # would lock everyone: set LOGIN_LOCK_BY_ADDRESS=0 there (usernames are still locked).
-AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"] if env_bool("LOGIN_LOCK_BY_ADDRESS", True) else ["username"]
+AXES_LOCKOUT_PARAMETERS = (
+    ["username", "ip_address"] if env_bool("LOGIN_LOCK_BY_ADDRESS", True) else ["username"]
+)
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_CALLABLE = "frontend.views.sign_in_locked"
 
@@ -193,6 +195,11 @@ WHITENOISE_USE_FINDERS = not STATIC_MANIFEST
 ARTIFACT_ROOT = Path(env_str("ARTIFACT_ROOT") or VAR_DIR / "artifacts").resolve()
 # Largest model upload accepted (bytes); archives may unpack to twice that.
 UPLOAD_MAX_BYTES = env_int("UPLOAD_MAX_BYTES", 8 * 1024**3, minimum=1)
+# Archive bombs: an upload archive may hold at most this many members and unpack to at most this many bytes.
+UPLOAD_ARCHIVE_MAX_MEMBERS = env_int("UPLOAD_ARCHIVE_MAX_MEMBERS", 2000, minimum=1)
+UPLOAD_ARCHIVE_MAX_UNPACKED_BYTES = env_int(
+    "UPLOAD_ARCHIVE_MAX_UNPACKED_BYTES", 2 * UPLOAD_MAX_BYTES, minimum=1
+)
 
 # --- Playground: one inference from the web UI or the API, run inside a web worker ------------------
 # Largest request body (JSON or multipart with .npy files) and most input values per request, so one

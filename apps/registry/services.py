@@ -80,10 +80,8 @@ def upload_max_bytes() -> int:
 
 def archive_limits() -> Limits:
     return Limits(
-        max_members=int(getattr(settings, "UPLOAD_ARCHIVE_MAX_MEMBERS", 2000)),
-        max_unpacked_bytes=int(
-            getattr(settings, "UPLOAD_ARCHIVE_MAX_UNPACKED_BYTES", 2 * upload_max_bytes())
-        ),
+        max_members=settings.UPLOAD_ARCHIVE_MAX_MEMBERS,
+        max_unpacked_bytes=settings.UPLOAD_ARCHIVE_MAX_UNPACKED_BYTES,
     )
 
 
