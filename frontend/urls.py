@@ -9,6 +9,18 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("switch-team/", views.switch_team, name="switch-team"),
     path("teams/new/", views.team_new, name="team-new"),
+    path(
+        "invitations/<int:pk>/accept/",
+        views.answer_invitation,
+        {"answer": "accept"},
+        name="invitation-accept",
+    ),
+    path(
+        "invitations/<int:pk>/decline/",
+        views.answer_invitation,
+        {"answer": "decline"},
+        name="invitation-decline",
+    ),
     path("teams/<slug:team_slug>/settings/", views.TeamSettingsView.as_view(), name="team-settings"),
     path("teams/<slug:team_slug>/audit/", views.AuditLogView.as_view(), name="team-audit"),
     path("teams/<slug:team_slug>/alerts/", alerts.AlertsView.as_view(), name="alerts"),

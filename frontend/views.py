@@ -16,7 +16,7 @@ from django.views.decorators.http import require_POST
 
 from apps.audit.models import AuditEvent
 from apps.teams import services
-from apps.teams.models import Action, ApiToken, Membership, Team
+from apps.teams.models import Action, ApiToken, Membership, Team, TeamInvitation
 from frontend.context_processors import current_team
 from frontend.forms import MemberForm, RoleForm, TeamForm, TokenForm
 from frontend.pages import TeamPageView
@@ -63,7 +63,27 @@ def dashboard(request):
             recent_events=AuditEvent.objects.for_user(request.user).filter(team=team)[:10],
             status=team_status(request.user, team),
         )
+    context["invitations"] = (
+        TeamInvitation.objects.addressed_to(request.user).pending().select_related("team", "invited_by")
+    )
     return render(request, "frontend/dashboard.html", context)
+
+
+@login_required
+@require_POST
+def answer_invitation(request, pk: int, answer: str):
+    """Accept or decline an invitation addressed to the signed-in user (404 for anyone else's)."""
+    try:
+        if answer == "accept":
+            membership = services.accept_invitation(user=request.user, invitation_id=pk)
+            request.session["team_slug"] = membership.team.slug
+            messages.success(request, f"You joined {membership.team.name} as {membership.role}.")
+        else:
+            invitation = services.decline_invitation(user=request.user, invitation_id=pk)
+            messages.success(request, f"Invitation to {invitation.team.name} declined.")
+    except ValidationError as error:
+        messages.error(request, " ".join(error.messages))
+    return redirect("dashboard")
 
 
 @login_required
@@ -115,6 +135,12 @@ class TeamSettingsView(TeamPageView):
         )
         context["role_choices"] = RoleForm.base_fields["role"].choices
         if self.can(Action.MANAGE):
+            context["invitations"] = (
+                TeamInvitation.objects.for_user(self.request.user, Action.MANAGE)
+                .filter(team=self.team)
+                .pending()
+                .select_related("invited_by")
+            )
             context["tokens"] = (
                 ApiToken.objects.for_user(self.request.user, Action.MANAGE)
                 .filter(team=self.team)
@@ -163,19 +189,31 @@ class TeamSettingsView(TeamPageView):
         if form.is_valid():
             identifier, role = form.cleaned_data["user"], form.cleaned_data["role"]
             try:
-                membership = services.add_member(
+                if services.may_learn_accounts(request.user):
+                    membership = services.add_member(
+                        actor=request.user, team=self.team, user_identifier=identifier, role=role
+                    )
+                    return self._done(f"{membership.user.get_username()} added as {membership.role}.")
+                services.invite_member(
                     actor=request.user, team=self.team, user_identifier=identifier, role=role
                 )
             except ValidationError as error:
                 add_service_errors(form, error)
             else:
-                if services.may_learn_accounts(request.user):
-                    return self._done(f"{membership.user.get_username()} added as {membership.role}.")
-                # One message whether the account exists or not (see services.add_member).
+                # One message whether the account exists or not (see services.invite_member).
                 return self._done(
                     services.member_request_message(team=self.team, user_identifier=identifier, role=role)
                 )
         return self._invalid(member_form=form)
+
+    def op_revoke_invitation(self, request):
+        self.require(Action.MANAGE)
+        invitation = get_object_or_404(
+            TeamInvitation.objects.for_user(request.user, Action.MANAGE).filter(team=self.team).pending(),
+            pk=request.POST.get("invitation"),
+        )
+        services.revoke_invitation(actor=request.user, invitation=invitation)
+        return self._done(f"Invitation of {invitation.invitee} revoked.")
 
     def op_change_role(self, request):
         self.require(Action.MANAGE)

@@ -279,6 +279,8 @@ SPECTACULAR_SETTINGS = {
 }
 
 API_TOKEN_LAST_USED_RESOLUTION = timedelta(minutes=1)
+# How long a team invitation can be accepted.
+TEAM_INVITATION_DAYS = env_int("TEAM_INVITATION_DAYS", 14, minimum=1)
 
 # --- Celery -----------------------------------------------------------------------------------------
 CONVERSION_TIME_LIMIT = env_int("CONVERSION_TIME_LIMIT", 2 * 3600, minimum=60)

@@ -4,13 +4,13 @@ from django.contrib.auth import get_user_model
 from django_filters import rest_framework as filters
 from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
-from rest_framework.decorators import api_view
-from rest_framework.exceptions import PermissionDenied
+from rest_framework.decorators import action, api_view
+from rest_framework.exceptions import NotFound, PermissionDenied
 from rest_framework.response import Response
 
 from apps.core.api import TeamScopedViewSet, check_team_action
 from apps.teams import services
-from apps.teams.models import Action, ApiToken, Membership, Team, team_roles
+from apps.teams.models import Action, ApiToken, Membership, Team, TeamInvitation, team_roles
 
 User = get_user_model()
 
@@ -121,16 +121,19 @@ class MembershipViewSet(
         },
     )
     def create(self, request, *args, **kwargs):
-        """Add an existing account. Platform staff get the membership (201), or a 400 for an unknown account;
-        a team owner gets one message (202) whether the account exists or not."""
+        """Platform staff add an existing account at once (201; 400 for an unknown account). A team owner
+        invites (202): one message whether the account exists or not; the invited user accepts it."""
         serializer = MembershipSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
-        membership = services.add_member(
+        if services.may_learn_accounts(request.user):
+            membership = services.add_member(
+                actor=request.user, team=self.team, user_identifier=data["user"], role=data["role"]
+            )
+            return Response(MembershipSerializer(membership).data, status=status.HTTP_201_CREATED)
+        services.invite_member(
             actor=request.user, team=self.team, user_identifier=data["user"], role=data["role"]
         )
-        if services.may_learn_accounts(request.user):
-            return Response(MembershipSerializer(membership).data, status=status.HTTP_201_CREATED)
         message = services.member_request_message(
             team=self.team, user_identifier=data["user"], role=data["role"]
         )
@@ -148,6 +151,91 @@ class MembershipViewSet(
 
     def perform_destroy(self, instance):
         services.remove_member(actor=self.request.user, membership=instance)
+
+
+class TeamInvitationSerializer(serializers.ModelSerializer):
+    invitee = serializers.CharField(read_only=True, help_text="The username or email as the owner typed it.")
+    invited_by = serializers.CharField(source="invited_by.username", read_only=True, allow_null=True)
+
+    class Meta:
+        model = TeamInvitation
+        fields = ["id", "invitee", "role", "invited_by", "created_at", "expires_at"]
+        read_only_fields = fields
+
+
+class TeamInvitationViewSet(
+    mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.DestroyModelMixin, TeamScopedViewSet
+):
+    """A team's pending invitations (owners only), by what was typed: they never tell whether an account
+    matches. DELETE revokes. Invite with ``POST /teams/{slug}/members/``."""
+
+    queryset = TeamInvitation.objects.select_related("invited_by")
+    serializer_class = TeamInvitationSerializer
+    ordering_fields = ["created_at", "invitee", "expires_at"]
+    action_requirements = dict.fromkeys(("list", "retrieve", "destroy"), Action.MANAGE)
+
+    def get_queryset(self):
+        return super().get_queryset().pending()
+
+    def perform_destroy(self, instance):
+        services.revoke_invitation(actor=self.request.user, invitation=instance)
+
+
+class TeamBriefSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Team
+        fields = ["slug", "name"]
+
+
+class MyInvitationSerializer(serializers.ModelSerializer):
+    team = TeamBriefSerializer(read_only=True)
+    invited_by = serializers.CharField(source="invited_by.username", read_only=True, allow_null=True)
+
+    class Meta:
+        model = TeamInvitation
+        fields = ["id", "team", "role", "invited_by", "created_at", "expires_at"]
+        read_only_fields = fields
+
+
+class MyInvitationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Pending invitations addressed to the signed-in user (by username or email). Accepting joins the team
+    with the invited role. API tokens belong to one team and cannot answer invitations."""
+
+    serializer_class = MyInvitationSerializer
+    ordering_fields = ["created_at", "expires_at"]
+
+    def initial(self, request, *args, **kwargs):
+        super().initial(request, *args, **kwargs)
+        if getattr(request.user, "api_token", None) is not None:
+            raise PermissionDenied("API tokens cannot see or answer invitations; sign in to do so.")
+
+    def get_queryset(self):
+        if getattr(self, "swagger_fake_view", False):
+            return TeamInvitation.objects.none()
+        return (
+            TeamInvitation.objects.addressed_to(self.request.user)
+            .pending()
+            .select_related("team", "invited_by")
+        )
+
+    @extend_schema(request=None, responses=MembershipSerializer)
+    @action(detail=True, methods=["post"])
+    def accept(self, request, pk=None):
+        membership = services.accept_invitation(user=request.user, invitation_id=_invitation_id(pk))
+        return Response(MembershipSerializer(membership).data)
+
+    @extend_schema(request=None, responses=MyInvitationSerializer)
+    @action(detail=True, methods=["post"])
+    def decline(self, request, pk=None):
+        invitation = services.decline_invitation(user=request.user, invitation_id=_invitation_id(pk))
+        return Response(MyInvitationSerializer(invitation).data)
+
+
+def _invitation_id(pk) -> int:
+    try:
+        return int(pk)
+    except (TypeError, ValueError):
+        raise NotFound("No such invitation.") from None
 
 
 class ApiTokenSerializer(serializers.ModelSerializer):

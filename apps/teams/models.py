@@ -224,3 +224,71 @@ class ApiToken(models.Model):
         if self.is_expired():
             return "expired"
         return "active" if self._creator_role() is not None else "inactive"
+
+
+def normalise_invitee(identifier: str) -> str:
+    """An invited username or email as stored and matched: trimmed; an email (anything with an @) lowercased."""
+    identifier = identifier.strip()
+    return identifier.lower() if "@" in identifier else identifier
+
+
+class InvitationQuerySet(TeamScopedQuerySet):
+    def pending(self, now: datetime | None = None):
+        """Neither accepted, declined nor revoked, and not expired."""
+        return self.filter(
+            accepted_at__isnull=True,
+            declined_at__isnull=True,
+            revoked_at__isnull=True,
+            expires_at__gt=now or timezone.now(),
+        )
+
+    def addressed_to(self, user):
+        """Invitations whose invitee (as typed by the owner) is this user's username or email."""
+        names = {normalise_invitee(user.get_username())}
+        if user.email:
+            names.add(normalise_invitee(user.email))
+        names.discard("")
+        return self.filter(invitee__in=names)
+
+
+class TeamInvitation(models.Model):
+    """An owner's request that someone join the team. It names the invitee as typed (never resolved to an
+    account when created, so the owner cannot learn whether the account exists); the user whose username or
+    email matches accepts or declines it."""
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="invitations")
+    invitee = models.CharField(max_length=254, help_text="Username or email as typed, normalised.")
+    role = models.CharField(max_length=20, choices=Role.choices, default=Role.VIEWER)
+    invited_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    accepted_at = models.DateTimeField(null=True, blank=True)
+    accepted_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    declined_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    objects = InvitationQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [models.Index(fields=["invitee"], name="teaminvitation_invitee")]
+
+    def __str__(self) -> str:
+        return f"{self.invitee} to {self.team} ({self.role})"
+
+    @property
+    def status(self) -> str:
+        """accepted, declined, revoked, expired or pending."""
+        if self.accepted_at is not None:
+            return "accepted"
+        if self.declined_at is not None:
+            return "declined"
+        if self.revoked_at is not None:
+            return "revoked"
+        if self.expires_at <= timezone.now():
+            return "expired"
+        return "pending"

@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 import secrets
-from datetime import datetime
+from datetime import datetime, timedelta
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 from django.db.models import Q
+from django.http import Http404
 from django.utils import timezone
 from django.utils.text import slugify
 
 from apps.audit.services import record
-from apps.teams.models import TOKEN_SCHEME, ApiToken, Membership, Role, Team, hash_token_secret
+from apps.teams.models import (
+    TOKEN_SCHEME,
+    ApiToken,
+    Membership,
+    Role,
+    Team,
+    TeamInvitation,
+    hash_token_secret,
+    normalise_invitee,
+)
 
 User = get_user_model()
 
@@ -86,22 +97,19 @@ def may_learn_accounts(actor) -> bool:
 def member_request_message(*, team: Team, user_identifier: str, role: str) -> str:
     """What a team owner is told after asking to add someone: the same whether the account exists or not."""
     return (
-        f"If an account with the username or email '{user_identifier.strip()}' exists, it is now a "
-        f"{Role(role).value} of {team.name}."
+        f"Invitation recorded: if an account with the username or email "
+        f"'{normalise_invitee(user_identifier)}' exists, its user can accept joining {team.name} as "
+        f"{Role(role).value} within {settings.TEAM_INVITATION_DAYS} days."
     )
 
 
-def add_member(*, actor, team: Team, user_identifier: str, role: str) -> Membership | None:
-    """Add an existing account to the team. An unknown username or email is an error only for platform staff
-    (``may_learn_accounts``); for anyone else it returns None, so that the answer an owner gets - see
-    ``member_request_message`` - does not tell whether the account exists."""
+def add_member(*, actor, team: Team, user_identifier: str, role: str) -> Membership:
+    """Add an existing account to the team at once. Only for platform staff (``may_learn_accounts``): it tells
+    whether the account exists; everyone else invites (``invite_member``)."""
+    if not may_learn_accounts(actor):
+        raise PermissionDenied("Only platform staff add members directly; team owners invite them.")
     role = _check_role(role)
-    try:
-        user = _find_user(user_identifier)
-    except ValidationError:
-        if may_learn_accounts(actor):
-            raise
-        return None
+    user = _find_user(user_identifier)
     with transaction.atomic():
         if Membership.objects.filter(team=team, user=user).exists():
             raise ValidationError({"user": [f"{user.get_username()} is already a member of {team.name}."]})
@@ -114,6 +122,123 @@ def add_member(*, actor, team: Team, user_identifier: str, role: str) -> Members
             details={"user": user.get_username(), "role": role},
         )
     return membership
+
+
+def invite_member(*, actor, team: Team, user_identifier: str, role: str) -> TeamInvitation:
+    """Record a pending invitation for a username or email, without looking up whether the account exists
+    (nor whether it is already a member): the owner's answer must be the same either way. Inviting the same
+    person again while an invitation is pending returns that invitation (with the new role)."""
+    role = _check_role(role)
+    invitee = normalise_invitee(user_identifier)
+    if not invitee:
+        raise ValidationError({"user": ["Give a username or email."]})
+    if len(invitee) > TeamInvitation._meta.get_field("invitee").max_length:
+        raise ValidationError({"user": ["That username or email is too long."]})
+    with transaction.atomic():
+        # Lock the team row so two concurrent invitations of the same person cannot both be created.
+        Team.objects.select_for_update().filter(pk=team.pk).first()
+        invitation = TeamInvitation.objects.pending().filter(team=team, invitee=invitee).first()
+        if invitation is not None:
+            if invitation.role != role:
+                invitation.role = role
+                invitation.save(update_fields=["role"])
+                record(
+                    actor=actor,
+                    team=team,
+                    action="member.invited",
+                    target=invitation,
+                    details={"invitee": invitee, "role": role, "again": True},
+                )
+            return invitation
+        invitation = TeamInvitation.objects.create(
+            team=team,
+            invitee=invitee,
+            role=role,
+            invited_by=actor,
+            expires_at=timezone.now() + timedelta(days=settings.TEAM_INVITATION_DAYS),
+        )
+        record(
+            actor=actor,
+            team=team,
+            action="member.invited",
+            target=invitation,
+            details={"invitee": invitee, "role": role},
+        )
+    return invitation
+
+
+def revoke_invitation(*, actor, invitation: TeamInvitation) -> TeamInvitation:
+    """Withdraw a pending invitation; revoking one that is no longer pending changes nothing."""
+    with transaction.atomic():
+        updated = TeamInvitation.objects.pending().filter(pk=invitation.pk).update(revoked_at=timezone.now())
+        invitation.refresh_from_db()
+        if updated:
+            record(
+                actor=actor,
+                team=invitation.team,
+                action="invitation.revoked",
+                target=invitation,
+                details={"invitee": invitation.invitee, "role": invitation.role},
+            )
+    return invitation
+
+
+def _lock_own_invitation(user, invitation_id) -> TeamInvitation:
+    """The invitation, locked, if it is addressed to ``user``; otherwise a 404 (never someone else's)."""
+    invitation = (
+        TeamInvitation.objects.select_for_update()
+        .addressed_to(user)
+        .filter(pk=invitation_id)
+        .select_related("team")
+        .first()
+    )
+    if invitation is None:
+        raise Http404("No such invitation.")
+    status = invitation.status
+    if status != "pending":
+        raise ValidationError({"invitation": [f"This invitation is {status} and can no longer be answered."]})
+    return invitation
+
+
+def accept_invitation(*, user, invitation_id) -> Membership:
+    """Join the team with the invited role. Already a member: the membership stays as it is."""
+    with transaction.atomic():
+        invitation = _lock_own_invitation(user, invitation_id)
+        now = timezone.now()
+        invitation.accepted_at = now
+        invitation.accepted_by = user
+        invitation.save(update_fields=["accepted_at", "accepted_by"])
+        membership, created = Membership.objects.get_or_create(
+            team=invitation.team, user=user, defaults={"role": invitation.role}
+        )
+        record(
+            actor=user,
+            team=invitation.team,
+            action="member.joined",
+            target=membership,
+            details={
+                "user": user.get_username(),
+                "role": membership.role,
+                "invitation": invitation.pk,
+                "already_member": not created,
+            },
+        )
+    return membership
+
+
+def decline_invitation(*, user, invitation_id) -> TeamInvitation:
+    with transaction.atomic():
+        invitation = _lock_own_invitation(user, invitation_id)
+        invitation.declined_at = timezone.now()
+        invitation.save(update_fields=["declined_at"])
+        record(
+            actor=user,
+            team=invitation.team,
+            action="invitation.declined",
+            target=invitation,
+            details={"user": user.get_username(), "invitation": invitation.pk},
+        )
+    return invitation
 
 
 def _check_keeps_an_owner(team: Team, membership: Membership) -> None:
@@ -227,8 +352,6 @@ def revoke_token(*, actor, token: ApiToken) -> ApiToken:
 
 def touch_token_last_used(token: ApiToken, now: datetime | None = None) -> None:
     """Record use at most once a minute: a conditional UPDATE, so busy clients cost no extra writes."""
-    from django.conf import settings
-
     now = now or timezone.now()
     threshold = now - settings.API_TOKEN_LAST_USED_RESOLUTION
     ApiToken.objects.filter(pk=token.pk).filter(

@@ -3,7 +3,7 @@ from django.urls import reverse
 
 from apps.audit.models import AuditEvent
 from apps.teams import services
-from apps.teams.models import ApiToken, Membership
+from apps.teams.models import ApiToken, Membership, TeamInvitation
 
 pytestmark = pytest.mark.django_db
 
@@ -131,12 +131,22 @@ def test_removing_last_owner_in_ui_shows_error_and_keeps_owner(owner_web, owner,
     assert Membership.objects.filter(pk=membership.pk).exists()
 
 
-def test_add_member_and_change_role(owner_web, team):
+def test_invited_member_accepts_on_the_dashboard_then_owner_changes_role(owner_web, team):
+    from django.test import Client
+
     from tests.factories import UserFactory
 
-    UserFactory(username="nina")
+    nina = UserFactory(username="nina")
     owner_web.post("/teams/vision/settings/", {"op": "add_member", "user": "nina", "role": "viewer"})
-    membership = Membership.objects.get(user__username="nina")
+    assert not Membership.objects.filter(user=nina).exists()
+    nina_web = Client()
+    nina_web.force_login(nina)
+    dashboard = nina_web.get("/").content.decode()
+    invitation = TeamInvitation.objects.get(invitee="nina")
+    assert f'data-invitation="{invitation.pk}"' in dashboard and "Accept" in dashboard
+    response = nina_web.post(f"/invitations/{invitation.pk}/accept/", follow=True)
+    assert "You joined Vision as viewer." in response.content.decode()
+    membership = Membership.objects.get(user=nina, team=team)
     owner_web.post(
         "/teams/vision/settings/", {"op": "change_role", "membership": membership.pk, "role": "maintainer"}
     )
@@ -155,9 +165,21 @@ def test_adding_a_member_shows_one_message_whether_the_account_exists_or_not(own
         )
         html = response.content.decode()
         assert response.status_code == 200 and "No user with" not in html
-        shown.append(html.count(f"If an account with the username or email &#x27;{identifier}&#x27; exists"))
+        shown.append(html.count(f"if an account with the username or email &#x27;{identifier}&#x27; exists"))
+        assert f'<tr data-invitation="{identifier}">' in html
     assert shown == [1, 1]
-    assert Membership.objects.filter(team=team, user__username="nina").exists()
+    assert not Membership.objects.filter(team=team, user__username="nina").exists()
+
+
+def test_owner_revokes_an_invitation_on_the_settings_page(owner_web, owner, team):
+    invitation = services.invite_member(actor=owner, team=team, user_identifier="ghost", role="viewer")
+    response = owner_web.post(
+        "/teams/vision/settings/", {"op": "revoke_invitation", "invitation": invitation.pk}, follow=True
+    )
+    assert "Invitation of ghost revoked." in response.content.decode()
+    assert 'data-invitation="ghost"' not in response.content.decode()
+    invitation.refresh_from_db()
+    assert invitation.revoked_at is not None
 
 
 def test_unknown_operation_is_400(owner_web, team):

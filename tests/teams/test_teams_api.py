@@ -1,7 +1,7 @@
 import pytest
 
 from apps.audit.models import AuditEvent
-from apps.teams.models import Membership, Role
+from apps.teams.models import Membership, Role, TeamInvitation
 from tests.factories import MembershipFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -85,18 +85,20 @@ def test_members_list_visible_to_viewer(viewer_client, owner, maintainer):
     assert sorted(m["username"] for m in response.json()["results"]) == ["max", "olivia", "vera"]
 
 
-def test_owner_adds_member_by_email(owner_client, team):
+def test_owner_invites_member_by_email_instead_of_adding(owner_client, team):
     UserFactory(username="nina", email="nina@example.com")
     response = owner_client.post(
-        "/api/v1/teams/vision/members/", {"user": "NINA@example.com", "role": "maintainer"}, format="json"
+        "/api/v1/teams/vision/members/", {"user": " NINA@example.com", "role": "maintainer"}, format="json"
     )
     assert response.status_code == 202, response.json()
     assert response.json() == {
-        "message": "If an account with the username or email 'NINA@example.com' exists, it is now a "
-        "maintainer of Vision."
+        "message": "Invitation recorded: if an account with the username or email 'nina@example.com' exists, "
+        "its user can accept joining Vision as maintainer within 14 days."
     }
-    assert Membership.objects.get(team=team, user__username="nina").role == "maintainer"
-    assert AuditEvent.objects.filter(action="member.added", details__user="nina").exists()
+    assert not Membership.objects.filter(team=team, user__username="nina").exists()
+    invitation = TeamInvitation.objects.get(team=team)
+    assert (invitation.invitee, invitation.role) == ("nina@example.com", "maintainer")
+    assert AuditEvent.objects.filter(action="member.invited", details__invitee="nina@example.com").exists()
 
 
 @pytest.mark.parametrize("client_fixture", ["maintainer_client", "viewer_client"])
@@ -136,8 +138,6 @@ def test_an_owner_gets_one_answer_whether_the_account_exists_or_not(owner_client
         response = owner_client.post(
             "/api/v1/teams/vision/members/", {"user": identifier, "role": "viewer"}, format="json"
         )
-        if identifier.startswith("nina"):
-            Membership.objects.filter(team=team, user__username="nina").delete()  # to add her again
         body = response.json()
         answers[identifier] = (
             response.status_code,
@@ -146,9 +146,12 @@ def test_an_owner_gets_one_answer_whether_the_account_exists_or_not(owner_client
         )
     assert len(set(answers.values())) == 1, answers
     assert answers["ghost"] == (
-        202, "If an account with the username or email '<who>' exists, it is now a viewer of Vision.", ("message",)
-    )  # fmt: skip
-    assert not Membership.objects.filter(team=team, user__username="ghost").exists()
+        202,
+        "Invitation recorded: if an account with the username or email '<who>' exists, its user can accept "
+        "joining Vision as viewer within 14 days.",
+        ("message",),
+    )
+    assert not Membership.objects.filter(team=team, user__username__in=["nina", "ghost"]).exists()
 
 
 def test_platform_staff_learn_that_an_account_is_unknown(client, team):
@@ -166,11 +169,22 @@ def test_platform_staff_learn_that_an_account_is_unknown(client, team):
     assert added.status_code == 201 and added.json()["username"] == "nina"
 
 
-def test_a_duplicate_member_is_400(owner_client, viewer):
-    response = owner_client.post(
-        "/api/v1/teams/vision/members/", {"user": "vera", "role": "viewer"}, format="json"
+def test_staff_adding_a_duplicate_member_is_400(client, team, viewer):
+    ops = UserFactory(username="ops", is_staff=True)
+    Membership.objects.create(team=team, user=ops, role=Role.OWNER)
+    client.force_login(ops)
+    response = client.post(
+        "/api/v1/teams/vision/members/", {"user": "vera", "role": "viewer"}, content_type="application/json"
     )
     assert response.status_code == 400 and "already a member" in response.json()["fields"]["user"][0]
+
+
+def test_an_owner_inviting_a_member_gets_the_usual_answer_and_changes_nothing(owner_client, team, viewer):
+    response = owner_client.post(
+        "/api/v1/teams/vision/members/", {"user": "vera", "role": "owner"}, format="json"
+    )
+    assert response.status_code == 202
+    assert Membership.objects.get(team=team, user=viewer).role == Role.VIEWER
 
 
 def test_removing_or_demoting_the_last_owner_is_400(owner_client, owner, team):
