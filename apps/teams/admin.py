@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from apps.teams.models import ApiToken, Membership, Team
+from apps.teams.models import ApiToken, Membership, Team, TeamInvitation
 
 
 class MembershipInline(admin.TabularInline):
@@ -29,3 +29,11 @@ class ApiTokenAdmin(admin.ModelAdmin):
     )
     list_filter = ("team", "read_only")
     readonly_fields = ("prefix", "secret_hash", "created_by", "last_used_at")
+
+
+@admin.register(TeamInvitation)
+class TeamInvitationAdmin(admin.ModelAdmin):
+    list_display = ("invitee", "team", "role", "invited_by", "created_at", "expires_at", "status")
+    list_filter = ("team", "role")
+    search_fields = ("invitee",)
+    readonly_fields = ("invited_by", "accepted_by", "created_at")

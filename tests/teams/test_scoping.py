@@ -3,6 +3,7 @@
 import pytest
 
 from apps.audit.models import AuditEvent
+from apps.teams import services
 from apps.teams.models import Membership
 
 pytestmark = pytest.mark.django_db
@@ -15,6 +16,9 @@ def objects(owner, maintainer, viewer, make_token):
         "member": Membership.objects.get(user=viewer).pk,
         "token": token.pk,
         "event": AuditEvent.objects.filter(team__slug="vision").first().pk,
+        "invitation": services.invite_member(
+            actor=owner, team=token.team, user_identifier="ghost", role="viewer"
+        ).pk,
     }
 
 
@@ -23,11 +27,13 @@ LIST_ENDPOINTS = [
     "/api/v1/teams/vision/members/",
     "/api/v1/teams/vision/tokens/",
     "/api/v1/teams/vision/audit-events/",
+    "/api/v1/teams/vision/invitations/",
 ]
 DETAIL_ENDPOINTS = [
     "/api/v1/teams/vision/members/{member}/",
     "/api/v1/teams/vision/tokens/{token}/",
     "/api/v1/teams/vision/audit-events/{event}/",
+    "/api/v1/teams/vision/invitations/{invitation}/",
 ]
 
 
@@ -51,6 +57,8 @@ def test_outsider_team_list_is_empty_of_foreign_teams(outsider_client, objects):
         ("/api/v1/teams/vision/audit-events/{event}/", 200),
         ("/api/v1/teams/vision/tokens/", 403),
         ("/api/v1/teams/vision/tokens/{token}/", 403),
+        ("/api/v1/teams/vision/invitations/", 403),
+        ("/api/v1/teams/vision/invitations/{invitation}/", 403),
     ],
 )
 def test_viewer_reads_team_data_but_not_tokens(viewer_client, objects, url, viewer_status):
@@ -65,6 +73,7 @@ def test_viewer_reads_team_data_but_not_tokens(viewer_client, objects, url, view
         ("delete", "/api/v1/teams/vision/members/{member}/", None),
         ("post", "/api/v1/teams/vision/tokens/", {"name": "x"}),
         ("delete", "/api/v1/teams/vision/tokens/{token}/", None),
+        ("delete", "/api/v1/teams/vision/invitations/{invitation}/", None),
         ("patch", "/api/v1/teams/vision/", {"name": "x"}),
     ],
 )
