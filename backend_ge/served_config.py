@@ -242,8 +242,9 @@ def _check_dynamic_batching(cfg: ModelConfig, errors: list[FieldError]) -> None:
         _check_queue_policy(errors, where, db.priority_queue_policy[level])
 
 
-def _check_instances(cfg: ModelConfig, errors: list[FieldError], max_instance_count: int) -> None:
+def _check_instances(cfg: ModelConfig, errors: list[FieldError], max_instance_count: int, limit: str) -> None:
     total = 0
+    over = None
     for i, group in enumerate(cfg.instance_group):
         if group.kind not in (mc.ModelInstanceGroup.KIND_AUTO, mc.ModelInstanceGroup.KIND_CPU):
             errors.append(
@@ -256,11 +257,14 @@ def _check_instances(cfg: ModelConfig, errors: list[FieldError], max_instance_co
         if group.count < 0:
             errors.append(FieldError(f"instance_group[{i}].count", "must be positive"))
         total += max(group.count, 1)
-    if total > max_instance_count:
+        if over is None and total > max_instance_count:
+            over = i
+    if over is not None:
         errors.append(
             FieldError(
-                "instance_group",
-                f"{total} instances; at most {max_instance_count} per model (each one is a process on the host)",
+                f"instance_group[{over}].count",
+                f"{total} instances in all; {limit} is {max_instance_count} per model "
+                "(each one is a process on the host)",
             )
         )
 
@@ -364,6 +368,7 @@ def build_served_config(
     *,
     name: str,
     max_instance_count: int = MAX_INSTANCE_COUNT,
+    instance_limit: str = "the platform's limit",
     allowed_models: AllowedModels = None,
     signature: ModelSignature | None = None,
     require_io: bool = True,
@@ -372,7 +377,8 @@ def build_served_config(
 
     ``config`` is a tenant's config (text or parsed; seed style is normalized first). ``name`` is the
     platform's Triton model name (the tenant's name is a label and is replaced). ``max_instance_count`` is the
-    caller's limit for the instance count (the platform's and the host's). ``allowed_models`` is the set (or a
+    caller's limit for the instance count (the team's quota, the platform's and the host's) and
+    ``instance_limit`` names it in the refusal. ``allowed_models`` is the set (or a
     predicate) of model names an ensemble step may call - models of the same team; ``None`` refuses ensembles.
     ``signature`` (from the model file) is checked against the declared inputs and outputs.
     Every problem is reported at once, each with its field path.
@@ -386,7 +392,7 @@ def build_served_config(
     is_ensemble = _check_kind(served, errors, allowed_models)
     _check_tensors(served, errors)
     _check_dynamic_batching(served, errors)
-    _check_instances(served, errors, max_instance_count)
+    _check_instances(served, errors, max_instance_count, instance_limit)
     _check_warmup(served, errors)
     _check_parameters(served, errors)
     if is_ensemble:

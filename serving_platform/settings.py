@@ -214,6 +214,9 @@ FLEET_START_TIMEOUT = env_int("FLEET_START_TIMEOUT", 120, minimum=5)
 FLEET_RESTART_BASE_DELAY_MS = env_int("FLEET_RESTART_BASE_DELAY_MS", 1000, minimum=0)
 FLEET_MAX_CRASHES = env_int("FLEET_MAX_CRASHES", 5, minimum=1)
 FLEET_CRASH_WINDOW = env_int("FLEET_CRASH_WINDOW", 600, minimum=1)
+# Model instances (python stub processes) one served model may run on this host (capped by the team's quota
+# and the platform's limit, 8): the agent refuses a placement whose config asks for more.
+FLEET_MAX_MODEL_INSTANCES = env_int("FLEET_MAX_MODEL_INSTANCES", 8, minimum=1)
 # How often each agent compares Triton with the placements (and reports models that are not ready).
 FLEET_RECONCILE_INTERVAL_MS = env_int("FLEET_RECONCILE_INTERVAL_MS", 5000, minimum=50)
 # Agents on machines without the artifact store download converted models from here, with this key.

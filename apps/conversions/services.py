@@ -139,14 +139,16 @@ def check_config_text(version: ModelVersion, text: str):
     Built from only the fields a tenant may set (backend_ge.served_config): the name is the version's Triton
     model name whatever the text says, and the tensors must match the stored signature.
     """
+    from apps.registry.options import TEAM_INSTANCE_LIMIT
     from backend_ge import config as gc
-    from backend_ge.served_config import MAX_INSTANCE_COUNT, build_served_config
+    from backend_ge.served_config import build_served_config
 
     signature = gc.ModelSignature.from_dict(version.signature) if version.signature else None
     return build_served_config(
         text,
         name=version.model.triton_model_name(),
-        max_instance_count=MAX_INSTANCE_COUNT,
+        max_instance_count=version.model.team.model_instance_limit(),
+        instance_limit=TEAM_INSTANCE_LIMIT,
         signature=signature,
     )
 

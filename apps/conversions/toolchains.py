@@ -17,10 +17,11 @@ from pathlib import Path
 
 from apps.conversions.models import Toolchain
 from apps.registry.models import ModelVersion, SourceFormat
+from apps.registry.options import TEAM_INSTANCE_LIMIT
 from backend_ge import config as gc
 from backend_ge import convert
 from backend_ge.convert import ConversionError
-from backend_ge.served_config import MAX_INSTANCE_COUNT, build_served_config
+from backend_ge.served_config import build_served_config
 
 MODEL_VERSION_DIR = "1"
 DEFAULT_MAX_BATCH_SIZE = 8
@@ -114,7 +115,8 @@ def checked_config(
         return build_served_config(
             cfg,
             name=ctx.model_name,
-            max_instance_count=MAX_INSTANCE_COUNT,
+            max_instance_count=ctx.version.model.team.model_instance_limit(),
+            instance_limit=TEAM_INSTANCE_LIMIT,
             signature=signature,
             require_io=require_io,
         )

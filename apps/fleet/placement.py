@@ -54,18 +54,31 @@ def servable_dir(version: ModelVersion) -> Path:
     return download_servable(version, Path(settings.FLEET_ROOT) / "cache")
 
 
+def model_instance_limit(team) -> tuple[int, str]:
+    """How many model instances a config of ``team`` may run on this host, and how a refusal names the bound:
+    the team's quota (capped by the platform's limit) and this host's FLEET_MAX_MODEL_INSTANCES."""
+    team_limit = team.model_instance_limit()
+    host_limit = max(1, int(settings.FLEET_MAX_MODEL_INSTANCES))
+    if host_limit < team_limit:
+        return host_limit, "this host's limit (FLEET_MAX_MODEL_INSTANCES)"
+    return team_limit, "the team's limit (quota_model_instances)"
+
+
 def _materialize(proc: InstanceProcess, name: str, versions: list[ModelVersion]) -> None:
     newest = max(versions, key=lambda v: v.number)
     # The devices are the placing instance's, never the tenant's config.
     device_ids = (
         TritonInstance.objects.filter(pk=proc.instance_id).values_list("device_ids", flat=True).first()
     )
+    limit, limit_name = model_instance_limit(newest.model.team)
     materialize_model(
         proc.repository,
         name,
         {v.number: servable_dir(v) for v in versions},
         newest.config_text,
         device_ids=list(device_ids or ()),
+        max_instance_count=limit,
+        instance_limit=limit_name,
     )
 
 

@@ -82,6 +82,7 @@ def served_config_text(
     *,
     device_ids: Sequence[int] = (),
     max_instance_count: int = MAX_INSTANCE_COUNT,
+    instance_limit: str = "the host's limit",
 ) -> str:
     """The config Triton reads: rebuilt from the fields a tenant may set, renamed for Triton, pinned to exactly
     the served versions, and given the placing instance's devices. Raises RepositoryError for a config with a
@@ -91,7 +92,12 @@ def served_config_text(
     by pinning only the new one, while the model name clients call never changes.
     """
     try:
-        cfg = build_served_config(config_text, name=triton_name, max_instance_count=max_instance_count)
+        cfg = build_served_config(
+            config_text,
+            name=triton_name,
+            max_instance_count=max_instance_count,
+            instance_limit=instance_limit,
+        )
     except ge_config.ConfigError as exc:
         raise RepositoryError(f"{triton_name}: refusing its config: {exc}") from None
     cfg.version_policy.specific.versions.extend(sorted(versions))
@@ -119,6 +125,7 @@ def materialize_model(
     *,
     device_ids: Sequence[int] = (),
     max_instance_count: int = MAX_INSTANCE_COUNT,
+    instance_limit: str = "the host's limit",
 ) -> Path:
     """Write ``<repository>/<triton_name>`` serving ``versions`` ({number: servable dir}) atomically.
 
@@ -134,6 +141,7 @@ def materialize_model(
         list(versions),
         device_ids=device_ids,
         max_instance_count=max_instance_count,
+        instance_limit=instance_limit,
     )
     files = {}
     for number, servable in versions.items():

@@ -28,7 +28,7 @@ from pathlib import Path, PurePosixPath
 from apps.registry.archives import ArchiveRejected, Limits, extract_archive, unwrap_single_directory
 from apps.registry.models import SourceFormat
 from apps.registry.onnx_check import OnnxRejected, check_onnx, check_onnx_in_child
-from apps.registry.options import MAX_INSTANCES, UPLOADED_CONFIG_NAME
+from apps.registry.options import MAX_INSTANCES, TEAM_INSTANCE_LIMIT, UPLOADED_CONFIG_NAME
 from backend_ge import config as gc
 from backend_ge.served_config import build_served_config
 
@@ -173,7 +173,7 @@ def check_model_file(fmt: str, path: Path, root: Path, shown: str) -> None:
         check_om(path, shown)
 
 
-def _check_triton_dir(source: Path) -> None:
+def _check_triton_dir(source: Path, max_instances: int = MAX_INSTANCES) -> None:
     candidates = (
         sorted(p for p in (source / "1").glob("model.*") if p.is_file()) if (source / "1").is_dir() else []
     )
@@ -204,7 +204,8 @@ def _check_triton_dir(source: Path) -> None:
         cfg = build_served_config(
             text,
             name=UPLOADED_CONFIG_NAME,
-            max_instance_count=MAX_INSTANCES,
+            max_instance_count=max_instances,
+            instance_limit=TEAM_INSTANCE_LIMIT,
             require_io=fmt == SourceFormat.OM,
         )
     except gc.ConfigError as exc:
@@ -228,9 +229,9 @@ def _every_regular_file(source: Path) -> set[str]:
     }
 
 
-def _resolve_archive(source: Path) -> str:
+def _resolve_archive(source: Path, max_instances: int) -> str:
     if (source / "config.pbtxt").is_file():
-        _check_triton_dir(source)
+        _check_triton_dir(source, max_instances)
         return SourceFormat.TRITON_REPOSITORY
     top = [p for p in source.iterdir() if p.is_file() and p.suffix.lower() == ".onnx"]
     if len(top) != 1:
@@ -250,11 +251,14 @@ def _resolve_archive(source: Path) -> str:
     return SourceFormat.ONNX_ARCHIVE
 
 
-def install_source(upload: Path, claimed: str, source: Path, shown: str, limits: Limits) -> str:
+def install_source(
+    upload: Path, claimed: str, source: Path, shown: str, limits: Limits, max_instances: int = MAX_INSTANCES
+) -> str:
     """Move (or extract) the finished upload into ``source`` and validate it; returns the SourceFormat.
 
     Raises :class:`ArchiveRejected` (or FormatRejected) naming the entry; ``source`` is then removed.
-    ``upload`` is consumed either way.
+    ``upload`` is consumed either way. ``max_instances`` bounds a Triton directory's instance counts (the
+    team's quota).
     """
     source.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -270,7 +274,7 @@ def install_source(upload: Path, claimed: str, source: Path, shown: str, limits:
             os.replace(unwrap_single_directory(unpacked), source)
         finally:
             shutil.rmtree(unpacked, ignore_errors=True)
-        return _resolve_archive(source)
+        return _resolve_archive(source, max_instances)
     except BaseException:
         shutil.rmtree(source, ignore_errors=True)
         raise

@@ -21,6 +21,8 @@ SERVING_DEFAULTS: dict = {
     "instance_count": 1,
 }
 MAX_INSTANCES = MAX_INSTANCE_COUNT
+# How a refusal names the bound an upload's instance counts meet (Team.model_instance_limit()).
+TEAM_INSTANCE_LIMIT = "the team's limit (quota_model_instances)"
 # The name an uploaded config carries until the conversion job gives it the model's Triton name.
 UPLOADED_CONFIG_NAME = "model"
 
@@ -51,7 +53,7 @@ def _int_list(value, field: str, low: int, high: int, errors: dict) -> list[int]
     return sorted({v for v in out if v is not None})
 
 
-def check_serving_options(options: dict | None) -> dict:
+def check_serving_options(options: dict | None, max_instances: int = MAX_INSTANCES) -> dict:
     """Serving options with defaults filled in; ValidationError maps each bad option to its message."""
     options = dict(options or {})
     unknown = sorted(set(options) - set(SERVING_DEFAULTS))
@@ -69,7 +71,7 @@ def check_serving_options(options: dict | None) -> dict:
         "max_queue_delay_us": _int(
             merged["max_queue_delay_us"], "max_queue_delay_us", 0, MAX_QUEUE_DELAY_US, errors
         ),
-        "instance_count": _int(merged["instance_count"], "instance_count", 1, MAX_INSTANCES, errors),
+        "instance_count": _int(merged["instance_count"], "instance_count", 1, max_instances, errors),
     }
     if out["max_batch_size"] is not None and any(
         p > out["max_batch_size"] for p in out["preferred_batch_sizes"]
@@ -82,12 +84,17 @@ def check_serving_options(options: dict | None) -> dict:
     return out
 
 
-def check_om_config(text: str) -> str:
+def check_om_config(text: str, max_instances: int = MAX_INSTANCES) -> str:
     """The config.pbtxt sent with a lone .om, as the platform will serve it: only the fields a tenant may set
     (seed style accepted), inputs and outputs required (an .om's signature comes from here on a host without
     the NPU). Returns the rendered text; ValidationError lists each refused field path."""
     try:
-        cfg = build_served_config(text, name=UPLOADED_CONFIG_NAME, max_instance_count=MAX_INSTANCES)
+        cfg = build_served_config(
+            text,
+            name=UPLOADED_CONFIG_NAME,
+            max_instance_count=max_instances,
+            instance_limit=TEAM_INSTANCE_LIMIT,
+        )
     except gc.ConfigError as exc:
         raise ValidationError({"config_text": [str(e) for e in exc.errors]}) from None
     return gc.render_config(cfg)

@@ -207,7 +207,7 @@ def start_upload(
     if sha256 and (len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256)):
         errors["sha256"] = ["Give the sha256 as 64 hexadecimal digits, or leave it out."]
     try:
-        serving = check_serving_options(serving_options)
+        serving = check_serving_options(serving_options, model.team.model_instance_limit())
     except ValidationError as exc:
         errors.update(exc.message_dict)
         serving = {}
@@ -217,7 +217,7 @@ def start_upload(
             errors["config_text"] = ["A config goes with a lone .om file only; archives carry their own."]
         else:
             try:
-                config_text = check_om_config(config_text)
+                config_text = check_om_config(config_text, model.team.model_instance_limit())
             except ValidationError as exc:
                 errors.update(exc.message_dict)
     if errors:
@@ -413,7 +413,12 @@ def complete_upload(*, actor, session: UploadSession, sha256: str = ""):
             shutil.rmtree(source)
         try:
             fmt = install_source(
-                part, claimed_format(session.filename), source, session.filename, archive_limits()
+                part,
+                claimed_format(session.filename),
+                source,
+                session.filename,
+                archive_limits(),
+                version.model.team.model_instance_limit(),
             )
             if session.config_text and fmt == SourceFormat.OM:
                 (source / "config.pbtxt").write_text(session.config_text, encoding="utf-8")

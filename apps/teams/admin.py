@@ -10,7 +10,7 @@ class MembershipInline(admin.TabularInline):
 
 @admin.register(Team)
 class TeamAdmin(admin.ModelAdmin):
-    list_display = ("name", "slug", "created_at")
+    list_display = ("name", "slug", "quota_model_instances", "created_at")
     search_fields = ("name", "slug")
     inlines = [MembershipInline]
 

@@ -7,9 +7,11 @@ import hashlib
 from datetime import datetime
 
 from django.conf import settings
-from django.core.validators import RegexValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.utils import timezone
+
+from backend_ge.served_config import MAX_INSTANCE_COUNT
 
 
 class Role(models.TextChoices):
@@ -97,6 +99,11 @@ class Team(models.Model):
     quota_instances = models.PositiveIntegerField(
         default=8, help_text="Triton instances the team's deployments use."
     )
+    quota_model_instances = models.PositiveIntegerField(
+        default=MAX_INSTANCE_COUNT,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_INSTANCE_COUNT)],
+        help_text="Model instances (python stub processes) one served model may run per Triton instance",
+    )
     quota_requests_per_second = models.PositiveIntegerField(
         default=default_requests_per_second,
         help_text="Inference requests per second through the gateway, over all the team's models and tokens.",
@@ -110,6 +117,10 @@ class Team(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def model_instance_limit(self) -> int:
+        """How many model instances (``instance_group`` counts summed) a config of this team may ask for."""
+        return max(1, min(self.quota_model_instances, MAX_INSTANCE_COUNT))
 
     def owner_count(self) -> int:
         return self.memberships.filter(role=Role.OWNER).count()

@@ -64,8 +64,8 @@ HOSTILE = {
     "backend onnxruntime": ('backend: "onnxruntime"', "backend"),
     "backend pytorch": ('backend: "pytorch"', "backend"),
     "platform other than ensemble": ('platform: "onnxruntime_onnx"', "platform"),
-    "100000 instances": ("instance_group { count: 100000 kind: KIND_CPU }", "instance_group"),
-    "many groups": ("instance_group [{ count: 5 }, { count: 5 }]", "instance_group"),
+    "100000 instances": ("instance_group { count: 100000 kind: KIND_CPU }", "instance_group[0].count"),
+    "many groups": ("instance_group [{ count: 5 }, { count: 5 }]", "instance_group[1].count"),
     "gpu kind": ("instance_group { count: 1 kind: KIND_GPU }", "instance_group[0].kind"),
     "model kind": ("instance_group { count: 1 kind: KIND_MODEL }", "instance_group[0].kind"),
     "gpus": ("instance_group { count: 1 kind: KIND_CPU gpus: [0, 1] }", "instance_group[0].gpus"),
@@ -163,7 +163,11 @@ def test_served_config_has_the_platform_name_backend_and_cpu_instances():
 def test_instance_limit_is_the_callers():
     text = BASE + "instance_group { count: 3 }"
     assert sc.build_served_config(text, name="m", max_instance_count=3).instance_group[0].count == 3
-    assert "instance_group" in refused(text, max_instance_count=2)
+    errors = refused(text, max_instance_count=2, instance_limit="the team's limit (quota_model_instances)")
+    assert errors["instance_group[0].count"] == [
+        "3 instances in all; the team's limit (quota_model_instances) is 2 per model "
+        "(each one is a process on the host)"
+    ]
 
 
 def test_allowed_fields_survive_with_their_values():

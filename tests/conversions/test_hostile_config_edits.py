@@ -7,7 +7,7 @@ import pytest
 
 from apps.audit.models import AuditEvent
 from tests.conversions.test_api_and_pages import config_url, converted
-from tests.registry.hostile_configs import CASES
+from tests.registry.hostile_configs import CASES, instances
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -54,3 +54,23 @@ def test_generated_config_round_trips_and_the_name_stays_the_platforms(ready, ma
     assert response.status_code == 200, response.json()
     assert f'name: "{ready.model.triton_model_name()}"' in response.json()["config_text"]
     assert "other--model" not in response.json()["config_text"]
+
+
+def test_config_edit_instance_count_is_bounded_by_the_teams_quota(ready, maintainer_client):
+    team = ready.model.team
+    team.quota_model_instances = 2
+    team.save(update_fields=["quota_model_instances"])
+    before = ready.config_text
+    response = maintainer_client.put(
+        config_url(ready), {"config_text": instances("instance_group { count: 3 }")(before)}, format="json"
+    )
+    assert response.status_code == 400, response.json()
+    messages = response.json()["fields"]["instance_group[0].count"]
+    assert "the team's limit (quota_model_instances) is 2" in messages[0], messages
+    ready.refresh_from_db()
+    assert ready.config_text == before
+    response = maintainer_client.put(
+        config_url(ready), {"config_text": instances("instance_group { count: 2 }")(before)}, format="json"
+    )
+    assert response.status_code == 200, response.json()
+    assert "count: 2" in response.json()["config_text"]

@@ -70,8 +70,37 @@ def test_stored_device_parameters_are_refused_on_the_host():
 def test_instance_count_beyond_the_hosts_limit_is_refused():
     text = CONFIG.replace("count: 1", "count: 3")
     assert "count: 3" in served_config_text(text, "team--m", [1], max_instance_count=4)
-    with pytest.raises(RepositoryError, match="instance_group"):
-        served_config_text(text, "team--m", [1], max_instance_count=2)
+    with pytest.raises(RepositoryError, match=r"instance_group\[0\]\.count.*this host's limit"):
+        served_config_text(
+            text,
+            "team--m",
+            [1],
+            max_instance_count=2,
+            instance_limit="this host's limit (FLEET_MAX_MODEL_INSTANCES)",
+        )
+
+
+def test_materialize_refuses_more_instances_than_the_host_allows_and_writes_nothing(tmp_path, servable):
+    (servable / "config.pbtxt").write_text(CONFIG.replace("count: 1", "count: 3"))
+    repository = tmp_path / "repo"
+    text = CONFIG.replace("count: 1", "count: 3")
+    with pytest.raises(RepositoryError, match=r"instance_group\[0\]\.count: 3 instances in all"):
+        materialize_model(repository, "team--m", {1: servable}, text, max_instance_count=2)
+    assert not repository.exists() or tree(repository) == []
+    materialize_model(repository, "team--m", {1: servable}, text, max_instance_count=3)
+    assert "count: 3" in (repository / "team--m" / "config.pbtxt").read_text()
+
+
+@pytest.mark.django_db
+def test_model_instance_limit_is_the_smaller_of_the_teams_quota_and_the_hosts(settings):
+    from apps.fleet.placement import model_instance_limit
+    from apps.teams.models import Team
+
+    team = Team.objects.create(name="T", slug="t", quota_model_instances=4)
+    settings.FLEET_MAX_MODEL_INSTANCES = 2
+    assert model_instance_limit(team) == (2, "this host's limit (FLEET_MAX_MODEL_INSTANCES)")
+    settings.FLEET_MAX_MODEL_INSTANCES = 8
+    assert model_instance_limit(team) == (4, "the team's limit (quota_model_instances)")
 
 
 @pytest.mark.parametrize("where", ["model", "version dir", "servable"])

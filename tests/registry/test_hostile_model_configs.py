@@ -11,7 +11,7 @@ import pytest
 from apps.registry.models import ModelVersion, UploadSession, UploadState, VersionState
 from tests.registry import builders
 from tests.registry.conftest import start, upload
-from tests.registry.hostile_configs import CASES
+from tests.registry.hostile_configs import CASES, instances
 
 pytestmark = pytest.mark.django_db
 
@@ -129,3 +129,35 @@ def test_stored_config_holds_only_tenant_fields(owner_client, model):
     text = (ModelVersion.objects.get().source_dir() / "config.pbtxt").read_text()
     assert 'backend: "ge"' in text and "EXECUTOR_TYPE" in text
     assert "version_policy" not in text and "default_model_filename" not in text
+
+
+@pytest.mark.parametrize("count, accepted", [(3, False), (2, True), (1, True)])
+def test_instance_count_is_bounded_by_the_teams_quota(owner_client, model, artifact_root, count, accepted):
+    model.team.quota_model_instances = 2
+    model.team.save(update_fields=["quota_model_instances"])
+    config = instances(f"instance_group {{ count: {count} kind: KIND_CPU }}")(GE_CONFIG)
+    response = upload(owner_client, "m.zip", triton_dir(config))
+    if accepted:
+        assert response.status_code == 200, response.json()
+        text = (ModelVersion.objects.get().source_dir() / "config.pbtxt").read_text()
+        assert f"count: {count}" in text
+        return
+    assert response.status_code == 400, response.json()
+    message = response.json()["message"]
+    assert (
+        "instance_group[0].count:" in message and "the team's limit (quota_model_instances) is 2" in message
+    )
+    assert_nothing_stored(artifact_root, "instance_group[0].count")
+
+
+def test_lone_om_config_and_serving_options_are_bounded_by_the_teams_quota(owner_client, model):
+    model.team.quota_model_instances = 2
+    model.team.save(update_fields=["quota_model_instances"])
+    config = instances("instance_group [{ count: 1 }, { count: 2 }]")(GE_CONFIG)
+    response = start(owner_client, "net.om", builders.om_bytes(), config_text=config)
+    assert response.status_code == 400, response.json()
+    messages = response.json()["fields"]["config_text"]
+    assert any(m.startswith("instance_group[1].count:") and "team's limit" in m for m in messages), messages
+    response = start(owner_client, "net.onnx", builders.onnx_bytes(), serving_options={"instance_count": 3})
+    assert response.status_code == 400 and "instance_count" in response.json()["fields"], response.json()
+    assert not ModelVersion.objects.exists()
