@@ -73,7 +73,10 @@ CASES: dict[str, tuple[Callable[[str], str], str]] = {
     "backend onnxruntime": (kind('backend: "onnxruntime"'), "backend"),
     "backend pytorch": (kind('backend: "pytorch"'), "backend"),
     "platform tensorrt": (kind('platform: "tensorrt_plan"'), "platform"),
-    "100000 instances": (instances("instance_group { count: 100000 kind: KIND_CPU }"), "instance_group[0].count"),
+    "100000 instances": (
+        instances("instance_group { count: 100000 kind: KIND_CPU }"),
+        "instance_group[0].count",
+    ),
     "gpu instances": (instances("instance_group { count: 1 kind: KIND_GPU }"), "instance_group[0].kind"),
     "gpu ids": (instances("instance_group { count: 1 gpus: [0, 1, 2] }"), "instance_group[0].gpus"),
     "warmup from a file": (
