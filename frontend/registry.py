@@ -13,12 +13,11 @@ from django.db.models import Count, Prefetch, Q
 from django.http import HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, redirect
 
-from apps.conversions.services import INPUT_FORMATS, PRECISION_MODES
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.registry import services
 from apps.registry.formats import EXTENSIONS
 from apps.registry.models import ModelVersion, RegisteredModel, TaskType
-from apps.registry.options import MAX_INSTANCES, SERVING_DEFAULTS
+from apps.registry.options import INPUT_FORMATS, MAX_INSTANCES, PRECISION_MODES, SERVING_DEFAULTS
 from apps.teams.models import Action
 from frontend.pages import TeamPageView
 from frontend.views import add_service_errors

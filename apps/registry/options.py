@@ -1,6 +1,9 @@
-"""Checks of what a user sends with an upload: serving options and the config of a lone .om file."""
+"""Checks of what a user sends with an upload: serving options, conversion options and the config of a lone
+.om file."""
 
 from __future__ import annotations
+
+import re
 
 from django.core.exceptions import ValidationError
 
@@ -98,3 +101,47 @@ def check_om_config(text: str, max_instances: int = MAX_INSTANCES) -> str:
     except gc.ConfigError as exc:
         raise ValidationError({"config_text": [str(e) for e in exc.errors]}) from None
     return gc.render_config(cfg)
+
+
+# ATC's documented choices; anything else would only fail minutes later inside the worker.
+PRECISION_MODES = (
+    "force_fp16",
+    "force_fp32",
+    "allow_fp32_to_fp16",
+    "must_keep_origin_dtype",
+    "allow_mix_precision",
+)
+INPUT_FORMATS = ("NCHW", "NHWC", "ND", "NCDHW", "NDHWC")
+_SOC_VERSION = re.compile(r"^Ascend[0-9A-Za-z]{3,20}$")
+_INPUT_SHAPE = re.compile(r"^[\w./:-]+:-?\d+(,-?\d+)*(;[\w./:-]+:-?\d+(,-?\d+)*)*$")
+OPTION_KEYS = ("soc_version", "precision_mode", "input_format", "input_shape")
+
+
+def check_conversion_options(version, options: dict | None) -> dict:
+    """The conversion options with defaults filled in; raises ValidationError naming the bad option."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OPTION_KEYS))
+    if unknown:
+        raise ValidationError(
+            {key: [f"Unknown conversion option; use {', '.join(OPTION_KEYS)}."] for key in unknown}
+        )
+    out = {key: str(options.get(key) or "").strip() for key in OPTION_KEYS}
+    out["soc_version"] = out["soc_version"] or version.model.team.default_soc_version
+    errors: dict[str, list[str]] = {}
+    if not _SOC_VERSION.match(out["soc_version"]):
+        errors["soc_version"] = [
+            "Use the chip name from `npu-smi info` prefixed with Ascend, e.g. Ascend310P3."
+        ]
+    if out["precision_mode"] and out["precision_mode"] not in PRECISION_MODES:
+        errors["precision_mode"] = [f"Use one of: {', '.join(PRECISION_MODES)}."]
+    out["input_format"] = out["input_format"].upper()
+    if out["input_format"] and out["input_format"] not in INPUT_FORMATS:
+        errors["input_format"] = [f"Use one of: {', '.join(INPUT_FORMATS)}."]
+    out["input_shape"] = out["input_shape"].replace(" ", "")
+    if out["input_shape"] and not _INPUT_SHAPE.match(out["input_shape"]):
+        errors["input_shape"] = [
+            "Write it as ATC does: name:d0,d1,...;name2:... with -1 for the batch dimension."
+        ]
+    if errors:
+        raise ValidationError(errors)
+    return out

@@ -43,7 +43,8 @@ from apps.registry.models import (
     VersionState,
     artifact_root,
 )
-from apps.registry.options import check_om_config, check_serving_options
+from apps.registry.options import check_conversion_options, check_om_config, check_serving_options
+from apps.registry.signals import version_uploaded
 
 logger = logging.getLogger(__name__)
 
@@ -222,8 +223,6 @@ def start_upload(
                 errors.update(exc.message_dict)
     if errors:
         raise ValidationError(errors)
-    from apps.conversions.services import check_conversion_options
-
     with transaction.atomic():
         # The row lock serialises concurrent uploads to one model, so version numbers never collide.
         locked = RegisteredModel.objects.select_for_update().select_related("team").get(pk=model.pk)
@@ -452,9 +451,10 @@ def complete_upload(*, actor, session: UploadSession, sha256: str = ""):
                         "size": session.expected_size,
                     },
                 )
-                from apps.conversions.services import start_conversion
-
-                start_conversion(actor=actor, version=version, options=session.conversion_options)
+                # The conversions app answers (it builds on the registry; the registry never imports it).
+                version_uploaded.send(
+                    sender=type(version), actor=actor, version=version, options=session.conversion_options
+                )
         except BaseException:
             shutil.rmtree(version.storage_dir(), ignore_errors=True)
             raise

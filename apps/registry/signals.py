@@ -26,3 +26,8 @@ version_retiring = Signal()
 # release the references their history rows keep to it (an undeployed deployment's last version) before the
 # row goes.
 version_deleting = Signal()
+
+# Sent inside complete_upload's transaction once a version's source is in place and checked (kwargs ``actor``,
+# ``version``, ``options``: the upload's conversion options). The conversions app starts the version's
+# conversion; an exception from a receiver rolls the completion back.
+version_uploaded = Signal()
