@@ -150,3 +150,109 @@ class DeploymentEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.created_at:%H:%M:%S} {self.kind}: {self.message}"
+
+
+class RolloutState(models.TextChoices):
+    RUNNING = "RUNNING", "Running"
+    PAUSED = "PAUSED", "Paused"
+    PROMOTED = "PROMOTED", "Promoted"
+    ROLLED_BACK = "ROLLED_BACK", "Rolled back"
+    ABORTED = "ABORTED", "Aborted"
+
+
+LIVE_ROLLOUT_STATES = (RolloutState.RUNNING, RolloutState.PAUSED)
+DEFAULT_ROLLOUT_STEPS = [10, 25, 50, 100]
+
+
+def default_rollout_steps() -> list[int]:
+    return list(DEFAULT_ROLLOUT_STEPS)
+
+
+class RolloutQuerySet(TeamScopedQuerySet):
+    team_lookup = "deployment__team"
+
+    def live(self):
+        return self.filter(state__in=LIVE_ROLLOUT_STATES)
+
+
+class Rollout(models.Model):
+    """A progressive rollout of ``canary_version`` next to ``stable_version`` on one deployment.
+
+    State machine: RUNNING <-> PAUSED; RUNNING -> PROMOTED (every check passed at the last step, or "promote
+    now") | ROLLED_BACK (``max_failed_checks`` consecutive failed checks, or too little traffic past the
+    deadline) | ABORTED (a maintainer rolled back by hand). While RUNNING or PAUSED both versions are loaded
+    and the gateway sends ``current_weight`` % of the requests that name no version to the canary, the rest to
+    the stable version; a request that names a version gets that version. At most one live rollout per
+    deployment; the database is the source of truth (a restart resumes it, the gateway's weights come from it).
+    """
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="rollouts")
+    stable_version = models.ForeignKey("registry.ModelVersion", on_delete=models.PROTECT, related_name="+")
+    canary_version = models.ForeignKey("registry.ModelVersion", on_delete=models.PROTECT, related_name="+")
+    state = models.CharField(max_length=20, choices=RolloutState.choices, default=RolloutState.RUNNING)
+    steps = models.JSONField(
+        default=default_rollout_steps, help_text="Canary weights in percent, increasing, ending at 100."
+    )
+    step_interval_s = models.PositiveIntegerField(default=60)
+    current_step = models.PositiveIntegerField(default=0, help_text="Index into steps.")
+    current_weight = models.PositiveSmallIntegerField(default=0, help_text="Percent of unversioned requests.")
+    # Gates.
+    min_success_rate = models.FloatField(default=0.99)
+    max_p99_ms = models.FloatField(null=True, blank=True, help_text="Absolute p99 limit for the canary.")
+    max_p99_ratio = models.FloatField(
+        null=True, blank=True, help_text="Canary p99 at most this times the stable version's p99."
+    )
+    min_requests = models.PositiveIntegerField(default=50)
+    max_failed_checks = models.PositiveSmallIntegerField(default=3)
+    traffic_deadline_s = models.PositiveIntegerField(
+        default=600, help_text="A step that has not seen min_requests by then counts as a failed check."
+    )
+    consecutive_failures = models.PositiveSmallIntegerField(default=0)
+    step_started_at = models.DateTimeField(null=True, blank=True)
+    next_check_at = models.DateTimeField(null=True, blank=True)
+    reason = models.TextField(blank=True, help_text="Why it ended (the figures that failed, or who acted).")
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    objects = RolloutQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["deployment"],
+                condition=models.Q(state__in=["RUNNING", "PAUSED"]),
+                name="one_live_rollout_per_deployment",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"rollout of {self.canary_version} on {self.deployment} ({self.state}, {self.current_weight}%)"
+
+    def is_live(self) -> bool:
+        return self.state in LIVE_ROLLOUT_STATES
+
+
+class RolloutAnalysis(models.Model):
+    """One check of a rollout: the figures of both versions over the window and which gates failed."""
+
+    rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="analyses")
+    checked_at = models.DateTimeField()
+    window_start = models.DateTimeField()
+    weight = models.PositiveSmallIntegerField()
+    passed = models.BooleanField()
+    waiting = models.BooleanField(default=False, help_text="Too few canary requests to judge yet.")
+    figures = models.JSONField(
+        default=dict, blank=True, help_text="Per version: requests, success rate, p50/p99, queue time."
+    )
+    failed_gates = models.JSONField(default=list, blank=True)
+
+    class Meta:
+        ordering = ["rollout", "checked_at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.rollout_id} at {self.checked_at:%H:%M:%S}: {'pass' if self.passed else 'fail'}"
