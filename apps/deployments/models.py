@@ -106,6 +106,14 @@ class DeploymentInstance(models.Model):
     served_version = models.ForeignKey(
         "registry.ModelVersion", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
     )
+    canary_version = models.ForeignKey(
+        "registry.ModelVersion",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="+",
+        help_text="During a rollout: the canary version this instance also serves, as its agent last reported.",
+    )
     state = models.CharField(max_length=20, choices=PlacementState.choices, default=PlacementState.PENDING)
     last_error = models.TextField(blank=True)
     generation = models.PositiveIntegerField(default=1)
