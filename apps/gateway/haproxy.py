@@ -172,6 +172,19 @@ def _token_rules(o: Options, deny_unauthenticated: str, deny_expired: str) -> li
     ]
 
 
+# --- Refusal counts (apps.gateway.metrics reads them with `show table gateway_counts`). -----------------------
+# HAProxy 2.6 counts responses only by class, and `http-after-response` cannot increment counters, so each
+# request increments the stage it has passed: a refusal is the difference between two stages (401 = stage 1 -
+# stage 2, 429 = 2 - 3, the gateway's 404 = (0 - 1) + (3 - 4)); stage 5 counts 404s answered by an instance.
+# Key "all": every request (sticky counter 2); key "d<id>": requests naming a served model (sticky counter 1).
+COUNTS_TABLE = "gateway_counts"
+COUNT_STAGES = 6
+
+
+def _count(stage: int, *counters: int) -> list[str]:
+    return [f"    http-request sc-inc-gpc({stage},{sc})" for sc in counters]
+
+
 def render_config(state: GatewayState, o: Options) -> str:
     inter = o.check_interval_ms
     lines = [
@@ -216,6 +229,9 @@ def render_config(state: GatewayState, o: Options) -> str:
         "backend team_rates",
         "    stick-table type string len 64 size 100k expire 10s store gpc0_rate(1s)",
         "",
+        f"backend {COUNTS_TABLE}",
+        f"    stick-table type string len 64 size 100k store gpc({COUNT_STAGES})",
+        "",
         "backend no_route",
         _json_error(404, "unknown model"),
         "",
@@ -227,11 +243,16 @@ def render_config(state: GatewayState, o: Options) -> str:
         "    http-request return status 200 content-type application/json string "
         """'{"name":"triton","version":"2.51.0","extensions":["classification","model_configuration","binary_tensor_data","parameters"]}' """
         "if { path /v2 } METH_GET",
+        f"    http-request track-sc2 str(all) table {COUNTS_TABLE}",
+        *_count(0, 2),
         f"    acl allowed_path path -m reg '{ALLOWED_PATH}'",
         "    acl infer_path path -m end /infer",
         _json_error(404, "not found") + " if !allowed_path",
         _json_error(404, "not found") + " if infer_path !METH_POST",
         _json_error(404, "not found") + " if !infer_path !METH_GET",
+        f"    http-request set-var(txn.counted) path,field(4,/),map({o.map_file('models')}),field(2,/)",
+        f"    http-request track-sc1 var(txn.counted) table {COUNTS_TABLE}",
+        *_count(1, 1, 2),
         *_token_rules(
             o,
             _json_error(
@@ -245,6 +266,7 @@ def render_config(state: GatewayState, o: Options) -> str:
                 'hdr www-authenticate "Bearer realm=inference" ',
             ),
         ),
+        *_count(2, 1, 2),
         "    http-request track-sc0 var(txn.team) table team_rates",
         f"    http-request set-var(txn.limit) var(txn.team),map({o.map_file('limits')},{o.default_limit})",
         # Only admitted requests count (gpc0), so a client above its limit still gets the limit through.
@@ -252,6 +274,7 @@ def render_config(state: GatewayState, o: Options) -> str:
         "    http-request return status 429 content-type application/json hdr retry-after 1 lf-string "
         """'{"error":"rate limit exceeded: team %[var(txn.team)] may send %[var(txn.limit)] requests per second"}' if over_limit""",
         "    http-request sc-inc-gpc0(0)",
+        *_count(3, 1, 2),
         "    http-request set-var(txn.model) path,field(4,/)",
         f"    http-request set-var(txn.route) var(txn.model),map({o.map_file('models')})",
         "    http-request set-var(txn.rteam) var(txn.route),field(1,/)",
@@ -260,6 +283,9 @@ def render_config(state: GatewayState, o: Options) -> str:
         "    acl own_model var(txn.rteam),strcmp(txn.team) eq 0",
         "    http-request return status 404 content-type application/json lf-string "
         """"{\\"error\\":\\"Request for unknown model: '%[var(txn.model)]' is not found\\"}" if !own_model""",
+        *_count(4, 1, 2),
+        "    http-response sc-inc-gpc(5,1) if { status 404 }",
+        "    http-response sc-inc-gpc(5,2) if { status 404 }",
         "    acl explicit_version path_reg ^/v2/models/[^/]+/versions/",
         "    acl pinned var(txn.version) -m int gt 0",
         "    http-request set-var(txn.tail) path,regsub('^/v2/models/[^/]+','')",
@@ -272,8 +298,11 @@ def render_config(state: GatewayState, o: Options) -> str:
         "frontend grpc",
         f"    bind {o.grpc_bind} proto h2",
         f"    http-request del-header {o.grpc_key_header}",
+        f"    http-request track-sc2 str(all) table {COUNTS_TABLE}",
+        *_count(0, 2),
         f"    acl grpc_method path -m reg '^/inference\\.GRPCInferenceService/({'|'.join(GRPC_METHODS)})$'",
         _grpc_error(12, "this gRPC method is not offered by the gateway") + " if !grpc_method",
+        *_count(1, 2),
         *_token_rules(
             o,
             _grpc_error(
@@ -281,17 +310,20 @@ def render_config(state: GatewayState, o: Options) -> str:
             ),
             _grpc_error(16, "the API token has expired; create a new one"),
         ),
+        *_count(2, 2),
         "    http-request track-sc0 var(txn.team) table team_rates",
         f"    http-request set-var(txn.limit) var(txn.team),map({o.map_file('limits')},{o.default_limit})",
         "    acl over_limit sc_gpc0_rate(0),sub(txn.limit) ge 0",
         _grpc_error(8, "rate limit exceeded for the team") + " if over_limit",
         "    http-request sc-inc-gpc0(0)",
+        *_count(3, 2),
         f"    http-request set-var(txn.backend) var(txn.team),map({o.map_file('grpc')})",
         _grpc_error(
             7,
             "gRPC through the gateway reaches only instances dedicated to your team and your team has none; use HTTP/REST",
         )
         + " unless { var(txn.backend) -m found }",
+        *_count(4, 2),
         "    http-request del-header authorization",
         "    use_backend %[var(txn.backend)]",
         "",
