@@ -218,6 +218,17 @@ class Rollout(models.Model):
     consecutive_failures = models.PositiveSmallIntegerField(default=0)
     step_started_at = models.DateTimeField(null=True, blank=True)
     next_check_at = models.DateTimeField(null=True, blank=True)
+    baseline = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text="Per instance: the server process and the cumulative counters read at the last judged check.",
+    )
+    window_started_at = models.DateTimeField(null=True, blank=True)
+    canary_unload_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="Once ended: when the canary is unloaded (after the gateway took it out of rotation).",
+    )
     reason = models.TextField(blank=True, help_text="Why it ended (the figures that failed, or who acted).")
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"

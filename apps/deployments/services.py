@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import F, Q
+from django.utils import timezone
 
 from apps.audit.services import record
 from apps.deployments.models import (
@@ -16,6 +18,8 @@ from apps.deployments.models import (
     DeploymentInstance,
     DeploymentState,
     PlacementState,
+    Rollout,
+    RolloutState,
 )
 from apps.deployments.signals import deployment_created
 from apps.fleet.models import TritonInstance
@@ -149,6 +153,7 @@ def switch_version(*, actor, deployment: Deployment, version: ModelVersion) -> D
             )
         if version == deployment.active_version:
             raise ValidationError({"version": [f"{version} is already the served version."]})
+        check_no_live_rollout(deployment)
         deployment.target_version = version
         deployment.state = (
             DeploymentState.SWITCHING if deployment.active_version else DeploymentState.DEPLOYING
@@ -175,6 +180,8 @@ def undeploy(*, actor, deployment: Deployment) -> Deployment:
             return deployment
         deployment.state = DeploymentState.UNDEPLOYING
         deployment.save(update_fields=["state", "updated_at"])
+        for rollout in Rollout.objects.live().select_for_update().filter(deployment=deployment):
+            end_rollout(rollout, RolloutState.ABORTED, reason="the deployment was undeployed", actor=actor)
         placements = _decide(list(deployment.placements.all()))
         deployment.events.create(kind="undeploy_requested", message="undeploy")
         record(actor=actor, team=deployment.team, action="deployment.undeploy", target=deployment)
@@ -331,14 +338,17 @@ def placement_loaded(
     *,
     kind: str | None = "serving",
     message: str = "",
+    canary: ModelVersion | None = None,
 ) -> bool:
-    """Triton reports ``version`` ready for this placement: READY, and the decision is applied."""
+    """Triton reports ``version`` ready for this placement (and ``canary`` beside it during a rollout; None
+    when it serves ``version`` alone): READY, and the decision is applied."""
     with transaction.atomic():
         deployment = _report(
             placement_id,
             generation,
             state=PlacementState.READY,
             served_version=version,
+            canary_version=canary,
             last_error="",
             applied_generation=generation,
         )
@@ -384,6 +394,7 @@ def placement_unloaded(placement_id: int, generation: int, message: str) -> bool
             generation,
             state=PlacementState.UNLOADED,
             served_version=None,
+            canary_version=None,
             last_error="",
             applied_generation=generation,
         )
@@ -416,3 +427,133 @@ def placement_lost(placement_id: int, generation: int, reason: str, *, reloading
 
 def live_deployments_on(instance: TritonInstance):
     return Deployment.objects.filter(~Q(state=DeploymentState.UNDEPLOYED), placements__instance=instance)
+
+
+def placement_canary_loaded(
+    placement_id: int, generation: int, stable: ModelVersion, canary: ModelVersion, *, message: str = ""
+) -> bool:
+    """Triton serves ``stable`` and ``canary`` side by side on this placement. The rollout's weight leaves 0
+    once every READY placement reports its canary (the beat task, ``apps.deployments.rollouts``)."""
+    return placement_loaded(
+        placement_id,
+        generation,
+        stable,
+        kind="canary_loaded" if message else None,
+        message=message,
+        canary=canary,
+    )
+
+
+def placement_canary_failed(
+    placement_id: int,
+    generation: int,
+    error: str,
+    *,
+    canary: ModelVersion,
+    still_serving: ModelVersion | None,
+) -> bool:
+    """Loading the canary beside the stable version failed (load or smoke test): the stable version keeps
+    serving there and the rollout is rolled back - a canary that does not load everywhere gets no traffic."""
+    with transaction.atomic():
+        deployment = _report(
+            placement_id,
+            generation,
+            state=PlacementState.READY if still_serving else PlacementState.FAILED,
+            served_version=still_serving,
+            canary_version=None,
+            last_error="" if still_serving else error,
+            applied_generation=generation,
+        )
+        if deployment is None:
+            return False
+        _placement_event(deployment, placement_id, "canary_failed", error, version=canary)
+        rollout = (
+            Rollout.objects.live().select_for_update().filter(deployment=deployment, canary_version=canary)
+        )
+        for each in rollout:
+            end_rollout(each, RolloutState.ROLLED_BACK, reason=f"the canary failed to load: {error}")
+        _settle(deployment)
+        return True
+
+
+# --- Rollouts: the state agents and the gateway act on. apps.deployments.rollouts starts, checks and advances
+# them; ending one lives here because a placement's report can end it too.
+
+
+def check_no_live_rollout(deployment: Deployment) -> None:
+    rollout = Rollout.objects.live().filter(deployment=deployment).select_related("canary_version").first()
+    if rollout is not None:
+        raise ValidationError(
+            {
+                "non_field_errors": [
+                    f"A rollout of {rollout.canary_version} is {rollout.state}; promote or abort it first."
+                ]
+            }
+        )
+
+
+def end_rollout(
+    rollout: Rollout, state: RolloutState, *, reason: str, actor=None, figures: dict | None = None
+) -> None:
+    """End a live rollout without promoting it: weight 0 at once (the gateway stops sending the canary
+    traffic), the canary unloaded ``ROLLOUT_UNLOAD_DELAY_S`` later (by the beat task, ``unload_canary``), the
+    stable version serving throughout. The caller holds the rollout's row lock inside a transaction."""
+    now = timezone.now()
+    rollout.state, rollout.reason, rollout.current_weight = state, reason, 0
+    rollout.finished_at, rollout.next_check_at = now, None
+    rollout.canary_unload_at = now + timezone.timedelta(seconds=settings.ROLLOUT_UNLOAD_DELAY_S)
+    rollout.save(
+        update_fields=[
+            "state",
+            "reason",
+            "current_weight",
+            "finished_at",
+            "next_check_at",
+            "canary_unload_at",
+            "updated_at",
+        ]
+    )
+    rolled_back = state == RolloutState.ROLLED_BACK
+    deployment = rollout.deployment
+    deployment.events.create(
+        kind="rollout_rolled_back" if rolled_back else "rollout_aborted",
+        message=f"{rollout.canary_version} {'rolled back' if rolled_back else 'aborted'}: {reason}; "
+        f"{rollout.stable_version} keeps serving",
+        version=rollout.canary_version,
+        details={"weight": 0, "rollout": rollout.pk, "figures": figures or {}},
+    )
+    record(
+        actor=actor,
+        team=deployment.team,
+        action="rollout.rolled_back" if rolled_back else "rollout.aborted",
+        target=deployment,
+        details={
+            "rollout": rollout.pk,
+            "canary": rollout.canary_version.number,
+            "stable": rollout.stable_version.number,
+            "reason": reason,
+            "figures": figures or {},
+        },
+    )
+
+
+def unload_canary(rollout_id: int) -> int:
+    """Once the gateway sends an ended rollout's canary nothing: a new decision on the placements, so their
+    agents serve the stable version alone. Returns the placements decided (0: another beat did it)."""
+    with transaction.atomic():
+        claimed = Rollout.objects.filter(pk=rollout_id, canary_unload_at__isnull=False).update(
+            canary_unload_at=None
+        )
+        if claimed != 1:
+            return 0
+        deployment_id = Rollout.objects.filter(pk=rollout_id).values_list("deployment_id", flat=True)[0]
+        deployment = Deployment.objects.select_for_update().get(pk=deployment_id)
+        if deployment.state in (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED):
+            return 0
+        if Rollout.objects.live().filter(deployment=deployment).exists():
+            return 0  # a new rollout started meanwhile: its own decision placed what it needs
+        # Every placement, not only those reporting the canary: one may be loading it right now (its report
+        # then comes for an older generation and is dropped; the new decision takes the canary out).
+        placements = _decide(list(deployment.placements.exclude(state=PlacementState.UNLOADED)))
+        transaction.on_commit(lambda: _enqueue(placements))
+        return len(placements)

@@ -19,13 +19,21 @@ from django.db.models import F
 
 from apps.core.errors import public_error
 from apps.deployments import services
-from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
+from apps.deployments.models import (
+    Deployment,
+    DeploymentInstance,
+    DeploymentState,
+    PlacementState,
+    Rollout,
+)
 from apps.fleet.agent import InstanceProcess, current_agent
 from apps.fleet.models import TritonInstance
 from apps.fleet.repository import RepositoryError, materialize_model, remove_model
+from apps.monitoring.services import record_final_counts
 from apps.registry.models import ModelVersion
 from backend_ge import samples
 from backend_ge.config import ModelSignature
+from backend_ge.final_counts import read_final_counts
 from backend_ge.runtime import TritonError, TritonServer
 
 log = logging.getLogger(__name__)
@@ -147,15 +155,43 @@ def _apply_locked(proc: InstanceProcess, placement_id: int, generation: int | No
     target = deployment.target_version or deployment.active_version
     if target is None:
         return
+    canary = _rollout_canary(deployment)
+    if canary is not None and canary != target:
+        _apply_canary(proc, placement, name, target, canary)
+        return
     current = placement.served_version
     if current == target and server.is_model_ready(name, str(target.number)):
-        services.placement_loaded(placement.pk, generation, target, kind=None)
+        others = _other_versions_ready(server, name, target)
+        if not others:
+            services.placement_loaded(placement.pk, generation, target, kind=None)
+            return
+        # A rollout ended: serve the stable version alone (Triton lets in-flight canary requests finish).
+        try:
+            _materialize(proc, name, [target])
+            server.load_model(name)
+            _wait_model_ready(server, name, target.number)
+        except (TritonError, RepositoryError, OSError) as exc:
+            log.warning("%s: unloading versions %s of %s: %s", placement.instance, others, name, exc)
+        services.placement_loaded(
+            placement.pk,
+            generation,
+            target,
+            kind="canary_unloaded",
+            message=f"{placement.instance} serves {target} alone (unloaded version {', '.join(others)})",
+        )
         return
     if not services.placement_started(placement.pk, generation):
         return
     served = current if current and server.is_model_ready(name, str(current.number)) else None
+    # Promoting a canary this placement already serves beside the stable version: it passed its smoke test
+    # when it was loaded, and answered real traffic since.
+    tested = (
+        served is not None
+        and placement.canary_version_id == target.pk
+        and server.is_model_ready(name, str(target.number))
+    )
     try:
-        switch_version(proc, name, served, target)
+        switch_version(proc, name, served, target, tested=tested)
     except (TritonError, RepositoryError, SmokeTestError, OSError) as exc:
         message = public_error(exc)
         # Report what Triton really serves after the failure, not what it served before. Re-applying the
@@ -178,6 +214,93 @@ def _apply_locked(proc: InstanceProcess, placement_id: int, generation: int | No
     )
 
 
+def _rollout_canary(deployment: Deployment) -> ModelVersion | None:
+    """The canary to serve beside the active version: a live rollout's, unless a switch is in flight."""
+    if deployment.target_version_id is not None:
+        return None
+    rollout = Rollout.objects.live().filter(deployment=deployment).select_related("canary_version").first()
+    return rollout.canary_version if rollout is not None else None
+
+
+def _other_versions_ready(server: TritonServer, name: str, keep: ModelVersion) -> list[str]:
+    try:
+        index = server.repository_index()
+    except TritonError:
+        return []
+    return sorted(
+        str(entry.get("version"))
+        for entry in index
+        if entry.get("name") == name
+        and entry.get("state") == "READY"
+        and str(entry.get("version")) != str(keep.number)
+    )
+
+
+def _apply_canary(
+    proc: InstanceProcess,
+    placement: DeploymentInstance,
+    name: str,
+    stable: ModelVersion,
+    canary: ModelVersion,
+) -> None:
+    """A rollout is live: serve the canary beside the stable version (smoke-tested under the candidate name
+    first, as a switch does), then report both. The stable version keeps answering throughout."""
+    server, generation = proc.server, placement.generation
+
+    def ready(version: ModelVersion) -> bool:
+        return server.is_model_ready(name, str(version.number))
+
+    if (
+        placement.served_version == stable
+        and placement.canary_version == canary
+        and ready(stable)
+        and ready(canary)
+    ):
+        services.placement_canary_loaded(placement.pk, generation, stable, canary)
+        return
+    try:
+        load_canary(proc, name, stable if ready(stable) else None, stable, canary)
+    except (TritonError, RepositoryError, SmokeTestError, OSError) as exc:
+        services.placement_canary_failed(
+            placement.pk,
+            generation,
+            f"{canary} failed on {placement.instance}: {public_error(exc)}",
+            canary=canary,
+            still_serving=stable if ready(stable) else None,
+        )
+        return
+    _forget_failed_loads(name)
+    services.placement_canary_loaded(
+        placement.pk,
+        generation,
+        stable,
+        canary,
+        message=f"{placement.instance} serves {canary} beside {stable}",
+    )
+
+
+def load_canary(
+    proc: InstanceProcess, name: str, served: ModelVersion | None, stable: ModelVersion, canary: ModelVersion
+) -> None:
+    """Candidate load + smoke test of the canary, then the served model reloaded with both versions. On a
+    failure the repository holds the stable version alone again (and Triton serves it, when it did before)."""
+    server = proc.server
+    _smoke_test_candidate(proc, name, canary)
+    try:
+        _materialize(proc, name, [stable, canary])
+        server.load_model(name)
+        _wait_model_ready(server, name, stable.number)
+        _wait_model_ready(server, name, canary.number)
+    except BaseException:
+        _materialize(proc, name, [stable])
+        if served is not None:
+            try:
+                server.load_model(name)
+            except TritonError as exc:
+                log.warning("restoring %s after a failed canary load: %s", name, exc)
+        raise
+
+
 def _undeploy(proc: InstanceProcess, placement: DeploymentInstance, name: str) -> None:
     # A newer live deployment of the same model uses the same Triton name: leave its model alone.
     reused = (
@@ -190,6 +313,7 @@ def _undeploy(proc: InstanceProcess, placement: DeploymentInstance, name: str) -
     server = proc.server
     if not reused:
         if server is not None and server.is_model_ready(name):
+            report_final_counts(proc, name)
             try:
                 server.unload_model(name)
             except TritonError as exc:
@@ -221,8 +345,31 @@ def apply_placement(placement_id: int, generation: int | None = None) -> None:
         _apply_locked(proc, placement_id, generation)
 
 
+def _smoke_test_candidate(proc: InstanceProcess, name: str, version: ModelVersion) -> None:
+    server = proc.server
+    candidate = name + CANDIDATE_SUFFIX
+    try:
+        _materialize(proc, candidate, [version])
+        server.load_model(candidate)
+        _wait_model_ready(server, candidate, version.number)
+        smoke_test(server, candidate, version)
+    finally:
+        # Also after a failed load: Triton keeps an UNAVAILABLE entry for the candidate until it is unloaded.
+        try:
+            server.unload_model(candidate)
+        except TritonError as exc:
+            log.info("unloading candidate %s: %s", candidate, exc)
+        finally:
+            remove_model(proc.repository, candidate)
+
+
 def switch_version(
-    proc: InstanceProcess, name: str, current: ModelVersion | None, target: ModelVersion
+    proc: InstanceProcess,
+    name: str,
+    current: ModelVersion | None,
+    target: ModelVersion,
+    *,
+    tested: bool = False,
 ) -> None:
     """Candidate load + smoke test, then old+new, then new only. Leaves the old version serving on failure.
 
@@ -245,20 +392,8 @@ def switch_version(
                 remove_model(proc.repository, name)
             raise
         return
-    candidate = name + CANDIDATE_SUFFIX
-    try:
-        _materialize(proc, candidate, [target])
-        server.load_model(candidate)
-        _wait_model_ready(server, candidate, target.number)
-        smoke_test(server, candidate, target)
-    finally:
-        # Also after a failed load: Triton keeps an UNAVAILABLE entry for the candidate until it is unloaded.
-        try:
-            server.unload_model(candidate)
-        except TritonError as exc:
-            log.info("unloading candidate %s: %s", candidate, exc)
-        finally:
-            remove_model(proc.repository, candidate)
+    if not tested:
+        _smoke_test_candidate(proc, name, target)
     if current is not None and current != target:
         try:
             _materialize(proc, name, [current, target])
@@ -268,9 +403,25 @@ def switch_version(
             # Put the repository back as it was so a later reload (e.g. after a restart) serves the old version.
             _materialize(proc, name, [current])
             raise
+    report_final_counts(proc, name, [current] if current != target else [])
     _materialize(proc, name, [target])
     server.load_model(name)
     _wait_model_ready(server, name, target.number)
+
+
+def report_final_counts(proc: InstanceProcess, name: str, versions: list[ModelVersion] | None = None) -> None:
+    """Read what Triton counted for ``versions`` of ``name`` (all loaded ones when None) and report it, just
+    before they are unloaded: their traffic since the last scrape would otherwise never be counted. Call it
+    before every reload or unload that drops a version (switch, rollout promote/abort, undeploy). A failed
+    read or report is logged, never blocks the unload."""
+    if versions == []:
+        return
+    numbers = None if versions is None else [v.number for v in versions]
+    try:
+        counts = read_final_counts(proc.server, name, numbers)
+        record_final_counts(proc.instance_id, counts)
+    except (TritonError, OSError, ValueError) as exc:
+        log.warning("final counts of %s %s: %s", name, numbers or "(all versions)", exc)
 
 
 def _forget_failed_loads(name: str) -> None:
@@ -288,11 +439,12 @@ def _triton_reason(entry: dict | None) -> str:
 def _verify(proc: InstanceProcess, placement: DeploymentInstance, name: str, entry: dict | None) -> None:
     """Make the placement's state say what Triton says about its served version, reloading it if it is gone."""
     server, version, instance = proc.server, placement.served_version, placement.instance
-    generation = placement.generation
+    generation, canary = placement.generation, placement.canary_version
+    served = [version, canary] if canary is not None else [version]
     if entry is not None and entry.get("state") == "READY":
         if placement.state != PlacementState.READY:
             services.placement_loaded(
-                placement.pk, generation, version, message=f"{instance} serves {version} again"
+                placement.pk, generation, version, message=f"{instance} serves {version} again", canary=canary
             )
         return
     key = (instance.pk, server.process.pid, name, version.number)
@@ -307,9 +459,10 @@ def _verify(proc: InstanceProcess, placement: DeploymentInstance, name: str, ent
         reloading=True,
     )
     try:
-        _materialize(proc, name, [version])
+        _materialize(proc, name, served)
         server.load_model(name)
-        _wait_model_ready(server, name, version.number)
+        for each in served:
+            _wait_model_ready(server, name, each.number)
     except (TritonError, RepositoryError, OSError) as exc:
         failure = f"reloading {version} on {instance} failed: {public_error(exc)}"
         _failed_loads[key] = (time.monotonic() + LOAD_RETRY_AFTER, failure)
@@ -321,7 +474,8 @@ def _verify(proc: InstanceProcess, placement: DeploymentInstance, name: str, ent
         generation,
         version,
         kind="reloaded",
-        message=f"{instance} reloaded {version} (it was not loaded)",
+        message=f"{instance} reloaded {' and '.join(map(str, served))} (it was not loaded)",
+        canary=canary,
     )
 
 
@@ -358,7 +512,7 @@ def reconcile_instance(instance: TritonInstance, proc: InstanceProcess) -> None:
     live = (
         DeploymentInstance.objects.filter(instance=instance)
         .exclude(deployment__state__in=GONE)
-        .select_related("deployment__model__team", "served_version", "instance")
+        .select_related("deployment__model__team", "served_version", "canary_version", "instance")
     )
     for placement in live:
         name = placement.deployment.triton_model_name()
@@ -368,7 +522,12 @@ def reconcile_instance(instance: TritonInstance, proc: InstanceProcess) -> None:
         if placement.served_version is None:
             continue  # nothing to serve (a first deploy that failed)
         keep.add(name)
-        _verify(proc, placement, name, entries.get((name, str(placement.served_version.number))))
+        entry = entries.get((name, str(placement.served_version.number)))
+        if placement.canary_version is not None:
+            canary_entry = entries.get((name, str(placement.canary_version.number)))
+            if canary_entry is None or canary_entry.get("state") != "READY":
+                entry = canary_entry  # the canary is gone: reload both
+        _verify(proc, placement, name, entry)
     for name in {entry.get("name") for entry in index if entry.get("state") == "READY"} - keep:
         try:
             server.unload_model(name)
