@@ -388,6 +388,20 @@ GATEWAY_CHECK_INTERVAL_MS = env_int("GATEWAY_CHECK_INTERVAL_MS", 500, minimum=10
 # Team.quota_requests_per_second of a new team.
 GATEWAY_DEFAULT_REQUESTS_PER_SECOND = env_int("GATEWAY_DEFAULT_REQUESTS_PER_SECOND", 1000, minimum=1)
 
+# --- Progressive rollouts (apps.deployments.rollouts) ---------------------------------------------
+# How often beat looks for rollout checks that are due (each check claims its rollout, so two beats are safe).
+ROLLOUT_TICK_MS = env_int("ROLLOUT_TICK_MS", 1000, minimum=200)
+# An ended rollout's canary is unloaded this long after its weight went to 0: the gateway syncs first.
+ROLLOUT_UNLOAD_DELAY_S = env_int("ROLLOUT_UNLOAD_DELAY_S", 3, minimum=0)
+# Bounds of a rollout's step interval a user may choose (tests use 2 s).
+ROLLOUT_MIN_INTERVAL_S = env_int("ROLLOUT_MIN_INTERVAL_S", 2, minimum=1)
+ROLLOUT_MAX_INTERVAL_S = env_int("ROLLOUT_MAX_INTERVAL_S", 3600, minimum=1)
+CELERY_BEAT_SCHEDULE["check-rollouts"] = {
+    "task": "apps.deployments.tasks.check_rollouts",
+    "schedule": timedelta(milliseconds=ROLLOUT_TICK_MS),
+    "options": {"queue": "default", "expires": max(1.0, ROLLOUT_TICK_MS / 1000)},
+}
+
 # --- Alerts and notifications (apps.alerts) -------------------------------------------------------
 # Links in notifications (generatorURL, the email's page link) start with this.
 PLATFORM_PUBLIC_URL = env_str("PLATFORM_PUBLIC_URL") or "http://127.0.0.1:8000"
