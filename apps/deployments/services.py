@@ -23,6 +23,7 @@ from apps.deployments.models import (
 )
 from apps.deployments.signals import deployment_created
 from apps.fleet.models import TritonInstance
+from apps.fleet.services import notify_hosts
 from apps.registry.models import ModelVersion, RegisteredModel
 
 
@@ -30,6 +31,8 @@ def _enqueue(placements: Iterable[DeploymentInstance]) -> None:
     """Hand each placement's latest decision to its host's agent, with the generation it was made at."""
     from apps.fleet.tasks import apply_placement
 
+    placements = list(placements)
+    notify_hosts({placement.instance.host_id for placement in placements})
     for placement in placements:
         apply_placement.apply_async(
             args=[placement.pk, placement.generation], queue=placement.instance.host.queue

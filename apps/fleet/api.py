@@ -4,8 +4,8 @@ Hosts are platform infrastructure, not team rows, so they live at ``/api/v1/host
 team. Visibility is ``Host.objects.for_user``: shared hosts and hosts dedicated to one of the caller's teams
 (platform staff see all); another team's dedicated host is a 404. Starting, stopping and restarting an
 instance is for platform staff on shared hosts, and also for the owning team's maintainers and owners on a
-dedicated host; anyone else who can see the instance gets a 403 that says so. Hosts normally register
-themselves through their agent; creating hosts and instances by hand is for staff only.
+dedicated host; anyone else who can see the instance gets a 403 that says so. Staff add hosts (each gets a
+one-time join token for its agent), revoke them and create instances.
 """
 
 from __future__ import annotations
@@ -32,9 +32,7 @@ from apps.teams.models import Action, Team, team_ids_for
 
 def require_staff(user, what: str) -> None:
     if not is_platform_staff(user):
-        raise PermissionDenied(
-            f"Only platform staff may {what} (hosts normally register themselves through their agent)."
-        )
+        raise PermissionDenied(f"Only platform staff may {what}.")
 
 
 def require_operator(user, instance: TritonInstance) -> None:
@@ -193,7 +191,9 @@ class HostSerializer(serializers.ModelSerializer):
     )
     status = serializers.CharField(read_only=True, help_text="online when the agent's heartbeat is recent.")
     heartbeat_age_seconds = serializers.FloatField(read_only=True, allow_null=True)
-    queue = serializers.CharField(read_only=True)
+    identity = serializers.CharField(
+        read_only=True, help_text="joined, awaiting join, revoked or no credential (the agent's identity)."
+    )
     device_count = serializers.SerializerMethodField()
     instances = InstanceSummarySerializer(many=True, read_only=True)
 
@@ -207,14 +207,23 @@ class HostSerializer(serializers.ModelSerializer):
             "status",
             "last_heartbeat_at",
             "heartbeat_age_seconds",
-            "queue",
+            "identity",
+            "joined_at",
+            "revoked_at",
             "npu_driver_version",
             "facts",
             "device_count",
             "instances",
             "created_at",
         ]
-        read_only_fields = ["last_heartbeat_at", "npu_driver_version", "facts", "created_at"]
+        read_only_fields = [
+            "last_heartbeat_at",
+            "npu_driver_version",
+            "facts",
+            "created_at",
+            "joined_at",
+            "revoked_at",
+        ]
 
     def get_device_count(self, host: Host) -> int:
         return len(host.devices.all())
@@ -233,9 +242,21 @@ class HostDetailSerializer(HostSerializer):
         fields = [*HostSerializer.Meta.fields, "devices"]
 
 
+class HostCreatedSerializer(HostSerializer):
+    join_token = serializers.CharField(read_only=True, help_text="One-time: give it to the host's agent.")
+
+    class Meta(HostSerializer.Meta):
+        fields = [*HostSerializer.Meta.fields, "join_token"]
+
+
+class JoinTokenSerializer(serializers.Serializer):
+    host = serializers.CharField()
+    join_token = serializers.CharField()
+
+
 class HostViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Hosts the caller's teams may use, with heartbeat status, NPU inventory and instances.
-    POST (platform staff) registers a host by hand."""
+    POST (platform staff) adds a host and answers its one-time join token; join-token and revoke (staff)."""
 
     serializer_class = HostSerializer
     lookup_field = "name"
@@ -254,17 +275,41 @@ class HostViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
     def get_serializer_class(self):
         return HostDetailSerializer if self.action == "retrieve" else HostSerializer
 
+    @extend_schema(responses={201: HostCreatedSerializer})
     def create(self, request, *args, **kwargs):
-        require_staff(request.user, "register hosts")
+        """Staff add a host; the answer carries its one-time join token (shown once, never again)."""
+        require_staff(request.user, "add hosts")
         serializer = HostSerializer(data=request.data, context={"request": request})
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
-        host = services.register_host(
-            name=data["name"], address=data["address"], labels=data.get("labels"), team=data.get("team")
+        host, token = services.create_host(
+            actor=request.user,
+            name=data["name"],
+            address=data["address"],
+            labels=data.get("labels"),
+            team=data.get("team"),
         )
         host = self.get_queryset().get(pk=host.pk)
+        body = HostSerializer(host, context={"request": request}).data
+        return Response({**body, "join_token": token}, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses={200: JoinTokenSerializer})
+    @action(detail=True, methods=["post"], url_path="join-token")
+    def join_token(self, request, name=None):
+        """A new one-time join token (staff): the agent joins with it and gets a new credential."""
+        require_staff(request.user, "issue join tokens")
+        host = self.get_object()
+        token = services.issue_join_token(actor=request.user, host=host)
+        return Response({"host": host.name, "join_token": token})
+
+    @extend_schema(request=None, responses={200: HostSerializer})
+    @action(detail=True, methods=["post"])
+    def revoke(self, request, name=None):
+        """Revoke the host's credential (staff): its agent's calls get 401 at once and it gets no more work."""
+        require_staff(request.user, "revoke hosts")
+        host = services.revoke_host(actor=request.user, host=self.get_object())
         return Response(
-            HostSerializer(host, context={"request": request}).data, status=status.HTTP_201_CREATED
+            HostSerializer(self.get_queryset().get(pk=host.pk), context={"request": request}).data
         )
 
 

@@ -7,6 +7,7 @@ team's dedicated host is a 404.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from datetime import timedelta
 
@@ -26,6 +27,20 @@ host_name_validator = RegexValidator(
 HEARTBEAT_INTERVAL = timedelta(seconds=10)
 # Three missed heartbeats: long enough to ride out a busy agent, short enough to notice a dead host.
 OFFLINE_AFTER = 3 * HEARTBEAT_INTERVAL
+# A join token is for the operator who sets the host up now, not a standing secret.
+JOIN_TOKEN_TTL = timedelta(hours=24)
+JOIN_TOKEN_SCHEME = "hjt"
+CREDENTIAL_SCHEME = "hag"
+
+
+def new_host_secret(scheme: str) -> str:
+    """``<scheme>_<secret>``: the scheme tells an operator what a leaked string is."""
+    return f"{scheme}_{secrets.token_urlsafe(32)}"
+
+
+def hash_host_secret(raw: str) -> str:
+    """Only this hash is stored: a copy of the database does not let anyone act as a host."""
+    return hashlib.sha256(raw.encode()).hexdigest()
 
 
 def is_platform_staff(user) -> bool:
@@ -52,7 +67,14 @@ class HostQuerySet(TeamScopedQuerySet):
 
 
 class Host(models.Model):
-    """A machine that runs a host agent (``manage.py hostagent --name NAME``) consuming ``host.<name>``."""
+    """A machine that runs a host agent (``manage.py hostagent --platform URL``).
+
+    Identity: staff create the host and get a one-time join token; the agent exchanges it for a per-host
+    credential (only its sha256 is kept here) and calls the agent API (``/agent/v1/``) with it.
+    State machine: CREATED (join token pending) -> JOINED (credential issued) -> REVOKED (credential
+    refused); a new join token moves a revoked host back to JOINED once its agent joins again.
+    ``desired_generation`` goes up with every change of what the host must do; agents poll it cheaply.
+    """
 
     name = models.CharField(max_length=63, unique=True, validators=[host_name_validator])
     address = models.CharField(
@@ -71,6 +93,12 @@ class Host(models.Model):
     npu_driver_version = models.CharField(max_length=50, blank=True)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
+    credential_hash = models.CharField(max_length=64, blank=True, db_index=True, editable=False)
+    join_token_hash = models.CharField(max_length=64, blank=True, db_index=True, editable=False)
+    join_token_expires_at = models.DateTimeField(null=True, blank=True, editable=False)
+    joined_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    desired_generation = models.PositiveBigIntegerField(default=1, editable=False)
 
     objects = HostQuerySet.as_manager()
 
@@ -83,6 +111,15 @@ class Host(models.Model):
     @property
     def queue(self) -> str:
         return f"host.{self.name}"
+
+    @property
+    def identity(self) -> str:
+        """revoked | joined | awaiting join (a join token was issued and not used yet) | no credential."""
+        if self.revoked_at is not None:
+            return "revoked"
+        if self.credential_hash:
+            return "joined"
+        return "awaiting join" if self.join_token_hash else "no credential"
 
     def is_online(self, now=None) -> bool:
         if self.last_heartbeat_at is None:
@@ -200,6 +237,9 @@ class TritonInstance(models.Model):
     last_error = models.TextField(blank=True)
     log_tail = models.TextField(blank=True)
     state_changed_at = models.DateTimeField(default=timezone.now)
+    # Commands for the agent (start/stop/restart): the agent acts once per new sequence number.
+    command = models.CharField(max_length=10, blank=True)
+    command_seq = models.PositiveIntegerField(default=0)
     # Only the gateway and the platform hold it: Triton refuses every API but health without it.
     api_key = models.CharField(max_length=64, default=new_instance_api_key, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)

@@ -1,15 +1,29 @@
-"""Fleet actions: registering hosts and instances, heartbeats with inventory, start/stop/restart requests."""
+"""Fleet actions: creating hosts (with a one-time join token), joining, revoking, instances, heartbeats with
+inventory, start/stop/restart requests."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import F
 from django.utils import timezone
 
 from apps.audit.services import record
-from apps.fleet.models import Device, ExecutorKind, Host, InstanceState, TritonInstance
+from apps.fleet.models import (
+    CREDENTIAL_SCHEME,
+    JOIN_TOKEN_SCHEME,
+    JOIN_TOKEN_TTL,
+    Device,
+    ExecutorKind,
+    Host,
+    InstanceState,
+    TritonInstance,
+    hash_host_secret,
+    new_host_secret,
+)
 from backend_ge import npu_smi
 
 log = logging.getLogger(__name__)
@@ -29,6 +43,96 @@ def register_host(*, name: str, address: str, labels: dict | None = None, team=N
     else:
         host.full_clean()
     return host
+
+
+class JoinRefused(Exception):
+    """The join token is unknown, used or expired."""
+
+
+def create_host(*, actor, name: str, address: str, labels: dict | None = None, team=None) -> tuple[Host, str]:
+    """Staff add a host; returns it with its one-time join token (shown once, only its hash is kept)."""
+    token = new_host_secret(JOIN_TOKEN_SCHEME)
+    with transaction.atomic():
+        host = Host(
+            name=name,
+            address=address,
+            labels=labels or {},
+            team=team,
+            join_token_hash=hash_host_secret(token),
+            join_token_expires_at=timezone.now() + JOIN_TOKEN_TTL,
+        )
+        host.full_clean()
+        host.save()
+        record(actor=actor, team=team, action="host.created", target=host, details={"address": address})
+    return host, token
+
+
+def issue_join_token(*, actor, host: Host) -> str:
+    """A new join token (the previous one stops working); the host's credential changes when it joins."""
+    token = new_host_secret(JOIN_TOKEN_SCHEME)
+    with transaction.atomic():
+        Host.objects.filter(pk=host.pk).update(
+            join_token_hash=hash_host_secret(token),
+            join_token_expires_at=timezone.now() + JOIN_TOKEN_TTL,
+        )
+        record(actor=actor, team=host.team, action="host.join_token_issued", target=host)
+    return token
+
+
+def join_host(token: str) -> tuple[Host, str]:
+    """An agent exchanges a join token for its host's credential. The token works once; a new credential
+    replaces any earlier one (and lifts a revocation: staff issued the token on purpose)."""
+    now = timezone.now()
+    credential = new_host_secret(CREDENTIAL_SCHEME)
+    with transaction.atomic():
+        host = (
+            Host.objects.select_for_update()
+            .filter(join_token_hash=hash_host_secret(token), join_token_expires_at__gt=now)
+            .exclude(join_token_hash="")
+            .first()
+        )
+        if host is None:
+            raise JoinRefused
+        Host.objects.filter(pk=host.pk).update(
+            credential_hash=hash_host_secret(credential),
+            join_token_hash="",
+            join_token_expires_at=None,
+            joined_at=now,
+            revoked_at=None,
+            desired_generation=F("desired_generation") + 1,
+        )
+        record(actor=None, team=host.team, action="host.joined", target=host)
+    host.refresh_from_db()
+    return host, credential
+
+
+def revoke_host(*, actor, host: Host) -> Host:
+    """The host's credential and any pending join token stop working at once: its agent gets 401."""
+    with transaction.atomic():
+        Host.objects.filter(pk=host.pk).update(
+            revoked_at=timezone.now(), credential_hash="", join_token_hash="", join_token_expires_at=None
+        )
+        record(actor=actor, team=host.team, action="host.revoked", target=host)
+    host.refresh_from_db()
+    return host
+
+
+def host_for_credential(raw: str) -> Host | None:
+    """The joined, unrevoked host this credential belongs to (one indexed lookup per agent call)."""
+    if not raw.startswith(f"{CREDENTIAL_SCHEME}_"):
+        return None
+    return (
+        Host.objects.filter(credential_hash=hash_host_secret(raw), revoked_at__isnull=True)
+        .exclude(credential_hash="")
+        .first()
+    )
+
+
+def notify_hosts(host_ids: Iterable[int]) -> None:
+    """What these hosts must do changed: their agents' next poll of the desired state gets the news."""
+    ids = set(host_ids)
+    if ids:
+        Host.objects.filter(pk__in=ids).update(desired_generation=F("desired_generation") + 1)
 
 
 def _check_ports_free(host: Host, ports: list[int], exclude_pk=None) -> None:
@@ -72,6 +176,7 @@ def create_instance(
         )
         instance.full_clean()
         instance.save()
+        notify_hosts([host.pk])
         record(
             actor=actor,
             team=host.team,
@@ -83,13 +188,16 @@ def create_instance(
 
 
 def request_instance_state(*, actor, instance: TritonInstance, action: str) -> TritonInstance:
-    """start | stop | restart. The agent acts within a second; a start also lifts a quarantine."""
-    from apps.fleet.tasks import restart_instance
-
+    """start | stop | restart. The agent acts within a second (its next desired-state poll); a start also lifts
+    a quarantine. Each request is a numbered command, so the agent acts on it once however often it polls."""
     if action not in ("start", "stop", "restart"):
         raise ValidationError({"action": [f"'{action}' is not an action; use start, stop or restart."]})
     with transaction.atomic():
-        fields: dict = {"desired_state": "STOPPED" if action == "stop" else "RUNNING"}
+        fields: dict = {
+            "desired_state": "STOPPED" if action == "stop" else "RUNNING",
+            "command": action,
+            "command_seq": F("command_seq") + 1,
+        }
         if action in ("start", "restart") and instance.state in (
             InstanceState.QUARANTINED,
             InstanceState.FAILED,
@@ -97,17 +205,27 @@ def request_instance_state(*, actor, instance: TritonInstance, action: str) -> T
             fields.update(state=InstanceState.STOPPED, crash_times=[], state_changed_at=timezone.now())
         TritonInstance.objects.filter(pk=instance.pk).update(**fields)
         record(actor=actor, team=instance.host.team, action=f"instance.{action}", target=instance)
+        notify_hosts([instance.host_id])
         if action == "restart":
+            from apps.fleet.tasks import restart_instance
+
             transaction.on_commit(
-                lambda: restart_instance.apply_async(args=[instance.pk], queue=instance.host.queue)
+                lambda: restart_instance.apply_async(args=[instance.pk], queue=f"host.{instance.host.name}")
             )
     instance.refresh_from_db()
     return instance
 
 
-def record_heartbeat(host_id: int, *, facts: dict, inventory: npu_smi.NpuInventory | None = None) -> None:
-    """What the agent reports every 10 s: liveness, facts and the NPU inventory (when npu-smi exists)."""
-    if inventory is None:
+def record_heartbeat(
+    host_id: int,
+    *,
+    facts: dict,
+    inventory: npu_smi.NpuInventory | None = None,
+    read_local: bool = True,
+) -> None:
+    """What the agent reports every 10 s: liveness, facts and the NPU inventory (when npu-smi exists).
+    ``read_local``: read npu-smi here when no inventory was given (an agent on this machine)."""
+    if inventory is None and read_local:
         try:
             inventory = npu_smi.read_inventory()
         except npu_smi.NpuSmiError as exc:
@@ -118,6 +236,14 @@ def record_heartbeat(host_id: int, *, facts: dict, inventory: npu_smi.NpuInvento
     Host.objects.filter(pk=host_id).update(**fields)
     if inventory is not None:
         sync_devices(host_id, inventory)
+
+
+def record_instance_state(instance: TritonInstance, **fields) -> None:
+    """An agent reports what its supervisor did to an instance (absolute values: a retry is harmless)."""
+    if "state" in fields and fields["state"] != instance.state:
+        fields["state_changed_at"] = timezone.now()
+    if fields:
+        TritonInstance.objects.filter(pk=instance.pk).update(**fields)
 
 
 def sync_devices(host_id: int, inventory: npu_smi.NpuInventory) -> None:

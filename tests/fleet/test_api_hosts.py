@@ -56,7 +56,7 @@ def test_member_sees_shared_and_own_dedicated_hosts_with_inventory(viewer_client
     assert [h["name"] for h in listed] == ["local", "vision-npu"]
     local = listed[0]
     assert local["status"] == "online" and 0 <= local["heartbeat_age_seconds"] < 5
-    assert local["device_count"] == 1 and local["queue"] == "host.local" and local["team"] is None
+    assert local["device_count"] == 1 and local["identity"] == "no credential" and local["team"] is None
     assert local["instances"][0]["name"] == "cpu-0" and local["instances"][0]["state"] == "READY"
     assert listed[1]["status"] == "offline" and listed[1]["team"] == "vision"
     detail = viewer_client.get("/api/v1/hosts/local/").json()

@@ -55,12 +55,10 @@ class Command(BaseCommand):
         except (SandboxError, TritonError) as exc:
             # The runtime tree or an instance's unprivileged user is not usable: say what, and stop.
             raise CommandError(f"host agent for {host.name} cannot run its Triton instances: {exc}") from None
-        self.stdout.write(
-            f"host agent for {host.name}: queue {host.queue}, {host.instances.count()} instance(s)"
-        )
+        self.stdout.write(f"host agent for {host.name}: {host.instances.count()} instance(s)")
         worker = celery_app.Worker(
             hostname=f"agent@{host.name}",
-            queues=[host.queue],
+            queues=[f"host.{host.name}"],
             pool="threads",
             concurrency=options["concurrency"],
             loglevel="INFO",

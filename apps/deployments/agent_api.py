@@ -1,0 +1,284 @@
+"""The deployments' part of the agent API (``/agent/v1/``, host credential only; see ``apps.fleet.agent_api``).
+
+- ``GET desired-state``: the host's instances (flags, commands) and placements (the versions each must serve,
+  a rollout's canary included), with every placed version's artifact manifest (paths relative to the version,
+  size, sha256). ``ETag`` is the host's desired generation: an agent polling with ``If-None-Match`` gets a 304
+  for one indexed query while nothing changed.
+- ``POST placements/<id>/report``: loaded / failed (with Triton's own error) / unloaded / lost / started /
+  waiting, with the generation the agent applied; ``apps.deployments.services`` drops a stale one.
+- ``GET versions/<id>/manifest`` and ``versions/<id>/files/<path>``: only versions placed on this host.
+
+Another host's placements and instances, and versions not placed on this host, are 404.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from django.db.models import Q
+from django.http import FileResponse, HttpResponse, JsonResponse
+from django.views.decorators.http import require_GET, require_POST
+
+from apps.core.errors import public_error
+from apps.deployments import services
+from apps.deployments.models import (
+    Deployment,
+    DeploymentInstance,
+    DeploymentState,
+    Rollout,
+)
+from apps.fleet.agent_api import BadReport, error, host_instances, host_only, read_json
+from apps.fleet.repository import file_manifest
+from apps.registry.models import ModelVersion
+
+# Deployments in these states want nothing served.
+GONE = (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED)
+EVENT_KINDS = {None, "serving", "reloaded"}
+RESULTS = {"started", "waiting", "loaded", "failed", "unloaded", "lost"}
+
+_manifests: dict[tuple, list[dict]] = {}
+_manifests_lock = threading.Lock()
+
+
+def version_manifest_cached(version: ModelVersion) -> list[dict] | None:
+    """The version's manifest, hashed once per content (the key holds each file's size and mtime): a desired
+    state names every placed version, and re-hashing multi-GB models on every poll would be the platform's
+    whole CPU."""
+    servable = version.servable_dir()
+    if not servable.is_dir():
+        return None
+    key_parts = [version.pk]
+    for root, _dirs, files in os.walk(servable):
+        for name in sorted(files):
+            stat = os.stat(os.path.join(root, name))
+            key_parts.append((os.path.join(root, name), stat.st_size, stat.st_mtime_ns))
+    key = tuple(key_parts)
+    with _manifests_lock:
+        cached = _manifests.get(key)
+    if cached is None:
+        cached = file_manifest(servable)
+        with _manifests_lock:
+            if len(_manifests) > 4096:
+                _manifests.clear()
+            _manifests[key] = cached
+    return cached
+
+
+def _live_placements(host):
+    return (
+        DeploymentInstance.objects.filter(instance__host=host)
+        .exclude(deployment__state=DeploymentState.UNDEPLOYED)
+        .select_related("deployment__model__team", "instance__host")
+        .order_by("pk")
+    )
+
+
+def placement_entry(placement: DeploymentInstance, canary_id: int | None, reused: bool) -> dict:
+    deployment: Deployment = placement.deployment
+    target_id = deployment.target_version_id or deployment.active_version_id
+    return {
+        "id": placement.pk,
+        "instance": placement.instance_id,
+        "label": str(placement.instance),
+        "deployment": deployment.pk,
+        "model_name": deployment.triton_model_name(),
+        "generation": placement.generation,
+        "applied_generation": placement.applied_generation,
+        "state": placement.state,
+        "undeploy": deployment.state in GONE,
+        "target": target_id,
+        "rolling_out": deployment.target_version_id is not None,
+        "canary_target": canary_id,
+        "served": placement.served_version_id,
+        "canary": placement.canary_version_id,
+        # Undeploying, but a newer live deployment of the same model uses the same Triton name here.
+        "keep_model": reused,
+    }
+
+
+def _canaries(deployment_ids) -> dict[int, int]:
+    rows = Rollout.objects.live().filter(deployment_id__in=deployment_ids)
+    return dict(rows.values_list("deployment_id", "canary_version_id"))
+
+
+def _reused(placement: DeploymentInstance, live: list[DeploymentInstance]) -> bool:
+    return placement.deployment.state in GONE and any(
+        other.instance_id == placement.instance_id
+        and other.deployment.model_id == placement.deployment.model_id
+        and other.deployment.state not in GONE
+        for other in live
+    )
+
+
+def version_entry(version: ModelVersion) -> dict:
+    return {
+        "id": version.pk,
+        "number": version.number,
+        "label": str(version),
+        "model_name": version.model.triton_model_name(),
+        "config_text": version.config_text,
+        "signature": version.signature,
+        "instance_limit": version.model.team.model_instance_limit(),
+        "files": version_manifest_cached(version),
+    }
+
+
+def placed_version_ids(entries: list[dict]) -> set[int]:
+    ids = set()
+    for entry in entries:
+        ids |= {entry[k] for k in ("target", "canary_target", "served", "canary") if entry[k]}
+    return ids
+
+
+def desired_state_of(host) -> dict:
+    live = list(_live_placements(host))
+    canaries = _canaries({p.deployment_id for p in live})
+    placements = [placement_entry(p, canaries.get(p.deployment_id), _reused(p, live)) for p in live]
+    versions = ModelVersion.objects.filter(pk__in=placed_version_ids(placements)).select_related(
+        "model__team"
+    )
+    return {
+        "host": host.name,
+        "generation": host.desired_generation,
+        "instances": host_instances(host),
+        "placements": placements,
+        "versions": {str(v.pk): version_entry(v) for v in versions},
+    }
+
+
+@require_GET
+@host_only
+def desired_state(request):
+    """What this host must run and serve. 304 while the host's generation equals the agent's ETag."""
+    etag = f'"{request.host.desired_generation}"'
+    if request.headers.get("If-None-Match") == etag:
+        response = HttpResponse(status=304)
+    else:
+        response = JsonResponse(desired_state_of(request.host))
+    response["ETag"] = etag
+    return response
+
+
+def _version_of(deployment: Deployment, value, name: str) -> ModelVersion | None:
+    if value is None:
+        return None
+    if not isinstance(value, int):
+        raise BadReport(f"'{name}' must be a version id or null.")
+    version = ModelVersion.objects.filter(pk=value, model_id=deployment.model_id).first()
+    if version is None:
+        raise BadReport(f"'{name}' is not a version of {deployment.model}.")
+    return version
+
+
+def _message(body: dict, key: str) -> str:
+    value = body.get(key) or ""
+    if not isinstance(value, str):
+        raise BadReport(f"'{key}' must be a string.")
+    return public_error(value[:4000]) if value else ""
+
+
+@require_POST
+@host_only
+def placement_report(request, placement_id: int):
+    """Hand the agent's result to ``apps.deployments.services``; answers whether it was accepted (a report
+    for an older generation is not: a newer decision was made) and the placement as it is now."""
+    placement = (
+        DeploymentInstance.objects.filter(pk=placement_id, instance__host=request.host)
+        .select_related("deployment__model")
+        .first()
+    )
+    if placement is None:
+        return error(404, "not_found", "No such placement on this host.")
+    body = read_json(request)
+    generation, result = body.get("generation"), body.get("result")
+    if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
+        raise BadReport("'generation' must be the positive generation the agent applied.")
+    if result not in RESULTS:
+        raise BadReport(f"'result' must be one of {', '.join(sorted(RESULTS))}.")
+    deployment = placement.deployment
+    version = _version_of(deployment, body.get("version"), "version")
+    message, err = _message(body, "message"), _message(body, "error")
+    if result == "started":
+        accepted = services.placement_started(placement.pk, generation)
+    elif result == "waiting":
+        accepted = services.placement_waiting(placement.pk, generation, message or err)
+    elif result == "loaded":
+        kind = body.get("kind", "serving")
+        if kind not in EVENT_KINDS:
+            raise BadReport("'kind' must be null, 'serving' or 'reloaded'.")
+        if version is None:
+            raise BadReport("'version' is required for a 'loaded' report.")
+        accepted = services.placement_loaded(placement.pk, generation, version, kind=kind, message=message)
+    elif result == "failed":
+        if version is None:
+            raise BadReport("'version' is required for a 'failed' report.")
+        still = _version_of(deployment, body.get("still_serving"), "still_serving")
+        accepted = services.placement_failed(
+            placement.pk, generation, err, version=version, still_serving=still, message=message
+        )
+    elif result == "unloaded":
+        accepted = services.placement_unloaded(placement.pk, generation, message)
+    else:
+        reloading = body.get("reloading", False)
+        if not isinstance(reloading, bool):
+            raise BadReport("'reloading' must be true or false.")
+        accepted = services.placement_lost(placement.pk, generation, err, reloading=reloading)
+    live = list(_live_placements(request.host).filter(deployment__model_id=deployment.model_id))
+    fresh = next((p for p in live if p.pk == placement.pk), None)
+    entry = None
+    if fresh is not None:
+        entry = placement_entry(
+            fresh, _canaries([fresh.deployment_id]).get(fresh.deployment_id), _reused(fresh, live)
+        )
+    return JsonResponse({"accepted": accepted, "placement": entry})
+
+
+def _placed_version(host, version_id: int) -> ModelVersion | None:
+    """A version this host may download: one its live placements serve, are to serve, or canary."""
+    refs = (
+        Q(deployment__active_version_id=version_id)
+        | Q(deployment__target_version_id=version_id)
+        | Q(served_version_id=version_id)
+        | Q(canary_version_id=version_id)
+        | Q(
+            deployment__rollouts__canary_version_id=version_id,
+            deployment__rollouts__state__in=["RUNNING", "PAUSED"],
+        )
+    )
+    placed = (
+        DeploymentInstance.objects.filter(instance__host=host)
+        .exclude(deployment__state=DeploymentState.UNDEPLOYED)
+        .filter(refs)
+        .exists()
+    )
+    return ModelVersion.objects.filter(pk=version_id).first() if placed else None
+
+
+NOT_PLACED = "No such version placed on this host."
+
+
+@require_GET
+@host_only
+def version_manifest(request, version_id: int):
+    version = _placed_version(request.host, version_id)
+    files = version_manifest_cached(version) if version else None
+    if files is None:
+        return error(404, "not_found", NOT_PLACED)
+    return JsonResponse({"version": version_id, "files": files})
+
+
+@require_GET
+@host_only
+def version_file(request, version_id: int, path: str):
+    version = _placed_version(request.host, version_id)
+    if version is None:
+        return error(404, "not_found", NOT_PLACED)
+    servable = version.servable_dir().resolve()
+    # Only what the manifest lists: the path comes from the URL and must name one of those files.
+    listed = {entry["path"] for entry in version_manifest_cached(version) or []}
+    target = (servable / path).resolve()
+    if path not in listed or not target.is_relative_to(servable) or not Path(target).is_file():
+        return error(404, "not_found", "No such file in this version.")
+    return FileResponse(target.open("rb"), as_attachment=True, filename=target.name)
