@@ -166,6 +166,7 @@ def _apply_locked(proc: InstanceProcess, placement_id: int, generation: int | No
             services.placement_loaded(placement.pk, generation, target, kind=None)
             return
         # A rollout ended: serve the stable version alone (Triton lets in-flight canary requests finish).
+        report_final_counts(proc, name, others)
         try:
             _materialize(proc, name, [target])
             server.load_model(name)
@@ -403,20 +404,20 @@ def switch_version(
             # Put the repository back as it was so a later reload (e.g. after a restart) serves the old version.
             _materialize(proc, name, [current])
             raise
-    report_final_counts(proc, name, [current] if current != target else [])
+    report_final_counts(proc, name, [current.number] if current != target else [])
     _materialize(proc, name, [target])
     server.load_model(name)
     _wait_model_ready(server, name, target.number)
 
 
-def report_final_counts(proc: InstanceProcess, name: str, versions: list[ModelVersion] | None = None) -> None:
+def report_final_counts(proc: InstanceProcess, name: str, versions: list[int | str] | None = None) -> None:
     """Read what Triton counted for ``versions`` of ``name`` (all loaded ones when None) and report it, just
     before they are unloaded: their traffic since the last scrape would otherwise never be counted. Call it
     before every reload or unload that drops a version (switch, rollout promote/abort, undeploy). A failed
     read or report is logged, never blocks the unload."""
     if versions == []:
         return
-    numbers = None if versions is None else [v.number for v in versions]
+    numbers = None if versions is None else [int(v) for v in versions]
     try:
         counts = read_final_counts(proc.server, name, numbers)
         record_final_counts(proc.instance_id, counts)

@@ -128,6 +128,10 @@ class ScrapeState(models.Model):
     server_id = models.CharField(max_length=64, blank=True)
     counters = models.JSONField(default=dict, blank=True)
     owed = models.JSONField(default=dict, blank=True)
+    # apps.monitoring.final_counts: versions a scrape found gone, with their last scraped values, and the
+    # hosts' reports of final counts already folded ({"model|version": {...}}), both kept for an hour.
+    retired = models.JSONField(default=dict, blank=True)
+    finals = models.JSONField(default=dict, blank=True)
     has_baseline = models.BooleanField(default=False)
     fetched_at = models.DateTimeField(null=True, blank=True, help_text="When the applied reading was taken.")
     last_success_at = models.DateTimeField(null=True, blank=True)

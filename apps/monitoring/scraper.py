@@ -22,8 +22,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from apps.fleet.models import Device, InstanceState, TritonInstance
-from apps.fleet.placement import CANDIDATE_SUFFIX
-from apps.monitoring import parsing
+from apps.monitoring import final_counts, parsing
 from apps.monitoring.models import MINUTE, DeviceMetrics, InstanceMetrics, ModelMetrics, ScrapeState
 from apps.registry.models import ModelVersion, RegisteredModel
 
@@ -85,11 +84,14 @@ class ModelNames:
         self._loaded_versions: set[int] = set()
 
     @classmethod
-    def load(cls) -> ModelNames:
+    def load(cls, triton_name: str | None = None) -> ModelNames:
+        """Every platform model's name, or only ``triton_name``'s."""
         names = cls()
-        for model_id, team_id, team_slug, slug in RegisteredModel.objects.values_list(
-            "pk", "team_id", "team__slug", "slug"
-        ):
+        models = RegisteredModel.objects.all()
+        if triton_name is not None:
+            team_slug, _, slug = triton_name.partition("__")
+            models = models.filter(team__slug=team_slug, slug=slug)
+        for model_id, team_id, team_slug, slug in models.values_list("pk", "team_id", "team__slug", "slug"):
             names._models[f"{team_slug}__{slug}"] = (model_id, team_id)
         return names
 
@@ -104,9 +106,10 @@ class ModelNames:
                 self._versions[(model_id, number)] = pk
 
     def resolve(self, triton_name: str, version: str) -> tuple[int, int, int] | None:
-        """``(team_id, model_id, version_id)``, or None for candidates and names the platform did not make."""
-        if triton_name.endswith(CANDIDATE_SUFFIX):
-            return None  # a switch's smoke test, not client traffic
+        """``(team_id, model_id, version_id)``, or None for candidates and names the platform did not make.
+
+        A switch's smoke test runs under ``<name>__candidate``, which is no model's name (slugs have no
+        underscore), so it is not client traffic here."""
         found = self._models.get(triton_name)
         if found is None or not version.isdigit():
             return None
@@ -163,13 +166,18 @@ def record_scrape(fetched: Fetched, names: ModelNames, now: datetime | None = No
             return 0  # an overlapping cycle already applied a newer reading: this one would count twice
         reading = fetched.reading
         previous = parsing.Baseline(state.server_id or None, state.counters) if state.has_baseline else None
-        deltas = parsing.counter_deltas(previous, fetched.server_id or None, reading.counters)
         restarted = previous is not None and fetched.server_id and fetched.server_id != state.server_id
+        if restarted:
+            # Versions unloaded on the new process before this first read of it were counted by their report.
+            previous = final_counts.restart_baseline(state, fetched.server_id) or previous
+        deltas = parsing.counter_deltas(previous, fetched.server_id or None, reading.counters)
         owed = parsing.settle_backend_failures(deltas, {} if restarted else state.owed)
-        rows = _write_model_rows(instance, bucket, deltas, reading.quantiles, names)
+        rows = write_model_rows(instance, bucket, deltas, reading.quantiles, names)
         _write_instance_row(instance, bucket, reading)
+        counters = parsing.flatten(reading.counters)
+        final_counts.retire(state, fetched.server_id, counters, fetched.started_at)
         state.server_id = fetched.server_id
-        state.counters = parsing.flatten(reading.counters)
+        state.counters = counters
         state.owed = owed
         state.has_baseline = True
         state.fetched_at = fetched.started_at
@@ -204,7 +212,7 @@ def _write_instance_row(instance: TritonInstance, bucket: datetime, reading: par
     row.save()
 
 
-def _write_model_rows(
+def write_model_rows(
     instance: TritonInstance,
     bucket: datetime,
     deltas: dict[parsing.SeriesKey, dict[str, float]],

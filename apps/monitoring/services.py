@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from django.db import transaction
 from django.db.models import Count, Sum
+from django.utils import timezone
 
-from apps.deployments.models import Deployment, DeploymentEvent
+from apps.deployments.models import Deployment, DeploymentEvent, DeploymentInstance
 from apps.fleet.models import Device, InstanceState, TritonInstance, is_platform_staff
-from apps.monitoring import rollups
-from apps.monitoring.models import ModelMetrics
+from apps.monitoring import final_counts, rollups, scraper
+from apps.monitoring.models import ModelMetrics, ScrapeState
 from apps.registry.models import RegisteredModel
 from apps.teams.models import Action, team_ids_for
 
@@ -194,3 +196,35 @@ def fleet_metrics(user, range_key: str | None = None, now=None, busiest: int = 1
             for item in top
         ],
     }
+
+
+def record_final_counts(instance_id: int, report, now: datetime | None = None) -> int:
+    """Fold a host's report of a version's last counters, read just before it unloaded the version, into the
+    minute rows of its instance exactly once (``apps.monitoring.final_counts``); returns the rows written.
+
+    ValueError says what is wrong with the report (the agent API answers it as a 400)."""
+    now = now or timezone.now()
+    model, versions, server_id, read_at, reading = final_counts.check_report(report)
+    if read_at < now - final_counts.KEEP:
+        raise ValueError(f"final counts read at {read_at.isoformat()} are too old (kept {final_counts.KEEP})")
+    instance = TritonInstance.objects.filter(pk=instance_id).first()
+    if instance is None:
+        raise ValueError(f"no instance {instance_id}")
+    names = scraper.ModelNames.load(model)
+    series = {
+        key: values
+        for key, values in reading.counters.items()
+        if key[0] == model and (versions is None or key[1] in versions) and names.resolve(*key)
+    }
+    if not series:
+        return 0
+    model_id = names.resolve(*next(iter(series)))[1]
+    if not DeploymentInstance.objects.filter(instance=instance, deployment__model_id=model_id).exists():
+        raise ValueError(f"model {model} is not placed on instance {instance_id}")
+    ScrapeState.objects.get_or_create(instance=instance)
+    with transaction.atomic():
+        state = ScrapeState.objects.select_for_update().get(instance=instance)
+        deltas = final_counts.fold(state, series, server_id, read_at.isoformat(), now)
+        rows = scraper.write_model_rows(instance, scraper.minute_of(now), deltas, reading.quantiles, names)
+        state.save(update_fields=["counters", "retired", "finals", "owed"])
+    return rows
