@@ -1,8 +1,13 @@
 from rest_framework.routers import SimpleRouter
 
-from apps.deployments import api
+from apps.deployments import api, rollout_api
 
 router = SimpleRouter()
 router.register(r"teams/(?P<team_slug>[^/.]+)/deployments", api.DeploymentViewSet, basename="team-deployment")
+router.register(
+    r"teams/(?P<team_slug>[^/.]+)/deployments/(?P<deployment_pk>[0-9]+)/rollouts",
+    rollout_api.RolloutViewSet,
+    basename="team-deployment-rollout",
+)
 
 urlpatterns = router.urls
