@@ -1,7 +1,18 @@
-"""Scrape HAProxy's Prometheus exporter into :class:`GatewayMetrics` rows (called by the monitoring beat cycle).
+"""Scrape the gateway into :class:`GatewayMetrics` rows (called by the monitoring beat cycle), and the figures
+the pages and the chart API show from them.
 
-Per backend ``d<deployment id>``: requests, responses by class and the average total time; per frontend
-(``inference`` and ``grpc``): the same for everything that reached the gateway, refusals included.
+Two sources, read in the same scrape:
+
+* HAProxy's Prometheus exporter: per backend (``d<deployment id>``, or a pooled slot ``s<n>`` that
+  ``slots.map`` gives to one) the requests forwarded to the deployment's instances, their responses by class
+  and the average total time; per frontend (``inference`` and ``grpc``) the same for everything that reached
+  the gateway.
+* The ``gateway_counts`` stick table over the admin socket (``show table``): HAProxy 2.6 counts responses
+  only by class, so the gateway counts the stages each request passed (see ``apps.gateway.haproxy``) and a
+  refusal is the difference between two stages - 401, 429 and the gateway's own 404s, exactly.
+
+Counters restart at zero when HAProxy reloads (a new worker): a new worker pid, or a counter that went down,
+starts a new baseline from zero.
 """
 
 from __future__ import annotations
@@ -12,14 +23,34 @@ from datetime import datetime
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import F, QuerySet, Sum
+from django.db.models.functions import TruncHour
 from django.utils import timezone
 
 from apps.deployments.models import Deployment
+from apps.gateway.haproxy import COUNT_STAGES, COUNTS_TABLE, AdminSocket
 from apps.gateway.models import GatewayMetrics, GatewayScrapeState
+from apps.gateway.state import options
+from apps.monitoring.models import HOUR, MINUTE
 
 _LINE = re.compile(r'^haproxy_(frontend|backend)_(\w+)\{proxy="([^"]+)"(?:,code="(\w+)")?\} ([0-9.e+-]+)$')
 _FRONTENDS = ("inference", "grpc")
-_BACKEND = re.compile(r"^d(\d+)$")
+_DEPLOYMENT = re.compile(r"^d(\d+)c?$")  # a deployment's backend (``c``: its rollout's canary)
+_BACKEND = re.compile(r"^(?:d\d+c?|s\d+)$")  # or a pooled slot, owned by one in ``slots.map``
+_TABLE_ROW = re.compile(r"^0x[0-9a-f]+: key=(\S+) .*?((?: gpc\d+=\d+)+)\s*$")
+GATEWAY_WIDE = "*"
+STAGES = tuple(f"g{i}" for i in range(COUNT_STAGES))
+# Summed over minutes into hours, and over rows for a span.
+SUMMED = (
+    "requests",
+    "responses_2xx",
+    "responses_4xx",
+    "responses_5xx",
+    "responses_401",
+    "responses_404",
+    "responses_429",
+    "time_ms_sum",
+)
 
 
 def parse_exporter(text: str) -> dict[str, dict[str, float]]:
@@ -31,7 +62,7 @@ def parse_exporter(text: str) -> dict[str, dict[str, float]]:
             continue
         kind, metric, proxy, code, value = match.groups()
         if kind == "frontend" and proxy in _FRONTENDS:
-            key = "*"
+            key = GATEWAY_WIDE
         elif kind == "backend" and _BACKEND.match(proxy):
             key = proxy
         else:
@@ -46,85 +77,200 @@ def parse_exporter(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def _delta(now: float, before: float | None) -> float:
-    # A reload starts new workers with fresh counters: a counter that went down restarted at zero.
-    if before is None or now < before:
-        return now
-    return now - before
+def parse_counts_table(text: str) -> dict[str, dict[str, int]]:
+    """``show table gateway_counts`` -> ``{"d12": {"g0": n, ...}, "*": {...}}`` (key ``all`` is ``*``)."""
+    out: dict[str, dict[str, int]] = {}
+    for line in text.splitlines():
+        match = _TABLE_ROW.match(line.strip())
+        if match is None:
+            continue
+        key, counters = match.groups()
+        if key == "all":
+            key = GATEWAY_WIDE
+        elif not _DEPLOYMENT.match(key):
+            continue
+        values = dict(item.split("=") for item in counters.split())
+        out[key] = {name: int(values.get(name.replace("g", "gpc"), 0)) for name in STAGES}
+    return out
+
+
+def read_exporter(timeout: float) -> dict[str, dict[str, float]]:
+    url = settings.GATEWAY_METRICS_URL + "?scope=frontend&scope=backend"
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return parse_exporter(response.read().decode("utf-8", errors="replace"))
+
+
+def read_slot_owners() -> dict[str, str]:
+    """``{"s3": "d12", "s4": "d12c"}`` from ``slots.map`` (none when backends are named by deployment)."""
+    try:
+        text = options().map_file("slots").read_text()
+    except OSError:
+        return {}
+    pairs = (line.split() for line in text.splitlines())
+    return {p[0]: p[1] for p in pairs if len(p) == 2 and _DEPLOYMENT.match(p[1])}
+
+
+def _owner(key: str, slots: dict[str, str]) -> int | None | bool:
+    """The deployment id a key counts for; None for gateway-wide; False for nothing (a free slot)."""
+    if key == GATEWAY_WIDE:
+        return None
+    match = _DEPLOYMENT.match(slots.get(key, key))
+    return int(match.group(1)) if match else False
+
+
+def read_counts(timeout: float) -> tuple[dict[str, dict[str, int]], int | None]:
+    """The stage counts per key over the admin socket, and the worker's pid (whose counters they are)."""
+    admin = AdminSocket(options().admin_socket, timeout=timeout)
+    answers = admin.run(["show info", f"show table {COUNTS_TABLE}"])
+    pid = re.search(r"^Pid: (\d+)$", answers[0], re.M)
+    return parse_counts_table("\n".join(answers[1:])), int(pid.group(1)) if pid else None
+
+
+def _deltas(now: dict[str, float], before: dict[str, float] | None) -> dict[str, float]:
+    # A counter that went down belongs to a new worker: everything of this key restarted at zero.
+    if before is None or any(now.get(name, 0) < value for name, value in before.items() if name != "time_s"):
+        before = {}
+    return {name: max(0.0, value - before.get(name, 0)) for name, value in now.items() if name != "time_s"}
+
+
+def _refusals(delta: dict[str, float], gateway_wide: bool) -> dict[str, int]:
+    g = [delta.get(name, 0) for name in STAGES]
+    not_found = g[5]  # answered by an instance
+    if gateway_wide:
+        not_found += max(0, g[0] - g[1]) + max(0, g[3] - g[4])  # off the allow-list; unknown or other team's
+    return {
+        "responses_401": int(max(0, g[1] - g[2])),
+        "responses_404": int(not_found),
+        "responses_429": int(max(0, g[2] - g[3])),
+    }
 
 
 def scrape_gateway(now: datetime | None = None, timeout: float | None = None) -> int:
     """One scrape; returns the rows written. A gateway that does not answer is recorded, not raised."""
     now = now or timezone.now()
+    timeout = timeout or settings.METRICS_SCRAPE_TIMEOUT
     state, _ = GatewayScrapeState.objects.get_or_create(pk=1)
+    baseline = state.counters if state.fetched_at is not None else None
     try:
-        url = settings.GATEWAY_METRICS_URL + "?scope=frontend&scope=backend"
-        with urllib.request.urlopen(url, timeout=timeout or settings.METRICS_SCRAPE_TIMEOUT) as response:
-            current = parse_exporter(response.read().decode("utf-8", errors="replace"))
+        current = read_exporter(timeout)
     except (OSError, ValueError) as exc:
         GatewayScrapeState.objects.filter(pk=1).update(last_error=f"{type(exc).__name__}: {exc}"[:500])
         return 0
-    baseline = state.counters if state.fetched_at is not None else None
+    error = ""
+    try:
+        counts, pid = read_counts(timeout)
+    except (OSError, ValueError) as exc:
+        # The exporter's figures still count; the stage counters carry over, so the refusals of this
+        # interval are counted at the next scrape that reaches the socket.
+        error = f"admin socket: {type(exc).__name__}: {exc}"[:500]
+        pid = (baseline or {}).get("pid")
+        counts = {
+            key: {name: values[name] for name in STAGES if name in values}
+            for key, values in (baseline or {}).items()
+            if isinstance(values, dict)
+        }
+    for key, stages in counts.items():
+        current.setdefault(key, {}).update(stages)
+    if baseline is not None and baseline.get("pid") not in (None, pid):
+        baseline = {}  # HAProxy reloaded since: every counter started again at zero
     bucket = now.replace(second=0, microsecond=0)
-    live = set(Deployment.objects.filter(pk__in=_deployment_ids(current)).values_list("pk", flat=True))
+    slots = read_slot_owners()
+    # Sum the deltas of every key (frontends, backends or slots, stage counts) into its row's owner.
+    totals: dict[int | None, dict[str, float]] = {}
+    for key, values in current.items() if baseline is not None else ():  # the first scrape: baseline
+        owner = _owner(key, slots)
+        if owner is False:
+            continue
+        delta = _deltas(values, baseline.get(key))
+        delta["time_ms"] = values.get("time_s", 0) * 1000 * delta.get("requests", 0)
+        target = totals.setdefault(owner, {})
+        for name, value in delta.items():
+            target[name] = target.get(name, 0) + value
+    live = set(
+        Deployment.objects.filter(pk__in=[k for k in totals if k is not None]).values_list("pk", flat=True)
+    )
     rows = 0
     with transaction.atomic():
-        for key, values in current.items():
-            if baseline is None:
-                break  # the first scrape only sets the baseline
-            deployment_id = None if key == "*" else int(key[1:])
+        for deployment_id, delta in totals.items():
             if deployment_id is not None and deployment_id not in live:
                 continue
-            before = baseline.get(key, {})
-            delta = {
-                name: _delta(values.get(name, 0), before.get(name))
-                for name in ("requests", "2xx", "4xx", "5xx")
-            }
             if not any(delta.values()):
                 continue
             row, _ = GatewayMetrics.objects.select_for_update().get_or_create(
-                bucket=bucket, deployment_id=deployment_id
+                period_seconds=MINUTE,
+                bucket=bucket,
+                deployment_id=deployment_id,
             )
-            row.requests += int(delta["requests"])
-            row.responses_2xx += int(delta["2xx"])
-            row.responses_4xx += int(delta["4xx"])
-            row.responses_5xx += int(delta["5xx"])
-            row.time_ms_sum += values.get("time_s", 0) * 1000 * delta["requests"]
+            row.requests += int(delta.get("requests", 0))
+            row.responses_2xx += int(delta.get("2xx", 0))
+            row.responses_4xx += int(delta.get("4xx", 0))
+            row.responses_5xx += int(delta.get("5xx", 0))
+            for name, count in _refusals(delta, deployment_id is None).items():
+                setattr(row, name, getattr(row, name) + count)
+            row.time_ms_sum += delta["time_ms"]
             row.save()
             rows += 1
-        GatewayScrapeState.objects.filter(pk=1).update(counters=current, fetched_at=now, last_error="")
+        GatewayScrapeState.objects.filter(pk=1).update(
+            counters={**current, "pid": pid}, fetched_at=now, last_error=error
+        )
     return rows
 
 
-def _deployment_ids(current: dict) -> list[int]:
-    return [int(key[1:]) for key in current if key != "*"]
-
-
+# --------------------------------------------------------------------------------------- what pages show
 def deployment_summary(deployment: Deployment, since: datetime) -> dict:
-    """Totals for the deployment page: requests, responses by class, average gateway time."""
-    return _summary(GatewayMetrics.objects.filter(deployment=deployment, bucket__gte=since))
+    """Totals for the deployment page: requests, responses by class, refusals, average gateway time."""
+    return summary(GatewayMetrics.objects.filter(deployment=deployment, bucket__gte=since))
 
 
 def model_summary(model, since: datetime) -> dict:
     """The same over every deployment of a model (the model's metrics page)."""
-    return _summary(GatewayMetrics.objects.filter(deployment__model=model, bucket__gte=since))
+    return summary(GatewayMetrics.objects.filter(deployment__model=model, bucket__gte=since))
 
 
-def _summary(rows) -> dict:
-    from django.db.models import Sum
+def gateway_wide_summary(since: datetime) -> dict:
+    """Everything that reached the gateway (the staff dashboard), refusals before any model included."""
+    return summary(GatewayMetrics.objects.filter(deployment=None, bucket__gte=since))
 
-    totals = rows.aggregate(
-        requests=Sum("requests"),
-        ok=Sum("responses_2xx"),
-        client_errors=Sum("responses_4xx"),
-        server_errors=Sum("responses_5xx"),
-        time_ms=Sum("time_ms_sum"),
-    )
-    requests = totals["requests"] or 0
+
+def summary(rows: QuerySet) -> dict:
+    totals = rows.aggregate(**{name: Sum(name) for name in SUMMED})
+    totals = {name: totals[name] or 0 for name in SUMMED}
+    requests = totals["requests"]
     return {
-        "requests": requests,
-        "responses_2xx": totals["ok"] or 0,
-        "responses_4xx": totals["client_errors"] or 0,
-        "responses_5xx": totals["server_errors"] or 0,
-        "avg_ms": (totals["time_ms"] or 0) / requests if requests else None,
+        **{name: int(value) for name, value in totals.items() if name != "time_ms_sum"},
+        "avg_ms": totals["time_ms_sum"] / requests if requests else None,
+    }
+
+
+def gateway_series(rows: QuerySet, window) -> dict:
+    """Chart lines over ``window`` (an ``apps.monitoring.rollups.Window``): requests/s forwarded, refusals
+    (401, 404, 429) and 5xx per second, the average time at the gateway (ms), and the totals."""
+    point = TruncHour("bucket") if window.range.step == HOUR else F("bucket")
+    grouped = (
+        rows.filter(bucket__gte=window.start, bucket__lt=window.end)
+        .annotate(point=point)
+        .values("point")
+        .annotate(**{name: Sum(name) for name in SUMMED})
+        .order_by()
+    )
+    sums = {name: [0.0] * window.points for name in SUMMED}
+    for item in grouped:
+        i = window.index(item["point"])
+        if 0 <= i < window.points:
+            for name in SUMMED:
+                sums[name][i] += item[name] or 0
+    step = window.range.step
+    per_second = {
+        "requests_per_second": "requests",
+        "unauthorized_per_second": "responses_401",
+        "not_found_per_second": "responses_404",
+        "rate_limited_per_second": "responses_429",
+        "server_errors_per_second": "responses_5xx",
+    }
+    return {
+        **{key: [round(v / step, 4) for v in sums[name]] for key, name in per_second.items()},
+        "avg_ms": [
+            round(t / r, 3) if r else None for t, r in zip(sums["time_ms_sum"], sums["requests"], strict=True)
+        ],
+        "totals": {name: int(sum(sums[name])) for name in SUMMED if name != "time_ms_sum"},
     }

@@ -4,17 +4,30 @@ from __future__ import annotations
 
 from django.db import models
 
+from apps.monitoring.models import MINUTE, PERIOD_CHOICES
+
 
 class GatewayMetrics(models.Model):
-    """One minute at the gateway: per deployment (its backend), or gateway-wide (``deployment`` empty: every
-    request that reached the gateway, including those it refused before choosing a model - 401, 404, 429).
+    """One minute (an hour once downsampled, like the model rows) at the gateway, per deployment or
+    gateway-wide (``deployment`` empty).
 
-    Counts are what happened within the minute; ``time_ms_sum`` is HAProxy's average total time (client
-    request to last byte, as the gateway observed it) times the requests, so a span's average is
-    ``time_ms_sum / requests``.
+    Per deployment: ``requests`` and the response classes are the requests the gateway forwarded to the
+    deployment's instances (its backend); ``responses_401`` and ``responses_429`` are requests naming the
+    deployment's model that the gateway refused (no valid token, the team over its rate); ``responses_404``
+    are 404s its instances answered (a version that is not loaded). A 404 for an unknown model, or another
+    team's, names no deployment of the caller: it is counted gateway-wide only.
+
+    Gateway-wide: every request that reached the gateway (HTTP and gRPC, refusals included); ``responses_404``
+    adds the gateway's own 404s (paths off the allow-list, unknown models, gRPC methods not offered and gRPC
+    without a dedicated instance) to the instances'; gRPC UNAUTHENTICATED and RESOURCE_EXHAUSTED count as 401
+    and 429.
+
+    ``time_ms_sum`` is HAProxy's average total time (client request to last byte, as the gateway observed it,
+    over its last 1024 requests) times the requests, so a span's average is ``time_ms_sum / requests``.
     """
 
-    bucket = models.DateTimeField(help_text="Start of the minute (UTC).")
+    period_seconds = models.PositiveIntegerField(choices=PERIOD_CHOICES, default=MINUTE)
+    bucket = models.DateTimeField(help_text="Start of the minute or hour (UTC).")
     deployment = models.ForeignKey(
         "deployments.Deployment", null=True, blank=True, on_delete=models.CASCADE, related_name="+"
     )
@@ -22,13 +35,20 @@ class GatewayMetrics(models.Model):
     responses_2xx = models.BigIntegerField(default=0)
     responses_4xx = models.BigIntegerField(default=0)
     responses_5xx = models.BigIntegerField(default=0)
+    responses_401 = models.BigIntegerField(default=0)
+    responses_404 = models.BigIntegerField(default=0)
+    responses_429 = models.BigIntegerField(default=0)
     time_ms_sum = models.FloatField(default=0)
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["bucket", "deployment"], name="unique_gateway_metrics_row"),
             models.UniqueConstraint(
-                fields=["bucket"], condition=models.Q(deployment=None), name="unique_gateway_wide_row"
+                fields=["period_seconds", "bucket", "deployment"], name="unique_gateway_metrics_row"
+            ),
+            models.UniqueConstraint(
+                fields=["period_seconds", "bucket"],
+                condition=models.Q(deployment=None),
+                name="unique_gateway_wide_row",
             ),
         ]
         indexes = [models.Index(fields=["deployment", "bucket"], name="gatewaymetrics_dep_bucket")]

@@ -87,6 +87,28 @@ class VersionSeriesSerializer(serializers.Serializer):
     totals = CountsSerializer()
 
 
+class GatewayTotalsSerializer(serializers.Serializer):
+    requests = serializers.IntegerField()
+    responses_2xx = serializers.IntegerField()
+    responses_4xx = serializers.IntegerField()
+    responses_5xx = serializers.IntegerField()
+    responses_401 = serializers.IntegerField()
+    responses_404 = serializers.IntegerField()
+    responses_429 = serializers.IntegerField()
+
+
+class GatewaySeriesSerializer(serializers.Serializer):
+    """What the gateway (HAProxy) saw: requests it forwarded, the refusals it answered itself, 5xx, its time."""
+
+    requests_per_second = points()
+    unauthorized_per_second = points()
+    not_found_per_second = points()
+    rate_limited_per_second = points()
+    server_errors_per_second = points()
+    avg_ms = points()
+    totals = GatewayTotalsSerializer()
+
+
 class ModelMetricsSerializer(FrameSerializer):
     team = serializers.CharField()
     model = serializers.CharField()
@@ -101,6 +123,10 @@ class ModelMetricsSerializer(FrameSerializer):
     markers = MarkerSerializer(many=True, help_text="Deploys, switches and rollbacks in the range.")
     totals = CountsSerializer()
     failure_reasons = serializers.DictField(child=serializers.IntegerField())
+    gateway = GatewaySeriesSerializer(
+        help_text="At the gateway, per deployment of the model (not per version): requests forwarded, "
+        "401 and 429 refusals of requests naming the model, 404s its instances answered, 5xx, average time."
+    )
 
 
 class DeviceSeriesSerializer(serializers.Serializer):
@@ -146,6 +172,10 @@ class FleetMetricsSerializer(FrameSerializer):
     totals = FleetTotalsSerializer()
     instances_by_state = serializers.DictField(child=serializers.IntegerField())
     busiest_models = BusyModelSerializer(many=True)
+    gateway = GatewaySeriesSerializer(
+        allow_null=True,
+        help_text="Platform staff: everything that reached the gateway, refusals before any model included.",
+    )
 
 
 def _range(request) -> str:

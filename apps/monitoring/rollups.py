@@ -12,6 +12,7 @@ from django.db.models import F, QuerySet, Sum
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
+from apps.gateway.models import GatewayMetrics
 from apps.monitoring.models import HOUR, MINUTE, DeviceMetrics, InstanceMetrics, ModelMetrics
 
 SUMMED = (
@@ -57,10 +58,15 @@ def downsample(now: datetime | None = None) -> dict[str, int]:
     )
     drop_before = now - timedelta(days=settings.METRICS_RETENTION_DAYS)
     with transaction.atomic():
-        folded = _fold_model_rows(cutoff) + _fold_instance_rows(cutoff) + _fold_device_rows(cutoff)
+        folded = (
+            _fold_model_rows(cutoff)
+            + _fold_instance_rows(cutoff)
+            + _fold_device_rows(cutoff)
+            + _fold_gateway_rows(cutoff)
+        )
         dropped = sum(
             table.objects.filter(bucket__lt=drop_before).delete()[0]
-            for table in (ModelMetrics, InstanceMetrics, DeviceMetrics)
+            for table in (ModelMetrics, InstanceMetrics, DeviceMetrics, GatewayMetrics)
         )
     return {"folded": folded, "dropped": dropped}
 
@@ -181,6 +187,14 @@ def _fold_device_rows(cutoff: datetime) -> int:
         ("samples", "aicore_percent_sum", "aicore_samples", "hbm_used_mb_sum", "hbm_samples"),
         ("hbm_total_mb",),
     )
+
+
+def _fold_gateway_rows(cutoff: datetime) -> int:
+    # Per deployment, and gateway-wide (deployment empty): every column is a count or a sum.
+    summed = tuple(
+        f.name for f in GatewayMetrics._meta.concrete_fields if f.name.startswith(("requests", "responses_"))
+    )
+    return _fold_simple(GatewayMetrics, cutoff, "deployment_id", (*summed, "time_ms_sum"), ())
 
 
 # --------------------------------------------------------------------------------------- chart series

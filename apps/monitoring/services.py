@@ -10,6 +10,8 @@ from django.utils import timezone
 
 from apps.deployments.models import Deployment, DeploymentEvent, DeploymentInstance
 from apps.fleet.models import Device, InstanceState, TritonInstance, is_platform_staff
+from apps.gateway.metrics import gateway_series
+from apps.gateway.models import GatewayMetrics
 from apps.monitoring import final_counts, rollups, scraper
 from apps.monitoring.models import ModelMetrics, ScrapeState
 from apps.registry.models import RegisteredModel
@@ -119,6 +121,13 @@ def model_metrics(
         "markers": markers([deployment] if deployment is not None else model.deployments.all(), window),
         "totals": {**totals, "error_rate": rollups.ratio(totals["failure"], totals["requests"])},
         "failure_reasons": rollups.failure_reasons(rows, window),
+        # The same span at the gateway: forwarded requests, refusals naming this model, 5xx, gateway time.
+        "gateway": gateway_series(
+            GatewayMetrics.objects.filter(deployment=deployment)
+            if deployment is not None
+            else GatewayMetrics.objects.filter(deployment__model=model),
+            window,
+        ),
     }
 
 
@@ -185,6 +194,10 @@ def fleet_metrics(user, range_key: str | None = None, now=None, busiest: int = 1
             "hosts": instances.values("host_id").distinct().count(),
         },
         "instances_by_state": {state: states.get(state, 0) for state in InstanceState.values},
+        # Everything that reached the gateway is every team's traffic: platform staff only.
+        "gateway": gateway_series(GatewayMetrics.objects.filter(deployment=None), window)
+        if is_platform_staff(user)
+        else None,
         "busiest_models": [
             {
                 "team": item["team__slug"],

@@ -1,23 +1,27 @@
-"""Gateway metrics: HAProxy's exporter scraped in the monitoring cycle into per-deployment rows, shown on the
-deployment and model pages; /metrics/targets.json lists the gateway. A real HAProxy in front of a deployment
-whose instance is down (every request a 503), so no tritonserver is needed."""
+"""Gateway metrics: HAProxy's exporter and its refusal counts (stick table over the admin socket) scraped in the
+monitoring cycle into per-deployment and gateway-wide rows, exact per code; shown on the deployment and model
+pages and in the chart API; /metrics/targets.json lists the gateway. A real HAProxy in front of a deployment
+whose instance is down (every forwarded request a 503), so no tritonserver is needed."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+import os
+import signal
+import time
 
 import pytest
-from django.utils import timezone
+from django.urls import reverse
 
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.gateway.metrics import scrape_gateway
-from apps.gateway.models import GatewayMetrics
+from apps.gateway.models import GatewayMetrics, GatewayScrapeState
 from apps.monitoring.tasks import scrape_instances
-from tests.conftest import wait_for
+from tests.conftest import client_for, wait_for
 from tests.deployments.conftest import add_instance, make_version, model, shared_host  # noqa: F401
 from tests.gateway.conftest import requires_haproxy
 
 pytestmark = [requires_haproxy, pytest.mark.django_db(transaction=True)]
+MODEL = "vision__classifier"
 
 
 @pytest.fixture
@@ -33,35 +37,120 @@ def down_deployment(team, owner, shared_host, model):  # noqa: F811 - the import
     return deployment
 
 
-def test_scrape_writes_per_deployment_rows_and_pages_show_them(
-    down_deployment, start_gateway, gateway_env, make_token, settings, client, owner
-):
+@pytest.fixture
+def metered_gateway(down_deployment, start_gateway, gateway_env, settings, make_token):
+    """The gateway with a route to the down deployment; scraped once (the baseline). Returns (gateway, token)."""
     settings.GATEWAY_METRICS_URL = f"http://{gateway_env['GATEWAY_STATS_BIND']}/metrics"
     gateway = start_gateway()
     _, secret = make_token(name="metrics")
-    wait_for(
-        lambda: gateway.infer("vision__classifier", secret)[0] == 503, 10, "the route (503: no instance)"
-    )
+    wait_for(lambda: gateway.infer(MODEL, secret)[0] == 503, 10, "the route (503: no instance)")
     assert scrape_gateway() == 0  # the first scrape is the baseline
-    for _ in range(3):
-        assert gateway.infer("vision__classifier", secret)[0] == 503
-    assert gateway.infer("vision__classifier", None)[0] == 401
-    result = scrape_instances()
-    assert result["gateway_rows"] == 2
+    assert GatewayScrapeState.objects.get().last_error == ""
+    return gateway, secret
 
+
+def test_refusals_are_counted_exactly_per_code_per_deployment_and_gateway_wide(
+    metered_gateway, down_deployment, team, other_team, outsider, client, owner
+):
+    from apps.teams import services as team_services
+
+    gateway, secret = metered_gateway
+    _, speech_secret = team_services.create_token(actor=outsider, team=other_team, name="speech")
+    team.quota_requests_per_second = 2
+    team.save()  # the save pokes the gateway; wait for the new limit
+    wait_for(
+        lambda: any(gateway.infer("vision__nothing", secret)[0] == 429 for _ in range(4)),
+        10,
+        "the limit of 2/s",
+    )
+    scrape_gateway()  # what the wait sent is not part of the counts below
+    GatewayMetrics.objects.all().delete()
+
+    statuses: dict[str, list[int]] = {}
+
+    def send(label: str, call, times: int) -> None:
+        statuses.setdefault(label, []).extend(call()[0] for _ in range(times))
+
+    send("no token", lambda: gateway.infer(MODEL, None), 3)  # 401, names the deployment's model
+    send("wrong token", lambda: gateway.infer(MODEL, "tgp_0123abcd_not-a-secret"), 2)  # 401 too
+    send("no token, unknown model", lambda: gateway.infer("vision__ghost", None), 1)  # 401, gateway-wide
+    send("off the allow-list", lambda: gateway.get("/v2/repository/index", secret), 2)  # 404, gateway-wide
+    time.sleep(2.2)  # two whole rate periods: nothing of the wait above is left in the team's rate
+    send("unknown model", lambda: gateway.infer("vision__ghost", secret), 1)  # 404 (within the 2/s)
+    send("another team's model", lambda: gateway.infer(MODEL, speech_secret), 1)  # 404 for speech
+    time.sleep(2.2)
+    send("burst", lambda: gateway.infer(MODEL, secret), 8)  # 2 forwarded (503), then 429
+
+    assert statuses["no token"] == [401] * 3 and statuses["wrong token"] == [401] * 2
+    assert statuses["no token, unknown model"] == [401] and statuses["off the allow-list"] == [404] * 2
+    assert statuses["unknown model"] == [404] and statuses["another team's model"] == [404]
+    burst = statuses["burst"]
+    assert set(burst) <= {503, 429} and burst.count(429) >= 3, burst
+    forwarded, limited = burst.count(503), burst.count(429)
+
+    result = scrape_instances()
+    assert result["gateway_rows"] == 2, GatewayScrapeState.objects.get().last_error
     row = GatewayMetrics.objects.get(deployment=down_deployment)
-    assert (row.requests, row.responses_5xx, row.responses_2xx) == (3, 3, 0)
+    assert (row.requests, row.responses_5xx, row.responses_2xx) == (forwarded, forwarded, 0)
+    # 401 and 429 naming the model count on its deployment; other teams' and unknown models' 404s do not.
+    assert (row.responses_401, row.responses_429, row.responses_404) == (5, limited, 0)
     assert row.time_ms_sum >= 0
     everything = GatewayMetrics.objects.get(deployment=None)
-    assert everything.requests == 4 and everything.responses_4xx == 1 and everything.responses_5xx == 3
+    total = sum(len(codes) for codes in statuses.values())
+    assert everything.requests == total
+    assert (everything.responses_401, everything.responses_404, everything.responses_429) == (6, 4, limited)
+    assert everything.responses_5xx == forwarded
 
     # A scrape with nothing new adds nothing.
     assert scrape_gateway() == 0
-    assert GatewayMetrics.objects.get(deployment=down_deployment).requests == 3
+    assert GatewayMetrics.objects.get(deployment=down_deployment).responses_401 == 5
 
     client.force_login(owner)
     page = client.get(f"/teams/vision/deployments/{down_deployment.pk}/").content.decode()
-    assert '<dd id="gateway-requests">3</dd>' in page and '<dd id="gateway-classes">0 / 0 / 3</dd>' in page
+    assert f'<dd id="gateway-requests">{forwarded}</dd>' in page
+    assert f'<dd id="gateway-classes">0 / 0 / {forwarded}</dd>' in page
+    assert f'<dd id="gateway-refused">5 / {limited}</dd>' in page
     page = client.get("/teams/vision/models/classifier/metrics/").content.decode()
-    assert '<dd id="gateway-requests">3</dd>' in page
-    assert GatewayMetrics.objects.filter(bucket__gte=timezone.now() - timedelta(minutes=2)).count() == 2
+    assert f'<dd id="gateway-requests">{forwarded}</dd>' in page and 'id="chart-gateway"' in page
+
+    # The chart API carries the same figures beside Triton's, for the model and for the deployment.
+    api = reverse("team-model-metrics", args=["vision", "classifier"])
+    for query in ("?range=15m", f"?range=15m&deployment={down_deployment.pk}"):
+        data = client_for(owner).get(api + query).json()["gateway"]
+        assert data["totals"]["responses_401"] == 5 and data["totals"]["responses_429"] == limited
+        assert data["totals"]["requests"] == forwarded and data["totals"]["responses_5xx"] == forwarded
+        assert round(sum(data["rate_limited_per_second"]) * 60) == limited
+        assert len(data["avg_ms"]) == 15
+    # The outsider's team sees none of it; the staff fleet page carries the gateway-wide figures.
+    assert client_for(outsider).get(api).status_code == 404
+    assert client_for(owner).get(reverse("fleet-metrics")).json()["gateway"] is None
+
+
+def test_a_reload_restarts_the_counters_without_negative_or_double_counts(metered_gateway, down_deployment):
+    gateway, secret = metered_gateway
+    for _ in range(2):
+        assert gateway.infer(MODEL, None)[0] == 401
+    scrape_gateway()
+    state = GatewayScrapeState.objects.get()
+    old_pid = state.counters["pid"]
+    # A reload: HAProxy's new worker starts every counter (exporter and stick table) at zero.
+    master = int((gateway.directory / "haproxy.pid").read_text().split()[0])
+    os.kill(master, signal.SIGUSR2)
+    wait_for(
+        lambda: scrape_gateway() is not None and GatewayScrapeState.objects.get().counters["pid"] != old_pid,
+        10,
+        "the new worker",
+    )
+    assert gateway.infer(MODEL, None)[0] == 401
+    scrape_gateway()
+    rows = GatewayMetrics.objects.filter(deployment=down_deployment)
+    assert sum(rows.values_list("responses_401", flat=True)) == 3
+
+
+def test_targets_json_lists_the_gateway(client, settings):
+    settings.GATEWAY_METRICS_URL = "http://10.0.0.5:8404/metrics"
+    groups = client.get("/metrics/targets.json", REMOTE_ADDR="127.0.0.1").json()
+    gateway = [g for g in groups if g["labels"].get("job") == "gateway"]
+    assert gateway == [
+        {"targets": ["10.0.0.5:8404"], "labels": {"job": "gateway", "__metrics_path__": "/metrics"}}
+    ]

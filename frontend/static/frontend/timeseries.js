@@ -109,6 +109,24 @@
     return values.map(function (v) { return v == null ? null : v * 100; });
   }
 
+  /* The gateway's figures (HAProxy): requests it forwarded, refusals it answered itself, 5xx. */
+  function drawGateway(id, ts, g, markers) {
+    if (!g) { return; }
+    draw(id, ts, [
+      { label: "requests", color: PALETTE[0], values: g.requests_per_second },
+      { label: "401", color: PALETTE[4], values: g.unauthorized_per_second },
+      { label: "404", color: PALETTE[7], values: g.not_found_per_second },
+      { label: "429", color: PALETTE[3], values: g.rate_limited_per_second },
+      { label: "5xx", color: PALETTE[1], values: g.server_errors_per_second },
+    ], "/s", 2, markers);
+  }
+
+  function gatewayTotals(g) {
+    var t = g.totals;
+    return "At the gateway: " + t.requests + " requests, " + t.responses_5xx + " 5xx; refused " +
+      t.responses_401 + " × 401, " + t.responses_404 + " × 404, " + t.responses_429 + " × 429.";
+  }
+
   var RENDER = {
     model: function (root, d) {
       var ts = d.timestamps;
@@ -129,20 +147,27 @@
           latency.push({ label: "v" + v.version + " " + q, color: PALETTE[i % PALETTE.length], dash: DASHES[q], values: v[key] });
         });
       });
+      if (d.gateway) {
+        // Time at the gateway (request in to last byte out) beside Triton's: the difference is the gateway's.
+        latency.push({ label: "gateway mean", color: "#57606a", dash: [8, 3, 2, 3], values: d.gateway.avg_ms });
+      }
       var title = root.querySelector(".latency-title");
       if (title) { title.textContent = "Latency " + d.latency_label + " (ms)"; }
       draw("chart-latency", ts, latency, " ms", 2, markers);
       draw("chart-queue", ts, perVersion("queue_ms"), " ms", 3, markers);
       draw("chart-batch", ts, perVersion("avg_batch_size"), "", 2, markers);
       draw("chart-errors", ts, perVersion("error_rate", percent), "%", 2, markers);
+      drawGateway("chart-gateway", ts, d.gateway, markers);
       var totals = root.querySelector(".metric-totals");
       if (totals) {
         var reasons = Object.keys(d.failure_reasons).map(function (k) { return k + " " + d.failure_reasons[k]; }).join(", ");
         totals.textContent = d.totals.requests + " requests, " + d.totals.failure + " failed" +
-          (reasons ? " (" + reasons + ")" : "") + " in the last " + d.range + ".";
+          (reasons ? " (" + reasons + ")" : "") + " in the last " + d.range + "." +
+          (d.gateway ? " " + gatewayTotals(d.gateway) : "");
         totals.hidden = false;
       }
-      return versions.length > 0;
+      return versions.length > 0 || (d.gateway != null && d.gateway.totals.requests + d.gateway.totals.responses_401 +
+        d.gateway.totals.responses_429 > 0);
     },
     instance: function (root, d) {
       var ts = d.timestamps;
@@ -157,7 +182,13 @@
       var ts = d.timestamps;
       draw("chart-requests", ts, [{ label: "requests/s", values: d.requests_per_second }], "", 2);
       draw("chart-errors", ts, [{ label: "errors", values: percent(d.error_rate) }], "%", 2);
-      return d.totals.requests > 0;
+      drawGateway("chart-gateway", ts, d.gateway);
+      if (d.gateway) {
+        draw("chart-gateway-time", ts, [{ label: "gateway mean", values: d.gateway.avg_ms }], " ms", 2);
+        var summary = root.querySelector(".gateway-totals");
+        if (summary) { summary.textContent = gatewayTotals(d.gateway); }
+      }
+      return d.totals.requests > 0 || (d.gateway != null && d.gateway.totals.requests > 0);
     },
   };
 
