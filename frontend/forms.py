@@ -1,6 +1,7 @@
 from django import forms
 
 from apps.teams.models import Role
+from apps.teams.services import MAX_REQUESTS_PER_SECOND
 
 
 class TeamForm(forms.Form):
@@ -9,6 +10,12 @@ class TeamForm(forms.Form):
         max_length=50,
         required=False,
         help_text="Lowercase letters, digits and hyphens. Derived from the name when empty.",
+    )
+
+
+class QuotaForm(forms.Form):
+    quota_requests_per_second = forms.IntegerField(
+        min_value=1, max_value=MAX_REQUESTS_PER_SECOND, label="Requests per second"
     )
 
 

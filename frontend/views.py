@@ -6,7 +6,7 @@ from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.contrib.auth.forms import AuthenticationForm
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
 from django.http import HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, redirect, render
@@ -18,7 +18,7 @@ from apps.audit.models import AuditEvent
 from apps.teams import services
 from apps.teams.models import Action, ApiToken, Membership, Team, TeamInvitation
 from frontend.context_processors import current_team
-from frontend.forms import MemberForm, RoleForm, TeamForm, TokenForm
+from frontend.forms import MemberForm, QuotaForm, RoleForm, TeamForm, TokenForm
 from frontend.pages import TeamPageView
 from frontend.status import team_status
 
@@ -134,6 +134,8 @@ class TeamSettingsView(TeamPageView):
             Membership.objects.for_user(self.request.user).filter(team=self.team).select_related("user")
         )
         context["role_choices"] = RoleForm.base_fields["role"].choices
+        context["can_set_quotas"] = services.may_change_quotas(self.request.user)
+        context.setdefault("quota_form", QuotaForm())
         if self.can(Action.MANAGE):
             context["invitations"] = (
                 TeamInvitation.objects.for_user(self.request.user, Action.MANAGE)
@@ -182,6 +184,23 @@ class TeamSettingsView(TeamPageView):
             else:
                 return self._done("Team renamed.")
         return self._invalid(team_form=form)
+
+    def op_set_quota(self, request):
+        if not services.may_change_quotas(request.user):
+            raise PermissionDenied("Only platform staff change a team's quotas.")
+        form = QuotaForm(request.POST)
+        if form.is_valid():
+            try:
+                services.set_request_rate_quota(
+                    actor=request.user,
+                    team=self.team,
+                    requests_per_second=form.cleaned_data["quota_requests_per_second"],
+                )
+            except ValidationError as error:
+                add_service_errors(form, error)
+            else:
+                return self._done("Request rate quota set.")
+        return self._invalid(quota_form=form)
 
     def op_add_member(self, request):
         self.require(Action.MANAGE)

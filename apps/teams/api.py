@@ -24,17 +24,25 @@ class TeamSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Team
-        fields = ["slug", "name", "role", "member_count", "created_at"]
-        read_only_fields = ["created_at"]
+        fields = ["slug", "name", "role", "member_count", "quota_requests_per_second", "created_at"]
+        read_only_fields = ["quota_requests_per_second", "created_at"]
 
     def get_role(self, team: Team) -> str | None:
         return team_roles(self.context["request"].user).get(team.pk)
 
 
 class TeamUpdateSerializer(serializers.ModelSerializer):
+    # Checked by services.check_requests_per_second (one message for every bad value).
+    quota_requests_per_second = serializers.JSONField(
+        required=False,
+        allow_null=True,
+        help_text="Platform staff only: inference requests per second the gateway admits for the team "
+        f"(1-{services.MAX_REQUESTS_PER_SECOND}).",
+    )
+
     class Meta:
         model = Team
-        fields = ["name"]
+        fields = ["name", "quota_requests_per_second"]
 
 
 class TeamViewSet(
@@ -47,6 +55,8 @@ class TeamViewSet(
     ordering_fields = ["name", "slug", "created_at"]
 
     def get_queryset(self):
+        if self.action in ("retrieve", "partial_update") and services.may_change_quotas(self.request.user):
+            return Team.objects.prefetch_related("memberships")  # staff set any team's quotas
         return Team.objects.for_user(self.request.user, Action.VIEW).prefetch_related("memberships")
 
     def perform_create(self, serializer):
@@ -62,11 +72,17 @@ class TeamViewSet(
     @extend_schema(request=TeamUpdateSerializer, responses=TeamSerializer)
     def partial_update(self, request, slug=None):
         team = self.get_object()
-        check_team_action(request.user, team, Action.MANAGE)
         serializer = TeamUpdateSerializer(team, data=request.data, partial=True)
         serializer.is_valid(raise_exception=True)
-        if "name" in serializer.validated_data:
-            services.rename_team(actor=request.user, team=team, name=serializer.validated_data["name"])
+        data = serializer.validated_data
+        if "name" in data:
+            check_team_action(request.user, team, Action.MANAGE)  # before anything is written
+        if "quota_requests_per_second" in data:
+            team = services.set_request_rate_quota(
+                actor=request.user, team=team, requests_per_second=data["quota_requests_per_second"]
+            )
+        if "name" in data:
+            services.rename_team(actor=request.user, team=team, name=data["name"])
         return Response(TeamSerializer(team, context={"request": request}).data)
 
 

@@ -68,6 +68,52 @@ def rename_team(*, actor, team: Team, name: str) -> Team:
     return team
 
 
+# The gateway's rate counters are 32-bit and a team above this is a capacity question, not a quota.
+MAX_REQUESTS_PER_SECOND = 100_000
+
+
+def may_change_quotas(actor) -> bool:
+    """Quotas are the platform's to give: platform staff in a session (``apps.fleet.models.is_platform_staff``'s
+    rule), never a team owner or an API token."""
+    return bool(actor.is_staff and getattr(actor, "api_token", None) is None)
+
+
+def check_requests_per_second(value) -> int:
+    """A whole number of requests per second within 1..``MAX_REQUESTS_PER_SECOND``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_REQUESTS_PER_SECOND:
+        raise ValidationError(
+            {
+                "quota_requests_per_second": [
+                    f"Give a whole number of requests per second from 1 to {MAX_REQUESTS_PER_SECOND}, "
+                    f"not {value!r}."
+                ]
+            }
+        )
+    return value
+
+
+def set_request_rate_quota(*, actor, team: Team, requests_per_second: int) -> Team:
+    """Change the team's gateway rate limit; the gateway applies it at its next sync (the save pokes it)."""
+    if not may_change_quotas(actor):
+        raise PermissionDenied("Only platform staff change a team's quotas.")
+    requests_per_second = check_requests_per_second(requests_per_second)
+    with transaction.atomic():
+        team = Team.objects.select_for_update().get(pk=team.pk)
+        old = team.quota_requests_per_second
+        if old == requests_per_second:
+            return team
+        team.quota_requests_per_second = requests_per_second
+        team.save(update_fields=["quota_requests_per_second"])
+        record(
+            actor=actor,
+            team=team,
+            action="team.quota_changed",
+            target=team,
+            details={"quota": "requests_per_second", "from": old, "to": requests_per_second},
+        )
+    return team
+
+
 def _find_user(identifier: str):
     identifier = identifier.strip()
     user = (
