@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from apps.gateway.haproxy import GatewayState, HAProxyProcess, Options, Server, write_files  # noqa: E402
+from apps.gateway.haproxy import GatewayState, HAProxyProcess, Options, Route, Server, Slots, write_files  # noqa: E402
 from backend_ge import examples  # noqa: E402
 from backend_ge.runtime import API_KEY_HEADER, GRPC_API_KEY_HEADER, TritonServer, free_port  # noqa: E402
 
@@ -131,11 +131,14 @@ def measure(port: int, request: bytes, concurrency: int, requests: int, cpu_pid:
     }
 
 
+SLOTS = Slots(64, {"s0": "d1"})  # as the platform renders it: a pool of slots, one taken
+
+
 def gateway_state(key: str, triton_port: int, tokens: int, token: tuple[str, str]) -> GatewayState:
     state = GatewayState(
         backends={"d1": (Server(key, "127.0.0.1", triton_port),)},
-        checked_models={"d1": MODEL},
-        routes={MODEL: "bench/d1/1"},
+        checks={"d1": f"{MODEL}/versions/1"},
+        routes={MODEL: Route("bench", "d1", 1)},
         limits={"bench": "1000000"},
     )
     for _ in range(tokens - 1):
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         default_limit=1_000_000, threads=args.threads,
     )  # fmt: skip
     gateway = HAProxyProcess(options)
-    write_files(gateway_state(key, server.http_port, 10_000, token), options)
+    write_files(gateway_state(key, server.http_port, 10_000, token), SLOTS, options)
     gateway.start()
     report: dict = {"threads": args.threads, "tokens_in_map": 10_000, "runs": {}}
     try:
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             report["runs"][f"c{concurrency}"] = summary
         # Token lookup: the same gateway with 1 token in the map instead of 10,000.
-        write_files(gateway_state(key, server.http_port, 1, token), options)
+        write_files(gateway_state(key, server.http_port, 1, token), SLOTS, options)
         gateway.reload()
         time.sleep(1.5)
         pid = gateway.admin.worker_pid()

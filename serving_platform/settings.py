@@ -385,6 +385,9 @@ GATEWAY_HAPROXY = env_str("GATEWAY_HAPROXY") or "haproxy"
 GATEWAY_THREADS = env_int("GATEWAY_THREADS", 1, minimum=1)
 GATEWAY_SYNC_INTERVAL_MS = env_int("GATEWAY_SYNC_INTERVAL_MS", 1000, minimum=50)
 GATEWAY_CHECK_INTERVAL_MS = env_int("GATEWAY_CHECK_INTERVAL_MS", 500, minimum=100)
+# Deployments (and rollout canaries) take pre-declared backend slots at run time; the pool grows by this many,
+# with a graceful reload, only when every slot is taken.
+GATEWAY_SLOT_CHUNK = env_int("GATEWAY_SLOT_CHUNK", 64, minimum=1)
 # Team.quota_requests_per_second of a new team.
 GATEWAY_DEFAULT_REQUESTS_PER_SECOND = env_int("GATEWAY_DEFAULT_REQUESTS_PER_SECOND", 1000, minimum=1)
 

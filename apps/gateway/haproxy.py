@@ -10,11 +10,18 @@ state into files and runtime commands. Everything a tenant sends is checked in H
    ``<prefix>:<sha256>`` looked up in ``tokens.map`` (value ``<team>:<expires epoch>``). Missing, wrong,
    revoked (not in the map) or expired: 401.
 4. The team's request rate (stick table, ``http_req_rate(1s)``) against ``limits.map``: 429.
-5. ``models.map`` gives ``<team>/<backend>/<version>`` for a served model; another team's model is the same 404
-   as an unknown one. Unversioned requests are pinned to ``<version>`` (0: not pinned, during a switch).
-6. The request goes to the deployment's backend (least connections over its healthy placements) with the
+5. ``models.map`` gives ``<team>/<deployment>/<slot>/<version>/<canary slot>/<canary version>/<weight>`` for a
+   served model (:class:`Route`); another team's model is the same 404 as an unknown one. Unversioned requests
+   are pinned to ``<version>`` (0: not pinned, during a switch), or to the canary version for ``<weight>`` %
+   of them during a rollout.
+6. The request goes to the deployment's slot backend (least connections over its healthy placements) with the
    client's ``Authorization`` removed and the instance key added (the server's name *is* the key, sent by
-   ``http-send-name-header``, so a redispatch to another instance carries that instance's key).
+   ``http-send-name-header``, so a redispatch to another instance carries that instance's key; names appear
+   only on the admin socket, never in a response or in the exporter).
+
+No reload for deploy, switch, undeploy, placements or instance deaths: deployments live in a pool of
+pre-declared backends (:class:`Slots`), servers are added and removed over the admin socket, and each slot's
+health check reads its path from ``checks.map``. ``apps.gateway.runtime`` computes the commands.
 """
 
 from __future__ import annotations
@@ -64,37 +71,146 @@ class Server:
     check_port: int = 0  # health checks go here when set (gRPC servers are checked over HTTP)
 
 
+@dataclass(frozen=True)
+class Route:
+    """Where a model's requests go. ``backend`` and ``canary_backend`` are logical names (``d<id>``,
+    ``d<id>c``) that :class:`Slots` turns into HAProxy backends. ``version``: the version unversioned requests
+    are pinned to (0: not pinned, during a switch). During a live rollout, ``canary_weight`` % of unversioned
+    requests (one ``rand()`` draw) and every request naming ``canary_version`` go to ``canary_backend``."""
+
+    team: str
+    backend: str
+    version: int
+    canary_backend: str = ""
+    canary_version: int = 0
+    canary_weight: int = 0
+
+    def render(self, slots: Slots) -> str:
+        # Field 2 is the deployment's key (apps.gateway.metrics counts by it), field 3 the slot.
+        canary = slots.slot_of(self.canary_backend) if self.canary_backend else "-"
+        weight = self.canary_weight if self.canary_backend else 0
+        return "/".join(
+            (self.team, deployment_key(self.backend), slots.slot_of(self.backend), str(self.version),
+             canary, str(self.canary_version if self.canary_backend else 0), str(weight))
+        )  # fmt: skip
+
+
+def deployment_key(logical: str) -> str:
+    """``d12`` for both ``d12`` and its canary backend ``d12c``."""
+    return logical.removesuffix("c")
+
+
 @dataclass
 class GatewayState:
-    """Everything the gateway routes by. ``backends`` and ``grpc_backends`` are the structure (a change needs a
-    reload); the rest changes at run time."""
+    """Everything the gateway routes by, with logical backend names. Only the set of ``grpc_backends`` is
+    structure (a change needs a reload); HTTP backends live in pre-declared slots (:class:`Slots`), and every
+    server, weight, health-check path and map entry changes at run time."""
 
     backends: dict[str, tuple[Server, ...]] = field(default_factory=dict)
     grpc_backends: dict[str, tuple[Server, ...]] = field(default_factory=dict)
     # (backend, server key) -> weight; 0 means out of rotation (maintenance).
     weights: dict[tuple[str, str], int] = field(default_factory=dict)
-    routes: dict[str, str] = field(default_factory=dict)  # model -> "<team>/<backend>/<version>"
+    routes: dict[str, Route] = field(default_factory=dict)  # model -> route
     grpc_routes: dict[str, str] = field(default_factory=dict)  # team -> grpc backend
-    # backend -> the model it serves: its servers are checked with that model's readiness, so an instance
-    # that restarted without the model (or lost it) is out of rotation until the agent loaded it again.
-    checked_models: dict[str, str] = field(default_factory=dict)
+    # backend -> what its servers' health check asks Triton: ``<model>`` or ``<model>/versions/<n>`` (ready),
+    # so an instance that restarted without the model (or lost it) is out of rotation until it has it again.
+    checks: dict[str, str] = field(default_factory=dict)
     tokens: dict[str, str] = field(default_factory=dict)  # "<prefix>:<sha256>" -> "<team>:<expires>"
     limits: dict[str, str] = field(default_factory=dict)  # team -> requests per second
 
     def structure(self) -> tuple:
-        return (
-            sorted(self.backends.items()),
-            sorted(self.grpc_backends.items()),
-            sorted(self.checked_models.items()),
-        )
+        return tuple(sorted(self.grpc_backends))
 
-    def maps(self) -> dict[str, dict[str, str]]:
+    def maps(self, slots: Slots) -> dict[str, dict[str, str]]:
+        """The map files HAProxy reads (all changeable at run time), with slot names for backends."""
         return {
             "tokens": self.tokens,
-            "models": self.routes,
+            "models": {model: route.render(slots) for model, route in self.routes.items()},
             "limits": self.limits,
             "grpc": self.grpc_routes,
+            "checks": {slots.slot_of(name): check for name, check in self.checks.items()},
         }
+
+    def servers(self, slots: Slots) -> dict[str, dict[str, Server]]:
+        """HAProxy backend -> {server name: server}, for every backend that has servers."""
+        out = {slots.slot_of(name): {s.key: s for s in servers} for name, servers in self.backends.items()}
+        out.update({name: {s.key: s for s in servers} for name, servers in self.grpc_backends.items()})
+        return out
+
+    def server_weights(self, slots: Slots) -> dict[tuple[str, str], int]:
+        return {
+            (name if name in self.grpc_backends else slots.slot_of(name), key): weight
+            for (name, key), weight in self.weights.items()
+        }
+
+
+SLOT = re.compile(r"^s(\d+)$")
+LOGICAL = re.compile(r"^d\d+c?$")
+
+
+@dataclass
+class Slots:
+    """The pool of pre-declared HTTP backends ``s0`` .. ``s<size-1>`` and which logical backend owns each.
+
+    Adding a backend at run time is not possible in HAProxy 2.6 (servers are: ``add server``), so a new
+    deployment (or a rollout's canary) takes a free slot at run time; only an exhausted pool grows, by
+    ``chunk`` slots, with a reload. The assignment is written to ``slots.map`` and read back on a restart.
+    """
+
+    size: int
+    owners: dict[str, str] = field(default_factory=dict)  # slot -> logical backend
+
+    def slot_of(self, logical: str) -> str:
+        for slot, owner in self.owners.items():
+            if owner == logical:
+                return slot
+        raise KeyError(f"no slot holds {logical}")
+
+    def names(self) -> list[str]:
+        return [f"s{i}" for i in range(self.size)]
+
+    def assign(self, logicals: Iterable[str], unavailable: Iterable[str], chunk: int) -> Slots:
+        """Keep every owner still wanted; give each new logical backend a free slot (never one in
+        ``unavailable``: freed in this sync or still draining), after the highest one in use so a freed slot is
+        reused as late as possible; grow by ``chunk`` when none is left."""
+        wanted = set(logicals)
+        owners = {slot: owner for slot, owner in self.owners.items() if owner in wanted}
+        missing = sorted(wanted - set(owners.values()), key=lambda n: (int(n[1:].rstrip("c")), n))
+        blocked = set(owners) | set(unavailable)
+        size = self.size
+        cursor = max((int(slot[1:]) for slot in owners), default=-1)
+        for logical in missing:
+            free = [i for i in range(size) if f"s{i}" not in blocked]
+            if not free:
+                free, size = list(range(size, size + chunk)), size + chunk
+            index = min(free, key=lambda i: (i <= cursor, i))
+            owners[f"s{index}"] = logical
+            blocked.add(f"s{index}")
+            cursor = index
+        return Slots(size, owners)
+
+    def render(self) -> str:
+        return "".join(f"{slot} {owner}\n" for slot, owner in sorted(self.owners.items(), key=_slot_order))
+
+    @classmethod
+    def read(cls, path: Path, chunk: int) -> Slots:
+        """The assignment a previous run wrote (anything unreadable is skipped: slots are only an optimisation
+        of names, the database decides what is routed)."""
+        owners = {}
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            lines = []
+        for line in lines:
+            parts = line.split()
+            if len(parts) == 2 and SLOT.match(parts[0]) and LOGICAL.match(parts[1]):
+                owners[parts[0]] = parts[1]
+        highest = max((int(slot[1:]) for slot in owners), default=-1)
+        return cls(max(chunk, -(-(highest + 1) // chunk) * chunk), owners)
+
+
+def _slot_order(item: tuple[str, str]) -> int:
+    return int(item[0][1:])
 
 
 @dataclass(frozen=True)
@@ -137,19 +253,27 @@ def _grpc_error(code: int, message: str) -> str:
     return f'http-request return status 200 hdr grpc-status {code} hdr grpc-message "{message}"'
 
 
-def _server_lines(
-    servers: Iterable[Server], weights: dict[tuple[str, str], int], backend: str, extra: str
-) -> list[str]:
+def server_options(server: Server, o: Options, weight: int) -> str:
+    """Everything after the name on a ``server`` line, and in an ``add server`` command (dynamic servers do
+    not inherit ``default-server``): the same server whether it came from the file or the admin socket."""
+    if not SERVER_NAME.match(server.key):
+        raise GatewayError(f"instance key of {server.address}:{server.port} is not usable as a server name")
+    inter = o.check_interval_ms
+    options = (
+        f"{server.address}:{server.port} weight {weight or 100}"
+        f" check inter {inter}ms fastinter {max(inter // 2, 100)}ms downinter {inter}ms rise 2 fall 2"
+    )
+    if server.check_port:  # gRPC: h2 to Triton, checked over its HTTP port
+        options += f" proto h2 port {server.check_port} check-proto h1"
+    return options
+
+
+def _server_lines(servers: Iterable[Server], weights: dict[tuple[str, str], int], backend: str, o: Options):
     lines = []
     for server in servers:
-        if not SERVER_NAME.match(server.key):
-            raise GatewayError(
-                f"instance key of {server.address}:{server.port} is not usable as a server name"
-            )
         weight = weights.get((backend, server.key), 100)
-        state = f" weight {weight}" if weight else " weight 100 disabled"
-        port = f" port {server.check_port} check-proto h1" if server.check_port else ""
-        lines.append(f"    server {server.key} {server.address}:{server.port}{state}{extra}{port}")
+        disabled = "" if weight else " disabled"
+        lines.append(f"    server {server.key} {server_options(server, o, weight)}{disabled}")
     return lines
 
 
@@ -185,7 +309,7 @@ def _count(stage: int, *counters: int) -> list[str]:
     return [f"    http-request sc-inc-gpc({stage},{sc})" for sc in counters]
 
 
-def render_config(state: GatewayState, o: Options) -> str:
+def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
     inter = o.check_interval_ms
     lines = [
         "# Written by the platform (apps.gateway) from its database; edits are overwritten.",
@@ -223,6 +347,8 @@ def render_config(state: GatewayState, o: Options) -> str:
         "",
         "frontend stats",
         f"    bind {o.stats_bind}",
+        # Server names are instance keys: the exporter shows frontends and backends only.
+        "    http-request set-query scope=global&scope=frontend&scope=backend",
         "    http-request use-service prometheus-exporter if { path /metrics }",
         "    http-request return status 404",
         "",
@@ -278,8 +404,9 @@ def render_config(state: GatewayState, o: Options) -> str:
         "    http-request set-var(txn.model) path,field(4,/)",
         f"    http-request set-var(txn.route) var(txn.model),map({o.map_file('models')})",
         "    http-request set-var(txn.rteam) var(txn.route),field(1,/)",
-        "    http-request set-var(txn.backend) var(txn.route),field(2,/)",
-        "    http-request set-var(txn.version) var(txn.route),field(3,/)",
+        # <team>/<deployment>/<slot>/<version>/<canary slot>/<canary version>/<canary weight> (Route.render)
+        "    http-request set-var(txn.backend) var(txn.route),field(3,/)",
+        "    http-request set-var(txn.version) var(txn.route),field(4,/)",
         "    acl own_model var(txn.rteam),strcmp(txn.team) eq 0",
         "    http-request return status 404 content-type application/json lf-string "
         """"{\\"error\\":\\"Request for unknown model: '%[var(txn.model)]' is not found\\"}" if !own_model""",
@@ -287,6 +414,16 @@ def render_config(state: GatewayState, o: Options) -> str:
         "    http-response sc-inc-gpc(5,1) if { status 404 }",
         "    http-response sc-inc-gpc(5,2) if { status 404 }",
         "    acl explicit_version path_reg ^/v2/models/[^/]+/versions/",
+        # Canary split: rand() is drawn once into a variable (an ACL using rand() twice would draw twice).
+        # Unversioned: to the canary with probability weight/100 (rand(100) is 0..99, so 0 and 100 are exact);
+        # naming the canary version: to the canary's slot, whose servers are the placements serving it.
+        "    http-request set-var(txn.cweight) var(txn.route),field(7,/)",
+        "    http-request set-var(txn.cversion) var(txn.route),field(6,/)",
+        "    http-request set-var(txn.draw) rand(100)",
+        "    http-request set-var(txn.canary) int(1) if !explicit_version { var(txn.draw),sub(txn.cweight) lt 0 }",
+        "    http-request set-var(txn.canary) int(1) if explicit_version { path,field(6,/),strcmp(txn.cversion) eq 0 }",
+        "    http-request set-var(txn.backend) var(txn.route),field(5,/) if { var(txn.canary) -m found }",
+        "    http-request set-var(txn.version) var(txn.cversion) if { var(txn.canary) -m found }",
         "    acl pinned var(txn.version) -m int gt 0",
         "    http-request set-var(txn.tail) path,regsub('^/v2/models/[^/]+','')",
         "    http-request set-uri /v2/models/%[var(txn.model)]/versions/%[var(txn.version)]%[var(txn.tail)] if pinned !explicit_version",
@@ -328,30 +465,32 @@ def render_config(state: GatewayState, o: Options) -> str:
         "    use_backend %[var(txn.backend)]",
         "",
     ]
-    check = f" check inter {inter}ms fastinter {max(inter // 2, 100)}ms downinter {inter}ms rise 2 fall 2"
-    for model in state.checked_models.values():
-        if not re.fullmatch(MODEL_NAME, model):
-            raise GatewayError(f"{model!r} is not a platform model name")
-    for name, servers in sorted(state.backends.items()):
+    for check in state.checks.values():
+        if not re.fullmatch(rf"{MODEL_NAME}(/versions/[1-9][0-9]{{0,8}})?", check):
+            raise GatewayError(f"{check!r} is not a platform model name (and version)")
+    servers, weights = state.servers(slots), state.server_weights(slots)
+    checks = o.map_file("checks")
+    for name in slots.names():
         lines += [
             f"backend {name}",
             "    balance leastconn",
-            f"    option httpchk GET /v2/models/{state.checked_models[name]}/ready"
-            if name in state.checked_models
-            else "    option httpchk GET /v2/health/ready",
+            # The slot's servers are checked with the readiness of the model (version) it serves now:
+            # the path comes from checks.map, which changes at run time with the slot's owner.
+            "    option httpchk",
+            f"    http-check send meth GET uri-lf /v2/models/%[str({name}),map({checks},-)]/ready",
             "    http-check expect status 200",
             f"    http-send-name-header {o.key_header}",
-            *_server_lines(servers, state.weights, name, check),
+            *_server_lines(sorted(servers.get(name, {}).values()), weights, name, o),
             "",
         ]
-    for name, servers in sorted(state.grpc_backends.items()):
+    for name in sorted(state.grpc_backends):
         lines += [
             f"backend {name}",
             "    balance leastconn",
             f"    http-send-name-header {o.grpc_key_header}",
             "    option httpchk GET /v2/health/ready",
             "    http-check expect status 200",
-            *_server_lines(servers, state.weights, name, " proto h2" + check),
+            *_server_lines(sorted(servers[name].values()), weights, name, o),
             "",
         ]
     return "\n".join(lines) + "\n"
@@ -361,35 +500,13 @@ def render_map(entries: dict[str, str]) -> str:
     return "".join(f"{key} {value}\n" for key, value in sorted(entries.items()))
 
 
-def write_files(state: GatewayState, o: Options) -> None:
+def write_files(state: GatewayState, slots: Slots, o: Options) -> None:
     """Maps first, then the configuration: a restart at any moment comes back with a consistent state."""
     o.directory.mkdir(parents=True, exist_ok=True)
-    for name, entries in state.maps().items():
+    for name, entries in state.maps(slots).items():
         atomic_write(o.map_file(name), render_map(entries))
-    atomic_write(o.config_file, render_config(state, o))
-
-
-def runtime_commands(old: GatewayState, new: GatewayState, o: Options) -> list[str]:
-    """Admin-socket commands that turn the running ``old`` into ``new`` (same structure)."""
-    commands = []
-    for name, entries in new.maps().items():
-        before, path = old.maps()[name], o.map_file(name)
-        for key in sorted(before.keys() - entries.keys()):
-            commands.append(f"del map {path} {key}")
-        for key, value in sorted(entries.items()):
-            if key not in before:
-                commands.append(f"add map {path} {key} {value}")
-            elif before[key] != value:
-                commands.append(f"set map {path} {key} {value}")
-    for (backend, key), weight in sorted(new.weights.items()):
-        if old.weights.get((backend, key), 100) == weight:
-            continue
-        if weight:
-            commands.append(f"set server {backend}/{key} weight {weight}")
-            commands.append(f"set server {backend}/{key} state ready")
-        else:
-            commands.append(f"set server {backend}/{key} state maint")
-    return commands
+    atomic_write(o.map_file("slots"), slots.render())
+    atomic_write(o.config_file, render_config(state, slots, o))
 
 
 class AdminSocket:
@@ -417,6 +534,10 @@ class AdminSocket:
 
     def ask(self, command: str) -> str:
         return self.run([command])[0]
+
+    def each(self, commands: list[str]) -> list[str]:
+        """One answer per command, in order (one connection each: an empty answer is not always a line)."""
+        return [self.ask(command).strip() for command in commands]
 
     def worker_pid(self) -> int | None:
         try:

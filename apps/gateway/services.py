@@ -1,8 +1,10 @@
 """Keep a running HAProxy in line with the database, without dropping requests.
 
 Each sync renders the desired state, writes the files (so a restart comes back in the same state) and then
-applies the difference: map entries, weights and server states over the admin socket; a graceful reload only
-when the set of backends or servers changed. Pokes (a datagram on ``poke.sock``) make the loop sync at once
+applies the difference over the admin socket: map entries, servers added and deleted, weights and states.
+Deployments live in pre-declared backend slots, so deploy, switch, undeploy, placements, rollouts and instance
+deaths never reload; a graceful reload happens only when the slot pool is exhausted (it grows by
+``GATEWAY_SLOT_CHUNK``), when a team's gRPC backend appears or goes, or when HAProxy refused a runtime change. Pokes (a datagram on ``poke.sock``) make the loop sync at once
 after a deploy, switch, undeploy or token change; otherwise it syncs every ``GATEWAY_SYNC_INTERVAL_MS``.
 """
 
@@ -21,16 +23,16 @@ from apps.gateway.haproxy import (
     GatewayState,
     HAProxyProcess,
     Options,
-    runtime_commands,
+    Slots,
     write_files,
 )
+from apps.gateway.runtime import Plan, runtime_plan
 from apps.gateway.state import desired_state, options
 
 log = logging.getLogger(__name__)
 
 # More changes than this at once (e.g. thousands of tokens created by a script) go through a reload.
 MAX_RUNTIME_COMMANDS = 500
-_BATCH = 50
 
 
 def poke_socket_path() -> Path:
@@ -61,19 +63,27 @@ def find_haproxy(binary: str | None = None) -> str:
 
 
 class Gateway:
-    """HAProxy plus the state it was last given."""
+    """HAProxy plus the state and slot assignment it was last given, and the servers still draining."""
 
     def __init__(self, o: Options | None = None, binary: str | None = None) -> None:
         self.o = o or options()
         self.process = HAProxyProcess(self.o, find_haproxy(binary))
         self.applied: GatewayState | None = None
+        self.slots = Slots(settings.GATEWAY_SLOT_CHUNK)
+        self.draining: set[tuple[str, str]] = set()
         self.reloads = 0
+
+    def _assign(self, state: GatewayState, previous: Slots, unavailable: set[str]) -> Slots:
+        return previous.assign(state.backends, unavailable, settings.GATEWAY_SLOT_CHUNK)
 
     def start(self) -> None:
         state = desired_state()
-        write_files(state, self.o)
+        # The slots a previous run used (written beside the config): a restart keeps every deployment's slot.
+        previous = Slots.read(self.o.map_file("slots"), settings.GATEWAY_SLOT_CHUNK)
+        slots = self._assign(state, previous, set())
+        write_files(state, slots, self.o)
         self.process.start()
-        self.applied = state
+        self.applied, self.slots, self.draining = state, slots, set()
 
     def sync(self) -> str:
         """Bring HAProxy to the database's state; returns what it did: unchanged, runtime or reloaded."""
@@ -81,30 +91,44 @@ class Gateway:
         if self.applied is None or not self.process.running():
             self.start()
             return "started"
-        if state == self.applied:
+        if state == self.applied and not self.draining:
             return "unchanged"
-        write_files(state, self.o)
-        commands = runtime_commands(self.applied, state, self.o)
-        if state.structure() != self.applied.structure() or len(commands) > MAX_RUNTIME_COMMANDS:
-            self.process.reload()
-            self.reloads += 1
-            self.applied = state
-            return "reloaded"
-        errors = self._run(commands)
+        # A slot freed now, or with servers still draining, is not given to anyone in this sync.
+        freed = {slot for slot, owner in self.slots.owners.items() if owner not in state.backends}
+        slots = self._assign(state, self.slots, freed | {backend for backend, _ in self.draining})
+        write_files(state, slots, self.o)
+        if state.structure() != self.applied.structure() or slots.size != self.slots.size:
+            return self._reload(state, slots)
+        plan = runtime_plan(self.applied, self.slots, state, slots, self.o, self.draining)
+        if len(plan.commands) > MAX_RUNTIME_COMMANDS:
+            return self._reload(state, slots)
+        errors = self._run(plan, state.servers(slots))
+        self.applied, self.slots = state, slots
         if errors:
             # The files already hold the new state: a reload applies it whatever the socket refused.
             log.warning("runtime changes refused (%s); reloading", "; ".join(errors[:3]))
-            self.process.reload()
-            self.reloads += 1
-        self.applied = state
+            return self._reload(state, slots)
         return "runtime"
 
-    def _run(self, commands: list[str]) -> list[str]:
+    def _reload(self, state: GatewayState, slots: Slots) -> str:
+        self.process.reload()
+        self.reloads += 1
+        self.applied, self.slots, self.draining = state, slots, set()
+        return "reloaded"
+
+    def _run(self, plan: Plan, wanted: dict[str, dict]) -> list[str]:
         errors = []
-        for start in range(0, len(commands), _BATCH):
-            batch = commands[start : start + _BATCH]
-            answers = self.process.admin.run(batch)
-            errors += [answer.strip() for answer in answers if answer.strip()]
+        answers = self.process.admin.each([command.text for command in plan.commands])
+        for command, answer in zip(plan.commands, answers, strict=True):
+            if command.deletes is not None:
+                if command.succeeded(answer) or answer.startswith("No such server"):
+                    self.draining.discard(command.deletes)
+                else:  # still has connections: in maintenance, deleted by a later sync
+                    self.draining.add(command.deletes)
+            elif not command.succeeded(answer):
+                errors.append(f"{command.text}: {answer}")
+        # A draining server that is wanted again was put back in rotation.
+        self.draining = {(b, k) for b, k in self.draining if k not in wanted.get(b, {})}
         return errors
 
     def stop(self) -> None:

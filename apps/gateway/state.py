@@ -1,9 +1,14 @@
 """What the gateway should route, read from the database: the one place that decides who reaches what.
 
-* A live deployment (not undeploying) is a backend ``d<id>`` with one server per placement, and a route
-  ``<team>/d<id>/<version>`` in ``models.map``. A placement is in rotation when its instance is READY and it serves
-  the version clients are pinned to; during a switch (the only time two versions are served) requests are not
-  pinned and every placement that serves something stays in rotation, so no request meets a half-switched instance.
+* A live deployment (not undeploying) is a backend ``d<id>`` with one server per placement, and a route in
+  ``models.map``. A placement is in rotation when its instance is READY and it serves the version clients are
+  pinned to; during a switch requests are not pinned and every placement that serves something stays in
+  rotation, so no request meets a half-switched instance. Servers are checked with the readiness of the pinned
+  version (of the model, during a switch).
+* During a live rollout (RUNNING or PAUSED) unversioned requests are pinned to the stable version, except
+  ``current_weight`` % of them that go to the canary backend ``d<id>c``: only the placements whose agent reports
+  serving the canary, checked with the canary version's readiness. While none of them is in rotation the weight
+  is 0, so no request waits for a canary that is not there.
 * Tokens that may infer: every active team token whose creator is still an active member (read-only ones too,
   as viewers may run models), and inference-only tokens. Expired tokens stay in the map with their expiry so
   the gateway can say so; revoked ones are removed.
@@ -13,15 +18,22 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 from django.conf import settings
 from django.db.models import F
 from django.utils import timezone
 
-from apps.deployments.models import Deployment, DeploymentState, PlacementState
+from apps.deployments.models import (
+    Deployment,
+    DeploymentInstance,
+    DeploymentState,
+    PlacementState,
+    Rollout,
+)
 from apps.fleet.models import InstanceState, TritonInstance
-from apps.gateway.haproxy import NEVER_EXPIRES, GatewayState, Options, Server
+from apps.gateway.haproxy import NEVER_EXPIRES, GatewayState, Options, Route, Server
 from apps.teams.models import ApiToken, Team
 from backend_ge.runtime import API_KEY_HEADER, GRPC_API_KEY_HEADER
 
@@ -47,6 +59,10 @@ def backend_name(deployment_id: int) -> str:
     return f"d{deployment_id}"
 
 
+def canary_backend_name(deployment_id: int) -> str:
+    return f"d{deployment_id}c"
+
+
 def grpc_backend_name(team_id: int) -> str:
     return f"g{team_id}"
 
@@ -59,34 +75,79 @@ def _routed_version(deployment: Deployment) -> int | None:
     return version.number if version is not None else None
 
 
+def _in_rotation(placement: DeploymentInstance, version: int) -> bool:
+    """READY instance serving ``version`` (0: serving anything, during a switch)."""
+    served = placement.served_version
+    return (
+        placement.instance.state == InstanceState.READY
+        and served is not None
+        and (version == 0 or served.number == version)
+    )
+
+
+def _canary_servers(
+    state: GatewayState, name: str, placements: list[DeploymentInstance], rollout: Rollout
+) -> int:
+    """The canary backend: only the placements that report serving the rollout's canary (so a canary-routed
+    request never meets an instance without it). Returns how many are in rotation."""
+    servers, in_rotation = [], 0
+    for placement in placements:
+        if placement.canary_version_id != rollout.canary_version_id:
+            continue
+        instance = placement.instance
+        server = Server(instance.api_key, instance.host.address, instance.http_port)
+        servers.append(server)
+        ready = instance.state == InstanceState.READY and placement.state == PlacementState.READY
+        state.weights[(name, server.key)] = 100 if ready else 0
+        in_rotation += ready
+    if servers:
+        state.backends[name] = tuple(sorted(servers))
+    return in_rotation
+
+
 def _add_http_routes(state: GatewayState) -> None:
     deployments = (
         Deployment.objects.exclude(state__in=(DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED))
         .select_related("team", "model", "active_version", "target_version")
         .prefetch_related("placements__instance__host", "placements__served_version")
     )
+    rollouts = {
+        rollout.deployment_id: rollout
+        for rollout in Rollout.objects.live().select_related("stable_version", "canary_version")
+    }
     for deployment in deployments:
         version = _routed_version(deployment)
         if version is None:
             continue
+        model = deployment.triton_model_name()
         name = backend_name(deployment.pk)
+        placements = [p for p in deployment.placements.all() if p.state != PlacementState.UNLOADED]
+        rollout = rollouts.get(deployment.pk)
+        if rollout is not None and version:
+            version = rollout.stable_version.number
         servers = []
-        for placement in deployment.placements.all():
-            if placement.state == PlacementState.UNLOADED:
-                continue
+        for placement in placements:
             instance = placement.instance
             server = Server(instance.api_key, instance.host.address, instance.http_port)
             servers.append(server)
-            served = placement.served_version
-            in_rotation = (
-                instance.state == InstanceState.READY
-                and served is not None
-                and (version == 0 or served.number == version)
-            )
-            state.weights[(name, server.key)] = 100 if in_rotation else 0
+            state.weights[(name, server.key)] = 100 if _in_rotation(placement, version) else 0
         state.backends[name] = tuple(sorted(servers))
-        state.checked_models[name] = deployment.triton_model_name()
-        state.routes[deployment.triton_model_name()] = f"{deployment.team.slug}/{name}/{version}"
+        state.checks[name] = f"{model}/versions/{version}" if version else model
+        route = Route(deployment.team.slug, name, version)
+        if rollout is not None and version:
+            canary = canary_backend_name(deployment.pk)
+            ready = _canary_servers(state, canary, placements, rollout)
+            if canary in state.backends:
+                state.checks[canary] = f"{model}/versions/{rollout.canary_version.number}"
+                # No canary placement in rotation: unversioned requests all stay on the stable version.
+                weight = min(100, rollout.current_weight) if ready else 0
+                route = replace(
+                    route,
+                    canary_backend=canary,
+                    canary_version=rollout.canary_version.number,
+                    canary_weight=weight,
+                )
+        state.routes[model] = route
 
 
 def _add_grpc_routes(state: GatewayState) -> None:

@@ -21,6 +21,7 @@ from onnx import TensorProto, helper
 
 from apps.deployments.models import Deployment, DeploymentState
 from apps.fleet.models import InstanceState, TritonInstance
+from apps.gateway.haproxy import AdminSocket, Slots
 from apps.registry.models import ModelVersion, RegisteredModel, SourceFormat, VersionState
 from backend_ge.convert import prepare_onnx
 from backend_ge.runtime import free_port
@@ -212,7 +213,7 @@ class Load:
         self.statuses: Counter = Counter()
         self.failures: list[str] = []
         self.outputs: Counter = Counter()
-        self.reconnects = 0  # requests resent once after the gateway closed an idle keep-alive connection
+        self.closed_by_gateway = 0  # answers that came with "Connection: close" (none expected)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
@@ -235,34 +236,27 @@ class Load:
         return sum(self.statuses.values())
 
     def _run(self) -> None:
+        # A plain keep-alive client: no resend, no retry. Every request that did not get a 200 is a failure.
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.token}"}
         path = f"/v2/models/{self.model}/infer"
-        connection, used = self._connect(), 0
+        connection = self._connect()
         while not self._stop.is_set() and time.monotonic() < self.deadline and self.total < self.max_requests:
-            for attempt in (1, 2):
-                try:
-                    connection.request("POST", path, body=INFER_BODY, headers=headers)
-                    response = connection.getresponse()
-                    raw, status = response.read(), response.status
-                    used += 1
-                    break
-                except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
-                    # A reload's old worker closes idle keep-alive connections; a request sent on one at that
-                    # moment got no answer and was never forwarded. Like Go's net/http with a server-closed
-                    # idle connection, send it once more on a new connection (counted, and bounded).
+            try:
+                connection.request("POST", path, body=INFER_BODY, headers=headers)
+                response = connection.getresponse()
+                raw, status = response.read(), response.status
+                if response.will_close:  # counted below; the next request needs a new connection
                     connection.close()
-                    connection, reused, used = self._connect(), used > 0, 0
-                    status, raw = 0, repr(exc).encode()
-                    if not reused or attempt == 2:
-                        break
-                    with self._lock:
-                        self.reconnects += 1
-                except (OSError, http.client.HTTPException) as exc:
-                    connection.close()
-                    connection, used = self._connect(), 0
-                    status, raw = 0, repr(exc).encode()
-                    break
+                    connection = self._connect()
+                    status = -status
+            except (OSError, http.client.HTTPException) as exc:
+                connection.close()
+                connection = self._connect()
+                status, raw = 0, repr(exc).encode()
             with self._lock:
+                if status < 0:
+                    status = -status
+                    self.closed_by_gateway += 1
                 self.statuses[status] += 1
                 if status != 200:
                     self.failures.append(f"{status}: {raw[:200]!r}")
@@ -276,6 +270,29 @@ class Load:
     def wait_for_requests(self, count: int, timeout: float = 30) -> None:
         target = self.total + count
         wait_for(lambda: self.total >= target, timeout, f"{count} more requests ({self.statuses})")
+
+
+def slot_of(gateway: GatewayProcess, logical: str) -> str:
+    """The HAProxy backend (slot) that holds ``d<id>`` (or its canary ``d<id>c``) now."""
+    owners = Slots.read(gateway.directory / "slots.map", 1).owners
+    return next((slot for slot, owner in owners.items() if owner == logical), "absent")
+
+
+def server_status(gateway: GatewayProcess, logical: str, key: str) -> str:
+    """The server's status column (UP, DOWN, MAINT, ...) in HAProxy's own statistics."""
+    backend = slot_of(gateway, logical)
+    csv = AdminSocket(gateway.directory / "admin.sock").ask("show stat")
+    header = csv.splitlines()[0].lstrip("# ").split(",")
+    for line in csv.splitlines()[1:]:
+        row = dict(zip(header, line.split(","), strict=False))
+        if row.get("pxname") == backend and row.get("svname") == key:
+            return row["status"]
+    return "absent"
+
+
+def worker_pid(gateway: GatewayProcess) -> int | None:
+    """HAProxy's worker: a reload replaces it, so an unchanged pid means no reload happened."""
+    return AdminSocket(gateway.directory / "admin.sock").worker_pid()
 
 
 def output_of(answer: dict) -> list[float]:

@@ -1,4 +1,5 @@
-"""Requests through the gateway survive a killed instance, deploys, switches, undeploys and a gateway restart."""
+"""Requests through the gateway survive a killed instance, deploys, switches, undeploys and a gateway restart,
+with a plain keep-alive client (no resend, no retry) and without a single HAProxy reload."""
 
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ import pytest
 from apps.deployments import services as deployment_services
 from apps.deployments.models import Deployment, DeploymentState
 from apps.fleet.models import TritonInstance
-from apps.gateway.haproxy import AdminSocket
 from apps.registry.models import RegisteredModel
 from tests.conftest import wait_for
-from tests.gateway.conftest import Load, deploy, ready_instance, requires_haproxy
+from tests.gateway.conftest import Load, deploy, ready_instance, requires_haproxy, server_status, worker_pid
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 
@@ -25,17 +25,6 @@ def _no_rate_limit(team):
     # These tests measure failures under load, not the quota (test_http_gateway covers it).
     team.quota_requests_per_second = 1_000_000
     team.save()
-
-
-def server_status(gateway, backend: str, key: str) -> str:
-    """The server's status column (UP, DOWN, MAINT, ...) in HAProxy's own statistics."""
-    csv = AdminSocket(gateway.directory / "admin.sock").ask("show stat")
-    header = csv.splitlines()[0].lstrip("# ").split(",")
-    for line in csv.splitlines()[1:]:
-        row = dict(zip(header, line.split(","), strict=False))
-        if row.get("pxname") == backend and row.get("svname") == key:
-            return row["status"]
-    return "absent"
 
 
 def test_instance_killed_under_load_fails_no_request(
@@ -52,6 +41,7 @@ def test_instance_killed_under_load_fails_no_request(
     wait_for(lambda: server_status(gateway, backend, first.api_key) == "UP", 10, "host-a in rotation")
     wait_for(lambda: server_status(gateway, backend, second.api_key) == "UP", 10, "host-b in rotation")
     wait_for(lambda: gateway.infer("vision__scaler", secret)[0] == 200, 10, "the token to be known")
+    worker = worker_pid(gateway)
 
     with Load(gateway, "vision__scaler", secret, threads=4, max_requests=30_000, max_seconds=90) as load:
         load.wait_for_requests(300)
@@ -63,14 +53,17 @@ def test_instance_killed_under_load_fails_no_request(
         wait_for(lambda: server_status(gateway, backend, first.api_key).startswith(out), 2, "host-a out")
         assert time.monotonic() - killed_at <= 2.0
         load.wait_for_requests(300)
+        # The agent restarts the instance; it comes back into rotation at run time.
+        wait_for(lambda: server_status(gateway, backend, first.api_key) == "UP", 90, "host-a back")
+        load.wait_for_requests(100)
+    print(f"killed instance: {load.total} requests, statuses {dict(load.statuses)}")
     assert load.failures == [], load.failures[:5]
-    # HAProxy 2.6 occasionally closes a client's idle keep-alive connection when the server connection behind
-    # it is reset by the kill; the request was never forwarded and was resent (bounded, and counted).
-    assert load.reconnects <= 3, load.reconnects
-    assert load.statuses[200] >= 600
+    assert load.closed_by_gateway == 0
+    assert load.statuses[200] >= 700
+    assert worker_pid(gateway) == worker, "HAProxy was reloaded"
 
 
-def test_deploy_switch_and_undeploy_under_load_fail_no_request(
+def test_deploy_switch_and_undeploy_under_load_fail_no_request_and_never_reload(
     owner_client, owner, team, start_agent, make_scaler_version, start_gateway, make_token
 ):
     _, instance = ready_instance(start_agent, "host-a")
@@ -82,15 +75,33 @@ def test_deploy_switch_and_undeploy_under_load_fail_no_request(
     gateway = start_gateway()
     _, secret = make_token(name="load")
     wait_for(lambda: gateway.infer("vision__scaler", secret)[0] == 200, 10, "the first request")
+    worker = worker_pid(gateway)
 
-    with Load(gateway, "vision__scaler", secret, threads=3, max_requests=50_000, max_seconds=150) as load:
+    with Load(gateway, "vision__scaler", secret, threads=3, max_requests=50_000, max_seconds=200) as load:
         load.wait_for_requests(100)
-        # Deploying another model adds a backend: a graceful reload under load.
+        # Deploying another model takes a free backend slot and adds its servers at run time.
         second = deploy(owner_client, "vision", "other", 1, [instance])
-        wait_for(lambda: gateway.infer("vision__other", secret)[0] == 200, 10, "the new model's route")
+        wait_for(
+            lambda: gateway.infer("vision__other", secret)[1].get("outputs"), 10, "the new model's route"
+        )
+        assert gateway.infer("vision__other", secret)[1]["outputs"][0]["data"][0] == 5.0
         load.wait_for_requests(100)
 
-        # Switching the loaded model's version: the old one answers until the new one took over.
+        # Switching the other model's version: a map and weight change.
+        other2 = make_scaler_version(other, 7.0)
+        deployment_services.switch_version(actor=owner, deployment=second, version=other2)
+        wait_for(
+            lambda: Deployment.objects.filter(pk=second.pk, state=DeploymentState.SERVING, active_version=other2)
+            .exists(),
+            120,
+            "the other model's switch to version 2",
+        )  # fmt: skip
+        wait_for(
+            lambda: gateway.infer("vision__other", secret)[1].get("model_version") == "2", 10, "v2 routed"
+        )
+        load.wait_for_requests(100)
+
+        # Switching the loaded model's own version: the old one answers until the new one took over.
         version2 = make_scaler_version(scaler, 3.0)
         deployment_services.switch_version(actor=owner, deployment=deployment, version=version2)
         wait_for(
@@ -101,14 +112,15 @@ def test_deploy_switch_and_undeploy_under_load_fail_no_request(
         )  # fmt: skip
         wait_for(lambda: load.outputs[3.0] >= 50, 10, "answers from version 2")
 
-        # Undeploying the other model removes its backend: another reload.
+        # Undeploying the other model removes its route and deletes its servers at run time.
         deployment_services.undeploy(actor=owner, deployment=second)
         wait_for(lambda: gateway.infer("vision__other", secret)[0] == 404, 15, "the undeployed model's 404")
         load.wait_for_requests(100)
+    print(f"deploy/switch/undeploy: {load.total} requests, statuses {dict(load.statuses)}")
     assert load.failures == [], load.failures[:5]
-    # The two reloads (deploy, undeploy) close idle keep-alive connections: a few requests were resent.
-    assert load.reconnects <= 10, load.reconnects
+    assert load.closed_by_gateway == 0
     assert load.outputs[2.0] > 0 and load.outputs[3.0] > 0
+    assert worker_pid(gateway) == worker, "HAProxy was reloaded"
     # Pinned again once the switch finished: unversioned requests get the active version.
     status, answer = gateway.infer("vision__scaler", secret)
     assert status == 200 and answer["model_version"] == "2"
@@ -121,11 +133,14 @@ def test_gateway_restart_restores_every_route(
     for slug, scale in (("scaler", 2.0), ("other", 5.0)):
         model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)
         make_scaler_version(model, scale)
-        deploy(owner_client, "vision", slug, 1, [instance])
     _, secret = make_token(name="client")
     gateway = start_gateway()
+    # Deployed while the gateway runs: routes and servers added at run time must be in the files too.
+    for slug in ("scaler", "other"):
+        deploy(owner_client, "vision", slug, 1, [instance])
     for model in ("vision__scaler", "vision__other"):
         wait_for(lambda m=model: gateway.infer(m, secret)[0] == 200, 10, f"{model} through the gateway")
+    slots = (gateway.directory / "slots.map").read_text()
     gateway.stop()
     assert gateway.infer("vision__scaler", secret)[0] == 0  # nothing listens any more
 
@@ -142,7 +157,8 @@ def test_gateway_restart_restores_every_route(
         haproxy.terminate()
         haproxy.wait(10)
 
-    # ... and so does the gateway command, from the database.
+    # ... and so does the gateway command, from the database, keeping every deployment's slot.
     restarted = start_gateway()
     for model in ("vision__scaler", "vision__other"):
         wait_for(lambda m=model: restarted.infer(m, secret)[0] == 200, 10, f"{model} after the restart")
+    assert (restarted.directory / "slots.map").read_text() == slots

@@ -1,4 +1,4 @@
-"""The rendered HAProxy configuration and the runtime changes computed between two states."""
+"""The rendered HAProxy configuration, the slot pool and the runtime changes computed between two states."""
 
 from __future__ import annotations
 
@@ -8,25 +8,20 @@ from dataclasses import replace
 
 import pytest
 
-from apps.gateway.haproxy import (
-    GatewayError,
-    GatewayState,
-    Server,
-    render_config,
-    runtime_commands,
-    write_files,
-)
+from apps.gateway.haproxy import GatewayError, GatewayState, Route, Server, Slots, render_config, write_files
+from apps.gateway.runtime import runtime_commands, runtime_plan
 from apps.gateway.state import options
 
 KEY_A, KEY_B = "a" * 48, "b" * 48
+SLOTS = Slots(4, {"s0": "d1"})
 
 
 def state(**changes) -> GatewayState:
     base = GatewayState(
         backends={"d1": (Server(KEY_A, "127.0.0.1", 8100), Server(KEY_B, "127.0.0.1", 8200))},
-        checked_models={"d1": "vision__mlp"},
+        checks={"d1": "vision__mlp/versions/3"},
         weights={("d1", KEY_A): 100, ("d1", KEY_B): 100},
-        routes={"vision__mlp": "vision/d1/3"},
+        routes={"vision__mlp": Route("vision", "d1", 3)},
         tokens={"abcd1234:" + "0" * 64: "vision:32503680000"},
         limits={"vision": "5"},
     )
@@ -34,21 +29,29 @@ def state(**changes) -> GatewayState:
 
 
 def test_config_strips_client_credentials_and_keys_before_forwarding(tmp_path):
-    config = render_config(state(), replace(options(), directory=tmp_path))
+    config = render_config(state(), SLOTS, replace(options(), directory=tmp_path))
     frontend = config.split("frontend inference", 1)[1].split("frontend grpc", 1)[0]
     # The client's instance-key header goes first; its Authorization header before the request is routed.
     assert frontend.index("del-header x-ge-instance-key") < frontend.index("use_backend")
     assert frontend.index("http-request del-header authorization") < frontend.index("use_backend")
     assert "http-send-name-header x-ge-instance-key" in config
-    assert "option httpchk GET /v2/models/vision__mlp/ready" in config
-    # No token secret in clear anywhere: only hashes in the map.
-    write_files(state(), replace(options(), directory=tmp_path))
+    # Every slot is declared, checked with the path its owner has in checks.map.
+    for slot in ("s0", "s1", "s2", "s3"):
+        assert f"backend {slot}\n" in config
+        assert f"uri-lf /v2/models/%[str({slot}),map({tmp_path}/checks.map,-)]/ready" in config
+    # Only one rand() draw, stored in a variable.
+    assert frontend.count("rand(") == 1
+    # No token secret in clear anywhere: only hashes in the map; routes name the slot.
+    write_files(state(), SLOTS, replace(options(), directory=tmp_path))
     assert (tmp_path / "tokens.map").read_text() == f"abcd1234:{'0' * 64} vision:32503680000\n"
+    assert (tmp_path / "models.map").read_text() == "vision__mlp vision/d1/s0/3/-/0/0\n"
+    assert (tmp_path / "checks.map").read_text() == "s0 vision__mlp/versions/3\n"
+    assert Slots.read(tmp_path / "slots.map", 4) == SLOTS
 
 
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed")
 def test_haproxy_accepts_the_rendered_configuration(tmp_path):
-    write_files(state(), replace(options(), directory=tmp_path))
+    write_files(state(), SLOTS, replace(options(), directory=tmp_path))
     result = subprocess.run(
         ["haproxy", "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True
     )
@@ -60,19 +63,73 @@ def test_runtime_commands_change_maps_and_servers_without_a_reload(tmp_path):
     o = replace(options(), directory=tmp_path)
     new = state(
         tokens={"ffff0000:" + "1" * 64: "vision:32503680000"},
-        routes={"vision__mlp": "vision/d1/0"},
+        routes={"vision__mlp": Route("vision", "d1", 0)},
+        checks={"d1": "vision__mlp"},
         weights={("d1", KEY_A): 0, ("d1", KEY_B): 100},
     )
     assert new.structure() == state().structure()
-    commands = runtime_commands(state(), new, o)
+    commands = runtime_commands(state(), SLOTS, new, SLOTS, o)
     assert commands == [
-        f"del map {tmp_path}/tokens.map abcd1234:{'0' * 64}",
+        f"set server s0/{KEY_A} state maint",
+        f"set map {tmp_path}/checks.map s0 vision__mlp",
+        f"set map {tmp_path}/models.map vision__mlp vision/d1/s0/0/-/0/0",
         f"add map {tmp_path}/tokens.map ffff0000:{'1' * 64} vision:32503680000",
-        f"set map {tmp_path}/models.map vision__mlp vision/d1/0",
-        f"set server d1/{KEY_A} state maint",
+        f"del map {tmp_path}/tokens.map abcd1234:{'0' * 64}",
     ]
+
+
+def test_a_new_deployment_takes_a_free_slot_and_its_servers_are_added_at_run_time(tmp_path):
+    o = replace(options(), directory=tmp_path)
+    key_c = "c" * 48
+    new = state()
+    new.backends["d2"] = (Server(key_c, "127.0.0.1", 8300),)
+    new.weights[("d2", key_c)] = 100
+    new.checks["d2"] = "vision__other/versions/1"
+    new.routes["vision__other"] = Route("vision", "d2", 1)
+    slots = SLOTS.assign(new.backends, (), chunk=4)
+    assert slots == Slots(4, {"s0": "d1", "s1": "d2"})
+    commands = runtime_commands(state(), SLOTS, new, slots, o)
+    assert commands[:3] == [
+        f"add server s1/{key_c} 127.0.0.1:8300 weight 100 check inter 500ms fastinter 250ms downinter 500ms "
+        "rise 2 fall 2",
+        f"enable health s1/{key_c}",
+        f"set server s1/{key_c} state ready",
+    ]
+    assert commands[3:] == [
+        f"add map {tmp_path}/checks.map s1 vision__other/versions/1",
+        f"add map {tmp_path}/models.map vision__other vision/d2/s1/1/-/0/0",
+    ]
+    # Undeployed again: route first, then the server leaves (maintenance, then deleted).
+    plan = runtime_plan(new, slots, state(), SLOTS, o, set())
+    assert [c.text for c in plan.commands] == [
+        f"del map {tmp_path}/checks.map s1",
+        f"del map {tmp_path}/models.map vision__other",
+        f"set server s1/{key_c} state maint",
+        f"del server s1/{key_c}",
+    ]
+    assert plan.commands[-1].deletes == ("s1", key_c)
+
+
+def test_slots_keep_their_owner_skip_unavailable_ones_and_grow_in_chunks(tmp_path):
+    slots = Slots(2, {"s1": "d7"})
+    assert slots.assign(["d7", "d8"], (), 2).owners == {"s1": "d7", "s0": "d8"}
+    # A slot freed in this sync (or still draining) is not handed out: the pool grows instead.
+    grown = slots.assign(["d7", "d8"], {"s0"}, 2)
+    assert grown.size == 4 and grown.owners == {"s1": "d7", "s2": "d8"}
+    # After the highest slot in use first, so a freed slot is reused as late as possible.
+    assert Slots(4, {"s1": "d7"}).assign(["d7", "d9"], (), 4).owners == {"s1": "d7", "s2": "d9"}
+    # Read back after a restart: the pool is rounded up to whole chunks; junk lines are skipped.
+    (tmp_path / "slots.map").write_text("s5 d3\ns6 d3c\nbogus line\ns7 ../x\n")
+    assert Slots.read(tmp_path / "slots.map", 4) == Slots(8, {"s5": "d3", "s6": "d3c"})
+    assert Slots.read(tmp_path / "missing.map", 4) == Slots(4, {})
+
+
+def test_canary_route_renders_the_split(tmp_path):
+    slots = Slots(4, {"s0": "d1", "s2": "d1c"})
+    route = Route("vision", "d1", 3, canary_backend="d1c", canary_version=4, canary_weight=30)
+    assert route.render(slots) == "vision/d1/s0/3/s2/4/30"
 
 
 def test_a_model_name_outside_the_platform_alphabet_is_refused(tmp_path):
     with pytest.raises(GatewayError):
-        render_config(state(checked_models={"d1": "x/../y"}), replace(options(), directory=tmp_path))
+        render_config(state(checks={"d1": "x/../y"}), SLOTS, replace(options(), directory=tmp_path))
