@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from frontend import alerts, conversions, deployments, fleet, monitoring, registry, versions, views
+from frontend import alerts, conversions, deployments, fleet, monitoring, registry, rollouts, versions, views
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
@@ -71,6 +71,11 @@ urlpatterns = [
         "teams/<slug:team_slug>/deployments/<int:pk>/status/",
         deployments.DeploymentStatusView.as_view(),
         name="deployment-status",
+    ),
+    path(
+        "teams/<slug:team_slug>/deployments/<int:pk>/rollout/",
+        rollouts.RolloutPanelView.as_view(),
+        name="deployment-rollout",
     ),
     path(
         "teams/<slug:team_slug>/deployments/<int:pk>/playground/",
