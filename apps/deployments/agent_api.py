@@ -35,8 +35,8 @@ from apps.registry.models import ModelVersion
 
 # Deployments in these states want nothing served.
 GONE = (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED)
-EVENT_KINDS = {None, "serving", "reloaded"}
-RESULTS = {"started", "waiting", "loaded", "failed", "unloaded", "lost"}
+EVENT_KINDS = {None, "serving", "reloaded", "canary_unloaded"}
+RESULTS = {"started", "waiting", "loaded", "failed", "unloaded", "lost", "canary_loaded", "canary_failed"}
 
 _manifests: dict[tuple, list[dict]] = {}
 _manifests_lock = threading.Lock()
@@ -89,8 +89,10 @@ def placement_entry(placement: DeploymentInstance, canary_id: int | None, reused
         "state": placement.state,
         "undeploy": deployment.state in GONE,
         "target": target_id,
-        "rolling_out": deployment.target_version_id is not None,
-        "canary_target": canary_id,
+        "active": deployment.active_version_id,
+        "target_version": deployment.target_version_id,
+        # A live rollout's canary, served beside the active version - unless a switch is in flight.
+        "canary_target": None if deployment.target_version_id else canary_id,
         "served": placement.served_version_id,
         "canary": placement.canary_version_id,
         # Undeploying, but a newer live deployment of the same model uses the same Triton name here.
@@ -128,7 +130,7 @@ def version_entry(version: ModelVersion) -> dict:
 def placed_version_ids(entries: list[dict]) -> set[int]:
     ids = set()
     for entry in entries:
-        ids |= {entry[k] for k in ("target", "canary_target", "served", "canary") if entry[k]}
+        ids |= {entry[k] for k in ("target", "active", "canary_target", "served", "canary") if entry[k]}
     return ids
 
 
@@ -199,7 +201,13 @@ def placement_report(request, placement_id: int):
         raise BadReport(f"'result' must be one of {', '.join(sorted(RESULTS))}.")
     deployment = placement.deployment
     version = _version_of(deployment, body.get("version"), "version")
+    canary = _version_of(deployment, body.get("canary"), "canary")
+    still = _version_of(deployment, body.get("still_serving"), "still_serving")
     message, err = _message(body, "message"), _message(body, "error")
+    if result in ("loaded", "failed", "canary_loaded") and version is None:
+        raise BadReport(f"'version' is required for a '{result}' report.")
+    if result in ("canary_loaded", "canary_failed") and canary is None:
+        raise BadReport(f"'canary' is required for a '{result}' report.")
     if result == "started":
         accepted = services.placement_started(placement.pk, generation)
     elif result == "waiting":
@@ -207,16 +215,23 @@ def placement_report(request, placement_id: int):
     elif result == "loaded":
         kind = body.get("kind", "serving")
         if kind not in EVENT_KINDS:
-            raise BadReport("'kind' must be null, 'serving' or 'reloaded'.")
-        if version is None:
-            raise BadReport("'version' is required for a 'loaded' report.")
-        accepted = services.placement_loaded(placement.pk, generation, version, kind=kind, message=message)
+            raise BadReport(
+                f"'kind' must be null or one of {', '.join(sorted(k for k in EVENT_KINDS if k))}."
+            )
+        accepted = services.placement_loaded(
+            placement.pk, generation, version, kind=kind, message=message, canary=canary
+        )
     elif result == "failed":
-        if version is None:
-            raise BadReport("'version' is required for a 'failed' report.")
-        still = _version_of(deployment, body.get("still_serving"), "still_serving")
         accepted = services.placement_failed(
             placement.pk, generation, err, version=version, still_serving=still, message=message
+        )
+    elif result == "canary_loaded":
+        accepted = services.placement_canary_loaded(
+            placement.pk, generation, version, canary, message=message
+        )
+    elif result == "canary_failed":
+        accepted = services.placement_canary_failed(
+            placement.pk, generation, err, canary=canary, still_serving=still
         )
     elif result == "unloaded":
         accepted = services.placement_unloaded(placement.pk, generation, message)

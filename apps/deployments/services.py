@@ -28,15 +28,9 @@ from apps.registry.models import ModelVersion, RegisteredModel
 
 
 def _enqueue(placements: Iterable[DeploymentInstance]) -> None:
-    """Hand each placement's latest decision to its host's agent, with the generation it was made at."""
-    from apps.fleet.tasks import apply_placement
-
-    placements = list(placements)
+    """Hand each placement's latest decision to its host's agent: the host's desired generation goes up, and
+    its agent's next poll of the desired state (within a second) fetches the decision with its generation."""
     notify_hosts({placement.instance.host_id for placement in placements})
-    for placement in placements:
-        apply_placement.apply_async(
-            args=[placement.pk, placement.generation], queue=placement.instance.host.queue
-        )
 
 
 def _decide(placements: list[DeploymentInstance], **fields) -> list[DeploymentInstance]:

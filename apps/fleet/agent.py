@@ -1,15 +1,19 @@
-"""The host agent's supervisor: runs this host's Triton + GE instances and keeps them as the database says.
+"""The host agent's supervisor: runs this host's Triton + GE instances and keeps them as the platform wants.
 
-One ``HostAgent`` per host process (``manage.py hostagent --name NAME``). A supervisor thread starts the
-instances the platform wants running, restarts a crashed ``tritonserver`` with exponential backoff, and
-quarantines an instance that crashes too often; a heartbeat thread reports the host's facts, NPU inventory
-and instance states every 10 s; the reconcile step (after every start, every few seconds, and on demand)
-makes each instance's loaded models match the deployments placed on it (``apps.fleet.placement``).
+One ``HostAgent`` per host process (``manage.py hostagent --platform URL``). It holds the platform's URL and
+this host's credential, nothing else: no database, no broker. A poll thread fetches the desired state over the
+agent API every second (a 304 while nothing changed); a supervisor thread starts the instances the platform
+wants running, acts on start/stop/restart commands, restarts a crashed ``tritonserver`` with exponential
+backoff and quarantines an instance that crashes too often, reporting each state change; a heartbeat thread
+reports the host's facts, NPU inventory and log tails every 10 s; the reconcile step (after every start, every
+few seconds, and when the desired state changed) makes each instance's loaded models match the placements
+(``apps.fleet.placement``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import platform
@@ -21,13 +25,18 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from django.conf import settings
-from django.db import close_old_connections
 from django.utils import timezone
 
 from apps.core.errors import public_error
-from apps.fleet.models import Host, InstanceState, TritonInstance
-from apps.registry.models import artifact_root
-from backend_ge import sandbox
+from apps.fleet.agent_client import (
+    CredentialRefused,
+    DesiredState,
+    InstanceSpec,
+    PlatformClient,
+    PlatformError,
+)
+from apps.fleet.models import InstanceState
+from backend_ge import npu_smi, sandbox
 from backend_ge.runtime import TritonError, TritonRuntime, TritonServer, assemble_runtime, server_environment
 
 log = logging.getLogger(__name__)
@@ -59,12 +68,18 @@ class RestartPolicy:
 
 @dataclass
 class InstanceProcess:
-    """The tritonserver of one TritonInstance row, owned by this agent."""
+    """The tritonserver of one instance, owned by this agent, with the state this agent reports for it."""
 
     instance_id: int
     root: Path
     server: TritonServer | None = None
     next_start_at: float = 0.0
+    # What this agent knows and reports (adopted from the platform's record when the agent starts).
+    state: str = InstanceState.STOPPED
+    crash_times: list[str] = field(default_factory=list)
+    restarts: int = 0
+    last_error: str = ""
+    command_seq: int = 0
     # Who its tritonserver runs as (None: the agent's own user), and whether that user was checked.
     user: sandbox.ServerUser | None = None
     access_checked: bool = False
@@ -89,6 +104,14 @@ class InstanceProcess:
             return None
         return self.server.process.poll()
 
+    def restart(self) -> None:
+        """Stop the server now; the supervisor starts it again at once (a requested restart, not a crash)."""
+        with self.lock:
+            if self.server is not None:
+                self.server.stop()
+                self.server = None
+            self.next_start_at = 0.0
+
 
 class HostAgent:
     """Supervises the instances of one host. ``start()`` runs its threads; ``stop()`` stops every instance
@@ -96,7 +119,8 @@ class HostAgent:
 
     def __init__(
         self,
-        host: Host,
+        client: PlatformClient,
+        host_name: str,
         *,
         bind_address: str = "127.0.0.1",
         root: Path | None = None,
@@ -104,11 +128,16 @@ class HostAgent:
         tick: float = 0.5,
         reconcile_every: float | None = None,
         heartbeat_every: float = 10.0,
+        poll_every: float = 1.0,
+        full_fetch_every: float = 30.0,
+        credential_file: Path | None = None,
     ) -> None:
-        self.host_id = host.pk
-        self.host_name = host.name
+        self.credential_file = credential_file
+        self.client = client
+        self.host_name = host_name
+        self.desired = DesiredState()
         self.bind_address = bind_address
-        self.root = Path(root or Path(settings.FLEET_ROOT) / host.name)
+        self.root = Path(root or Path(settings.FLEET_ROOT) / host_name)
         self.policy = policy or RestartPolicy(
             base_delay=settings.FLEET_RESTART_BASE_DELAY_MS / 1000,
             max_crashes=settings.FLEET_MAX_CRASHES,
@@ -119,6 +148,11 @@ class HostAgent:
             reconcile_every if reconcile_every is not None else settings.FLEET_RECONCILE_INTERVAL_MS / 1000
         )
         self.heartbeat_every = heartbeat_every
+        self.poll_every = poll_every
+        self.full_fetch_every = full_fetch_every
+        self._etag: str | None = None
+        self._fetched_at = 0.0
+        self.revoked = threading.Event()
         self.processes: dict[int, InstanceProcess] = {}
         self.runtime: TritonRuntime | None = None
         self._stop = threading.Event()
@@ -129,10 +163,13 @@ class HostAgent:
     def start(self) -> HostAgent:
         global _current
         _current = self
+        self.fetch_desired_state(force=True)
+        self._adopt_recorded_states()
         self._prepare_host()
         self._kill_orphans()
         self.heartbeat()
         loops = (
+            (self._poll_loop, "poll"),
             (self._supervise_loop, "supervisor"),
             (self._reconcile_loop, "reconcile"),
             (self._heartbeat_loop, "heartbeat"),
@@ -154,8 +191,8 @@ class HostAgent:
             with proc.lock:
                 if proc.server is not None:
                     proc.server.stop()
-                    self._set_state(proc.instance_id, InstanceState.STOPPED, pid=None)
-        close_old_connections()
+                    with contextlib.suppress(PlatformError):
+                        self._set_state(proc.instance_id, InstanceState.STOPPED, pid=None)
         if _current is self:
             _current = None
 
@@ -176,8 +213,6 @@ class HostAgent:
         cache = Path(settings.FLEET_ROOT) / "cache"
         cache.mkdir(parents=True, exist_ok=True)
         cache.chmod(0o700)
-        if Path(settings.ARTIFACT_ROOT).is_dir():
-            artifact_root()  # an existing store from before it was kept 0700 becomes so
         self.runtime = assemble_runtime(self.root / "runtime")
         if not sandbox.can_switch_users():
             log.warning(
@@ -189,12 +224,12 @@ class HostAgent:
         granted = sandbox.ensure_traversable(self.root, sandbox.ensure_group())
         for directory in granted:
             log.warning("granted group %s traverse-only access to %s", sandbox.SHARED_GROUP, directory)
-        for instance in TritonInstance.objects.filter(host_id=self.host_id).select_related("host"):
+        for instance in self.desired.all_instances():
             self._prepare_instance(instance, self.process_for(instance))
 
-    def _prepare_instance(self, instance: TritonInstance, proc: InstanceProcess) -> None:
+    def _prepare_instance(self, instance: InstanceSpec, proc: InstanceProcess) -> None:
         if sandbox.can_switch_users() and proc.user is None:
-            proc.user = sandbox.ensure_user(instance.host.name, instance.name)
+            proc.user = sandbox.ensure_user(self.host_name, instance.name)
         sandbox.prepare_instance_dirs(proc.root, proc.repository, proc.user)
         if proc.user is None or proc.access_checked:
             return
@@ -218,6 +253,7 @@ class HostAgent:
         paths = [
             Path(settings.ARTIFACT_ROOT),
             Path(settings.FLEET_ROOT) / "cache",
+            *([self.credential_file] if self.credential_file else []),
             settings.VAR_DIR / "secret_key",
             settings.VAR_DIR / "demo_password",
             settings.VAR_DIR / "celery",
@@ -239,8 +275,6 @@ class HostAgent:
                     self.poke()  # a (re)started server gets its models back right away
             except Exception:  # the supervisor must outlive any one bad iteration
                 log.exception("supervisor iteration failed")
-            finally:
-                close_old_connections()
             self._stop.wait(self.tick)
 
     def _reconcile_loop(self) -> None:
@@ -252,22 +286,59 @@ class HostAgent:
                 break
             try:
                 self.reconcile()
+            except CredentialRefused as exc:
+                self._refused(exc)
             except Exception:
                 log.exception("reconcile failed")
-            finally:
-                close_old_connections()
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_every):
             try:
                 self.heartbeat()
-            except Exception:
-                log.exception("heartbeat failed")
-            finally:
-                close_old_connections()
+            except CredentialRefused as exc:
+                self._refused(exc)
+            except Exception as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(self.poll_every):
+            try:
+                if self.fetch_desired_state():
+                    self.poke()
+            except CredentialRefused as exc:
+                self._refused(exc)
+            except Exception as exc:
+                log.warning("desired state not fetched: %s", exc)
+
+    def _refused(self, exc: Exception) -> None:
+        if not self.revoked.is_set():
+            log.error("%s; this agent takes no more work until it joins again with a new join token", exc)
+        self.revoked.set()
+
+    def fetch_desired_state(self, force: bool = False) -> bool:
+        """Poll the desired state; True when it changed. A full fetch now and then, whatever the ETag says,
+        picks up what changed without a new generation (a team's quota, say)."""
+        force = force or time.monotonic() - self._fetched_at >= self.full_fetch_every
+        etag, state = self.client.desired_state(None if force else self._etag)
+        if state is None:
+            return False
+        self.desired.replace(state)
+        self._etag, self._fetched_at = etag, time.monotonic()
+        self.revoked.clear()
+        return True
+
+    def _adopt_recorded_states(self) -> None:
+        """A restarted agent continues from what it reported before: a quarantine holds, crashes still count,
+        and commands issued before it started are not replayed."""
+        for instance in self.desired.all_instances():
+            proc = self.process_for(instance)
+            proc.state = instance.state
+            proc.crash_times = list(instance.crash_times)
+            proc.restarts = instance.restarts
+            proc.command_seq = instance.command_seq
 
     # -- supervision -------------------------------------------------------------------------------------
-    def process_for(self, instance: TritonInstance) -> InstanceProcess:
+    def process_for(self, instance: InstanceSpec) -> InstanceProcess:
         proc = self.processes.get(instance.pk)
         if proc is None:
             proc = self.processes[instance.pk] = InstanceProcess(instance.pk, self.root / instance.name)
@@ -276,8 +347,11 @@ class HostAgent:
     def supervise_once(self) -> bool:
         """One pass over this host's instances; returns True when an instance (re)started."""
         started = False
-        for instance in TritonInstance.objects.filter(host_id=self.host_id):
+        for instance in self.desired.all_instances():
             proc = self.process_for(instance)
+            if self.revoked.is_set():
+                continue  # no more work for a revoked host; running servers are left as they are
+            self._take_command(instance, proc)
             if proc.server is not None and proc.exit_code() is not None:
                 # Dead server: kill what is left of its process group (python backend stubs) at once. They
                 # hold the server's sockets, so a request blocked on the dead server only returns after this.
@@ -291,12 +365,27 @@ class HostAgent:
                 proc.lock.release()
         return started
 
-    def _supervise_instance(self, instance: TritonInstance, proc: InstanceProcess) -> bool:
-        if instance.desired_state == "STOPPED" or instance.state == InstanceState.QUARANTINED:
+    def _take_command(self, instance: InstanceSpec, proc: InstanceProcess) -> None:
+        """Act once on each new start/stop/restart command (numbered by the platform)."""
+        if instance.command_seq <= proc.command_seq:
+            return
+        proc.command_seq = instance.command_seq
+        if instance.command in ("start", "restart") and proc.state in (
+            InstanceState.QUARANTINED,
+            InstanceState.FAILED,
+        ):
+            # A start lifts a quarantine: the crash count starts again.
+            proc.crash_times = []
+            self._set_state(instance.pk, InstanceState.STOPPED, pid=None, crash_times=[])
+        if instance.command == "restart":
+            proc.restart()
+
+    def _supervise_instance(self, instance: InstanceSpec, proc: InstanceProcess) -> bool:
+        if instance.desired_state == "STOPPED" or proc.state == InstanceState.QUARANTINED:
             if proc.server is not None:
                 proc.server.stop()
                 proc.server = None  # stopped on purpose: not a crash
-            if instance.state != InstanceState.QUARANTINED and instance.state != InstanceState.STOPPED:
+            if proc.state not in (InstanceState.QUARANTINED, InstanceState.STOPPED):
                 self._set_state(instance.pk, InstanceState.STOPPED, pid=None)
             return False
         if proc.server is not None and not proc.running():
@@ -306,12 +395,12 @@ class HostAgent:
             return False
         return self._start_instance(instance, proc)
 
-    def _record_crash(self, instance: TritonInstance, proc: InstanceProcess) -> None:
+    def _record_crash(self, instance: InstanceSpec, proc: InstanceProcess) -> None:
         code = proc.exit_code()
         tail = proc.server.log_tail(30)
         proc.server = None
         now = timezone.now()
-        recent = [t for t in instance.crash_times if now - datetime.fromisoformat(t) <= self.policy.window]
+        recent = [t for t in proc.crash_times if now - datetime.fromisoformat(t) <= self.policy.window]
         recent.append(now.isoformat())
         error = f"tritonserver exited with code {code}"
         if len(recent) >= self.policy.max_crashes:
@@ -335,10 +424,10 @@ class HostAgent:
             crash_times=recent,
             last_error=error,
             log_tail=tail,
-            restarts=instance.restarts + 1,
+            restarts=proc.restarts + 1,
         )
 
-    def _server_for(self, instance: TritonInstance, proc: InstanceProcess) -> TritonServer:
+    def _server_for(self, instance: InstanceSpec, proc: InstanceProcess) -> TritonServer:
         # Not strict: one model that fails to load must not take the server's readiness (and every other
         # model's traffic behind a load balancer) with it.
         extra = ["--strict-readiness=false"]
@@ -362,7 +451,7 @@ class HostAgent:
             die_with_parent=True,
         )
 
-    def _start_instance(self, instance: TritonInstance, proc: InstanceProcess) -> bool:
+    def _start_instance(self, instance: InstanceSpec, proc: InstanceProcess) -> bool:
         try:
             self._prepare_instance(instance, proc)
         except (sandbox.SandboxError, OSError) as exc:
@@ -393,16 +482,27 @@ class HostAgent:
         return True
 
     def _set_state(self, instance_id: int, state: str | None = None, **fields) -> None:
+        """Keep the instance's state here and report it to the platform (absolute values: safe to retry)."""
         if state is not None:
-            fields.update(state=state, state_changed_at=timezone.now())
+            fields["state"] = state
         if fields.get("last_error"):
             # Tenants read it: no host paths or tracebacks (those go to the log under an error id).
             fields["last_error"] = public_error(fields["last_error"])
-        TritonInstance.objects.filter(pk=instance_id).update(**fields)
+        proc = self.processes.get(instance_id)
+        if proc is not None:
+            for key in ("state", "crash_times", "restarts", "last_error"):
+                if key in fields:
+                    setattr(proc, key, fields[key])
+        try:
+            self.client.report_instance(instance_id, fields)
+        except CredentialRefused as exc:
+            self._refused(exc)
+        except PlatformError as exc:
+            log.warning("instance %s: state %s not reported: %s", instance_id, fields.get("state"), exc)
 
     def _kill_orphans(self) -> None:
         """A previous agent killed with SIGKILL leaves its servers running on our ports: stop them."""
-        for instance in TritonInstance.objects.filter(host_id=self.host_id, pid__isnull=False):
+        for instance in [i for i in self.desired.all_instances() if i.pid]:
             cmdline = Path(f"/proc/{instance.pid}/cmdline")
             with contextlib.suppress(OSError):
                 if (
@@ -415,21 +515,26 @@ class HostAgent:
 
     # -- heartbeat ---------------------------------------------------------------------------------------
     def heartbeat(self) -> None:
-        from apps.fleet.services import record_heartbeat
-
-        for proc in self.processes.values():
-            if proc.running():
-                TritonInstance.objects.filter(pk=proc.instance_id).update(log_tail=proc.server.log_tail(30))
-        record_heartbeat(self.host_id, facts=host_facts())
+        tails = [
+            {"id": proc.instance_id, "log_tail": proc.server.log_tail(30)}
+            for proc in list(self.processes.values())
+            if proc.running()
+        ]
+        self.client.heartbeat({"facts": host_facts(), "npu": npu_inventory(), "instances": tails})
 
     # -- reconcile ---------------------------------------------------------------------------------------
     def reconcile(self) -> None:
         from apps.fleet.placement import reconcile_instance, report_instance_down
 
-        for instance in TritonInstance.objects.filter(host_id=self.host_id):
+        if self.revoked.is_set():
+            return
+        for instance in self.desired.all_instances():
             proc = self.processes.get(instance.pk)
-            if instance.state != InstanceState.READY or proc is None or not proc.running():
-                report_instance_down(instance)  # its placements are not READY while it is down
+            if proc is None or proc.state != InstanceState.READY or not proc.running():
+                # Its placements are not READY while it is down.
+                report_instance_down(
+                    instance, proc.state if proc else instance.state, proc.last_error if proc else ""
+                )
                 continue
             # Wait a little for a running load: with a queue of deploys the lock is rarely free at one instant,
             # and the check of what Triton really serves must not wait for the whole queue.
@@ -439,6 +544,22 @@ class HostAgent:
                 reconcile_instance(instance, proc)
             finally:
                 proc.lock.release()
+
+
+def npu_inventory() -> dict | None:
+    """``npu-smi info`` of this host as JSON for the heartbeat; None without npu-smi (or when it failed)."""
+    try:
+        inventory = npu_smi.read_inventory()
+    except (npu_smi.NpuSmiError, ValueError) as exc:
+        log.warning("npu-smi failed: %s", exc)
+        return None
+    if inventory is None:
+        return None
+    return {
+        "npu_smi_version": inventory.npu_smi_version,
+        "driver_version": inventory.driver_version,
+        "chips": [dataclasses.asdict(chip) for chip in inventory.chips],
+    }
 
 
 def host_facts() -> dict:

@@ -109,10 +109,6 @@ class Host(models.Model):
         return self.name
 
     @property
-    def queue(self) -> str:
-        return f"host.{self.name}"
-
-    @property
     def identity(self) -> str:
         """revoked | joined | awaiting join (a join token was issued and not used yet) | no credential."""
         if self.revoked_at is not None:

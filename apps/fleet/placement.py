@@ -1,5 +1,8 @@
 """What an agent does to put deployments on its instances (runs inside the host agent).
 
+It reads the host's desired state (``apps.fleet.agent_client.DesiredState``, fetched over the agent API) and
+reports every result over the same API (``apps.fleet.agent_reports``): no database here.
+
 Switching version without failed requests: the new version is first loaded under a candidate name and
 smoke-tested with inputs generated from its signature, so a broken version never touches the served model.
 Then the served model is reloaded with both versions (the old one keeps answering while the new one loads),
@@ -15,22 +18,19 @@ import time
 from pathlib import Path
 
 from django.conf import settings
-from django.db.models import F
 
 from apps.core.errors import public_error
-from apps.deployments import services
-from apps.deployments.models import (
-    Deployment,
-    DeploymentInstance,
-    DeploymentState,
-    PlacementState,
-    Rollout,
-)
+from apps.fleet import agent_reports as services
 from apps.fleet.agent import InstanceProcess, current_agent
-from apps.fleet.models import TritonInstance
+from apps.fleet.agent_client import (
+    PLACEMENT_READY,
+    DeploymentSpec,
+    InstanceSpec,
+    PlacementSpec,
+    PlatformError,
+    VersionSpec,
+)
 from apps.fleet.repository import RepositoryError, materialize_model, remove_model
-from apps.monitoring.services import record_final_counts
-from apps.registry.models import ModelVersion
 from backend_ge import samples
 from backend_ge.config import ModelSignature
 from backend_ge.final_counts import read_final_counts
@@ -43,42 +43,34 @@ CANDIDATE_SUFFIX = "__candidate"
 # server restarted meanwhile (the key holds its pid): a fresh server gets one attempt at every model.
 LOAD_RETRY_AFTER = 60.0
 _failed_loads: dict[tuple[int, int, str, int], tuple[float, str]] = {}
-# Deployments in these states want nothing served.
-GONE = (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED)
 
 
 class SmokeTestError(RuntimeError):
     """The candidate version loaded but could not answer an inference request."""
 
 
-def servable_dir(version: ModelVersion) -> Path:
-    """The version's converted model directory on this machine: the platform's artifact store when it is
-    mounted here, else a verified download into the agent's cache."""
-    local = version.servable_dir()
-    if (local / "config.pbtxt").is_file():
-        return local
-    from apps.fleet.artifacts import download_servable
-
-    return download_servable(version, Path(settings.FLEET_ROOT) / "cache")
+def servable_dir(version: VersionSpec) -> Path:
+    """The version's converted model directory on this machine: downloaded over the agent API into the agent's
+    cache (once per version), every file checked against the manifest's sha256."""
+    return current_agent().client.download_version(version, Path(settings.FLEET_ROOT) / "cache")
 
 
-def model_instance_limit(team) -> tuple[int, str]:
-    """How many model instances a config of ``team`` may run on this host, and how a refusal names the bound:
-    the team's quota (capped by the platform's limit) and this host's FLEET_MAX_MODEL_INSTANCES."""
-    team_limit = team.model_instance_limit()
+def model_instance_limit(team_limit: int) -> tuple[int, str]:
+    """How many model instances a config may run on this host, and how a refusal names the bound: the team's
+    quota (capped by the platform's limit; the desired state carries it) and this host's
+    FLEET_MAX_MODEL_INSTANCES."""
     host_limit = max(1, int(settings.FLEET_MAX_MODEL_INSTANCES))
     if host_limit < team_limit:
         return host_limit, "this host's limit (FLEET_MAX_MODEL_INSTANCES)"
     return team_limit, "the team's limit (quota_model_instances)"
 
 
-def _materialize(proc: InstanceProcess, name: str, versions: list[ModelVersion]) -> None:
+def _materialize(proc: InstanceProcess, name: str, versions: list[VersionSpec]) -> None:
     newest = max(versions, key=lambda v: v.number)
     # The devices are the placing instance's, never the tenant's config.
-    device_ids = (
-        TritonInstance.objects.filter(pk=proc.instance_id).values_list("device_ids", flat=True).first()
-    )
-    limit, limit_name = model_instance_limit(newest.model.team)
+    instance = current_agent().desired.instance(proc.instance_id)
+    device_ids = instance.device_ids if instance is not None else []
+    limit, limit_name = model_instance_limit(newest.instance_limit)
     materialize_model(
         proc.repository,
         name,
@@ -90,7 +82,7 @@ def _materialize(proc: InstanceProcess, name: str, versions: list[ModelVersion])
     )
 
 
-def smoke_test(server: TritonServer, name: str, version: ModelVersion) -> float:
+def smoke_test(server: TritonServer, name: str, version: VersionSpec) -> float:
     """One inference with generated inputs; returns the latency in ms."""
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException
@@ -126,19 +118,9 @@ def _wait_model_ready(server: TritonServer, name: str, version: int, timeout: fl
 
 
 def _apply_locked(proc: InstanceProcess, placement_id: int, generation: int | None = None) -> None:
-    """Apply the placement's latest decision. The caller holds ``proc.lock``, so the rows are read here, after
-    every earlier load or unload on this instance finished: nothing decided before is acted on stale."""
-    placement = (
-        DeploymentInstance.objects.select_related(
-            "deployment__model__team",
-            "deployment__active_version",
-            "deployment__target_version",
-            "instance",
-            "served_version",
-        )
-        .filter(pk=placement_id)
-        .first()
-    )
+    """Apply the placement's latest decision. The caller holds ``proc.lock``, so the placement is read here,
+    after every earlier load or unload on this instance finished: nothing decided before is acted on stale."""
+    placement = current_agent().desired.placement(placement_id)
     if placement is None:
         return  # deleted meanwhile: nothing to do
     if generation is not None and placement.generation != generation:
@@ -146,10 +128,10 @@ def _apply_locked(proc: InstanceProcess, placement_id: int, generation: int | No
     if placement.is_applied():
         return  # applied already (by reconcile, or an earlier delivery of this task)
     generation = placement.generation
-    deployment: Deployment = placement.deployment
+    deployment: DeploymentSpec = placement.deployment
     name = deployment.triton_model_name()
     server = proc.server
-    if deployment.state in (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED):
+    if placement.undeploy:
         _undeploy(proc, placement, name)
         return
     target = deployment.target_version or deployment.active_version
@@ -215,15 +197,13 @@ def _apply_locked(proc: InstanceProcess, placement_id: int, generation: int | No
     )
 
 
-def _rollout_canary(deployment: Deployment) -> ModelVersion | None:
-    """The canary to serve beside the active version: a live rollout's, unless a switch is in flight."""
-    if deployment.target_version_id is not None:
-        return None
-    rollout = Rollout.objects.live().filter(deployment=deployment).select_related("canary_version").first()
-    return rollout.canary_version if rollout is not None else None
+def _rollout_canary(deployment: DeploymentSpec) -> VersionSpec | None:
+    """The canary to serve beside the active version: a live rollout's, unless a switch is in flight (the
+    platform leaves it out of the desired state then)."""
+    return deployment.canary
 
 
-def _other_versions_ready(server: TritonServer, name: str, keep: ModelVersion) -> list[str]:
+def _other_versions_ready(server: TritonServer, name: str, keep: VersionSpec) -> list[str]:
     try:
         index = server.repository_index()
     except TritonError:
@@ -239,16 +219,16 @@ def _other_versions_ready(server: TritonServer, name: str, keep: ModelVersion) -
 
 def _apply_canary(
     proc: InstanceProcess,
-    placement: DeploymentInstance,
+    placement: PlacementSpec,
     name: str,
-    stable: ModelVersion,
-    canary: ModelVersion,
+    stable: VersionSpec,
+    canary: VersionSpec,
 ) -> None:
     """A rollout is live: serve the canary beside the stable version (smoke-tested under the candidate name
     first, as a switch does), then report both. The stable version keeps answering throughout."""
     server, generation = proc.server, placement.generation
 
-    def ready(version: ModelVersion) -> bool:
+    def ready(version: VersionSpec) -> bool:
         return server.is_model_ready(name, str(version.number))
 
     if (
@@ -281,7 +261,7 @@ def _apply_canary(
 
 
 def load_canary(
-    proc: InstanceProcess, name: str, served: ModelVersion | None, stable: ModelVersion, canary: ModelVersion
+    proc: InstanceProcess, name: str, served: VersionSpec | None, stable: VersionSpec, canary: VersionSpec
 ) -> None:
     """Candidate load + smoke test of the canary, then the served model reloaded with both versions. On a
     failure the repository holds the stable version alone again (and Triton serves it, when it did before)."""
@@ -302,15 +282,9 @@ def load_canary(
         raise
 
 
-def _undeploy(proc: InstanceProcess, placement: DeploymentInstance, name: str) -> None:
+def _undeploy(proc: InstanceProcess, placement: PlacementSpec, name: str) -> None:
     # A newer live deployment of the same model uses the same Triton name: leave its model alone.
-    reused = (
-        DeploymentInstance.objects.filter(
-            instance_id=placement.instance_id, deployment__model_id=placement.deployment.model_id
-        )
-        .exclude(deployment__state__in=GONE)
-        .exists()
-    )
+    reused = placement.keep_model
     server = proc.server
     if not reused:
         if server is not None and server.is_model_ready(name):
@@ -325,28 +299,7 @@ def _undeploy(proc: InstanceProcess, placement: DeploymentInstance, name: str) -
     )
 
 
-def apply_placement(placement_id: int, generation: int | None = None) -> None:
-    """Make this placement's instance serve the deployment's target version, or undeploy it.
-
-    ``generation`` is the decision the task was sent for; a task for an older decision does nothing."""
-    row = DeploymentInstance.objects.filter(pk=placement_id).select_related("instance").first()
-    if row is None:
-        return
-    proc = current_agent().processes.get(row.instance_id)
-    waiting = f"{row.instance} is not running; the placement is applied when it is READY"
-    generation = row.generation if generation is None else generation
-    if proc is None or not proc.running():
-        # The instance is down; reconcile applies the placement as soon as it runs again.
-        services.placement_waiting(row.pk, generation, waiting)
-        return
-    with proc.lock:
-        if not proc.running():  # it stopped while this task waited for the lock
-            services.placement_waiting(row.pk, generation, waiting)
-            return
-        _apply_locked(proc, placement_id, generation)
-
-
-def _smoke_test_candidate(proc: InstanceProcess, name: str, version: ModelVersion) -> None:
+def _smoke_test_candidate(proc: InstanceProcess, name: str, version: VersionSpec) -> None:
     server = proc.server
     candidate = name + CANDIDATE_SUFFIX
     try:
@@ -367,8 +320,8 @@ def _smoke_test_candidate(proc: InstanceProcess, name: str, version: ModelVersio
 def switch_version(
     proc: InstanceProcess,
     name: str,
-    current: ModelVersion | None,
-    target: ModelVersion,
+    current: VersionSpec | None,
+    target: VersionSpec,
     *,
     tested: bool = False,
 ) -> None:
@@ -420,8 +373,8 @@ def report_final_counts(proc: InstanceProcess, name: str, versions: list[int | s
     numbers = None if versions is None else [int(v) for v in versions]
     try:
         counts = read_final_counts(proc.server, name, numbers)
-        record_final_counts(proc.instance_id, counts)
-    except (TritonError, OSError, ValueError) as exc:
+        services.final_counts(proc.instance_id, counts)
+    except (TritonError, OSError, ValueError, PlatformError) as exc:
         log.warning("final counts of %s %s: %s", name, numbers or "(all versions)", exc)
 
 
@@ -437,13 +390,13 @@ def _triton_reason(entry: dict | None) -> str:
     return f"Triton reports it {entry.get('state') or 'not loaded'}" + (f": {reason}" if reason else "")
 
 
-def _verify(proc: InstanceProcess, placement: DeploymentInstance, name: str, entry: dict | None) -> None:
+def _verify(proc: InstanceProcess, placement: PlacementSpec, name: str, entry: dict | None) -> None:
     """Make the placement's state say what Triton says about its served version, reloading it if it is gone."""
     server, version, instance = proc.server, placement.served_version, placement.instance
     generation, canary = placement.generation, placement.canary_version
     served = [version, canary] if canary is not None else [version]
     if entry is not None and entry.get("state") == "READY":
-        if placement.state != PlacementState.READY:
+        if placement.state != PLACEMENT_READY:
             services.placement_loaded(
                 placement.pk, generation, version, message=f"{instance} serves {version} again", canary=canary
             )
@@ -480,7 +433,7 @@ def _verify(proc: InstanceProcess, placement: DeploymentInstance, name: str, ent
     )
 
 
-def reconcile_instance(instance: TritonInstance, proc: InstanceProcess) -> None:
+def reconcile_instance(instance: InstanceSpec, proc: InstanceProcess) -> None:
     """Make Triton match the placements, and the placements say what Triton serves: apply decisions not yet
     applied (e.g. made while the instance was down), check every served version against Triton's repository
     index (reload what is missing, report what cannot be), unload what no live placement wants.
@@ -490,12 +443,8 @@ def reconcile_instance(instance: TritonInstance, proc: InstanceProcess) -> None:
     if not proc.running():
         return  # stopped while the caller waited for the lock; the next pass reports it down
     server = proc.server
-    pending = (
-        DeploymentInstance.objects.filter(instance=instance)
-        .exclude(applied_generation=F("generation"))
-        .order_by("pk")
-        .values_list("pk", flat=True)
-    )
+    desired = current_agent().desired
+    pending = [p.pk for p in desired.placements_on(instance.pk) if not p.is_applied()]
     # Bounded: with a long queue of deploys the check below must still run about once per interval. What
     # is left stays pending (kept loaded, never unloaded) for its own task or the next pass.
     stop_applying_at = time.monotonic() + settings.FLEET_RECONCILE_INTERVAL_MS / 1000
@@ -510,11 +459,7 @@ def reconcile_instance(instance: TritonInstance, proc: InstanceProcess) -> None:
         return
     entries = {(entry.get("name"), str(entry.get("version", ""))): entry for entry in index}
     keep: set[str] = set()
-    live = (
-        DeploymentInstance.objects.filter(instance=instance)
-        .exclude(deployment__state__in=GONE)
-        .select_related("deployment__model__team", "served_version", "canary_version", "instance")
-    )
+    live = [p for p in desired.placements_on(instance.pk) if not p.undeploy]
     for placement in live:
         name = placement.deployment.triton_model_name()
         if not placement.is_applied():
@@ -539,10 +484,9 @@ def reconcile_instance(instance: TritonInstance, proc: InstanceProcess) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def report_instance_down(instance: TritonInstance) -> None:
+def report_instance_down(instance: InstanceSpec, state: str, last_error: str) -> None:
     """The instance's server is not running: none of its placements is READY until reconcile reloads them."""
-    reason = f"{instance} is {instance.state}" + (f": {instance.last_error}" if instance.last_error else "")
-    for placement in DeploymentInstance.objects.filter(instance=instance, state=PlacementState.READY).exclude(
-        deployment__state__in=GONE
-    ):
+    reason = f"{instance} is {state}" + (f": {last_error}" if last_error else "")
+    placements = current_agent().desired.placements_on(instance.pk)
+    for placement in [p for p in placements if p.state == PLACEMENT_READY and not p.undeploy]:
         services.placement_lost(placement.pk, placement.generation, reason, reloading=False)

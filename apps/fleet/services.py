@@ -29,22 +29,6 @@ from backend_ge import npu_smi
 log = logging.getLogger(__name__)
 
 
-def register_host(*, name: str, address: str, labels: dict | None = None, team=None) -> Host:
-    """Create or update the row of a host whose agent starts (idempotent: agents restart)."""
-    host, created = Host.objects.get_or_create(
-        name=name, defaults={"address": address, "labels": labels or {}, "team": team}
-    )
-    if not created:
-        fields = {"address": address}
-        if labels is not None:
-            fields["labels"] = labels
-        Host.objects.filter(pk=host.pk).update(**fields)
-        host.refresh_from_db()
-    else:
-        host.full_clean()
-    return host
-
-
 class JoinRefused(Exception):
     """The join token is unknown, used or expired."""
 
@@ -206,12 +190,6 @@ def request_instance_state(*, actor, instance: TritonInstance, action: str) -> T
         TritonInstance.objects.filter(pk=instance.pk).update(**fields)
         record(actor=actor, team=instance.host.team, action=f"instance.{action}", target=instance)
         notify_hosts([instance.host_id])
-        if action == "restart":
-            from apps.fleet.tasks import restart_instance
-
-            transaction.on_commit(
-                lambda: restart_instance.apply_async(args=[instance.pk], queue=f"host.{instance.host.name}")
-            )
     instance.refresh_from_db()
     return instance
 

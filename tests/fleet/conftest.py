@@ -1,5 +1,6 @@
 """Fixtures for fleet tests: READY versions made by the real ONNX preparation path, and host agents run as
-real `manage.py hostagent` processes with real tritonservers."""
+real `manage.py hostagent` processes with real tritonservers, talking to the test's live server over the
+agent API."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from onnx import TensorProto, helper
 from apps.registry.models import ModelVersion, RegisteredModel, SourceFormat, VersionState
 from backend_ge.convert import prepare_onnx
 from backend_ge.runtime import free_port
-from tests.conftest import subprocess_database_url
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,16 +108,31 @@ def instance_key_headers(url: str) -> dict[str, str]:
 
 
 class Agent:
-    """A `manage.py hostagent` process with one CPU instance on free ports."""
+    """A `manage.py hostagent` process for a host created the way staff create one (with one CPU instance on
+    free ports): it joins with the host's one-time token and then knows only the platform's URL and its own
+    credential - no DATABASE_URL, no broker URL."""
 
-    def __init__(self, name: str, env: dict, log_path: Path):
+    def __init__(self, name: str, env: dict, log_path: Path, platform: str):
+        from apps.fleet import services
+
         self.name = name
         self.ports = [free_port() for _ in range(3)]
         self.log_path = log_path
+        self.var_dir = Path(env["VAR_DIR"])
+        self.credential_file = self.var_dir / "host-credential"
+        self.host, token = services.create_host(actor=None, name=name, address="127.0.0.1")
+        services.create_instance(
+            actor=None,
+            host=self.host,
+            name="cpu-0",
+            http_port=self.ports[0],
+            grpc_port=self.ports[1],
+            metrics_port=self.ports[2],
+        )
         self.log = open(log_path, "ab")  # noqa: SIM115 - the child writes to it until stop()
         self.process = subprocess.Popen(
-            [sys.executable, "manage.py", "hostagent", "--name", name, "--ensure-instance",
-             f"cpu-0:{self.ports[0]}:{self.ports[1]}:{self.ports[2]}"],
+            [sys.executable, "manage.py", "hostagent", "--platform", platform, "--join-token", token,
+             "--credential-file", str(self.credential_file)],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
 
@@ -140,21 +155,27 @@ class Agent:
         return self.process.returncode
 
 
+# What an inference host must not hold: the agent gets neither.
+PLATFORM_ONLY_ENV = ("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "REDIS_URL")
+
+
 @pytest.fixture
-def start_agent(tmp_path, artifact_root):
+def start_agent(tmp_path, artifact_root, live_server):
     agents: list[Agent] = []
 
     def _start(name: str, **extra) -> Agent:
-        env = os.environ.copy()
+        env = {k: v for k, v in os.environ.items() if k not in PLATFORM_ONLY_ENV}
+        var_dir = tmp_path / f"agent-{name}-var"
+        var_dir.mkdir()
         env.update(
-            DATABASE_URL=subprocess_database_url(),
-            ARTIFACT_ROOT=str(artifact_root),
+            VAR_DIR=str(var_dir),
+            # The host's own directory (beside the artifact store, see ``artifact_root``); no artifact store.
+            ARTIFACT_ROOT=str(var_dir / "no-artifacts"),
             FLEET_ROOT=str(Path(artifact_root).parent / "fleet"),
             DEBUG="1",
         )
-        # Extra settings may override the defaults above (a remote agent has its own ARTIFACT_ROOT).
         env.update({k: str(v) for k, v in extra.items()})
-        agent = Agent(name, env, tmp_path / f"agent-{name}.log")
+        agent = Agent(name, env, tmp_path / f"agent-{name}.log", live_server.url)
         agents.append(agent)
         return agent
 

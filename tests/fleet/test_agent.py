@@ -67,7 +67,7 @@ def seed_example_3(url: str, model_name: str) -> np.ndarray:
 def test_deploy_to_two_hosts_and_the_seed_client_works_against_each(start_agent, make_ready_version, owner):
     first, second = start_agent("host-a"), start_agent("host-b")
     instances = [instance_of(first), instance_of(second)]
-    assert {i.host.queue for i in instances} == {"host.host-a", "host.host-b"}
+    assert {i.host.name for i in instances} == {"host-a", "host-b"}
     version = make_ready_version()
     deployment = services.deploy_version(
         actor=owner, model=version.model, version=version, instances=instances

@@ -15,7 +15,6 @@ from django.utils import timezone
 from apps.core.errors import public_error
 from apps.deployments import services as deployment_services
 from apps.deployments.models import PlacementState
-from apps.fleet.agent import HostAgent
 from apps.fleet.models import Host, InstanceState, TritonInstance
 from tests.conftest import client_for
 from tests.deployments.conftest import make_version
@@ -97,9 +96,21 @@ def test_public_error_leaves_a_clean_message_alone_and_logs_nothing(caplog):
     assert len(caplog.records) == 1  # only the one withheld traceback
 
 
-def test_an_instance_error_written_by_the_agent_has_no_host_path(shared_instance):
-    agent = HostAgent.__new__(HostAgent)  # _set_state touches the database only
-    agent._set_state(shared_instance.pk, InstanceState.STARTING, last_error=TRACEBACK_ERROR)
+def test_an_instance_error_reported_by_the_agent_has_no_host_path(shared_instance):
+    from django.test import Client
+
+    from apps.fleet import services
+
+    # Even an agent that sends the raw traceback (the agent itself sends public_error's summary) cannot
+    # put a host path in front of tenants: the agent API summarizes it again.
+    _, credential = services.join_host(services.issue_join_token(actor=None, host=shared_instance.host))
+    agent = Client(HTTP_AUTHORIZATION=f"Bearer {credential}")
+    answer = agent.post(
+        f"/agent/v1/instances/{shared_instance.pk}/state",
+        {"state": InstanceState.STARTING, "last_error": TRACEBACK_ERROR},
+        content_type="application/json",
+    )
+    assert answer.status_code == 200
     stored = TritonInstance.objects.get(pk=shared_instance.pk).last_error
     assert "/srv/" not in stored and "Failed to initialize Python stub" in stored and ERROR_ID.search(stored)
 

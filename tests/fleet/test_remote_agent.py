@@ -1,68 +1,40 @@
-"""Agents on other machines: the artifact endpoints, and an agent whose ARTIFACT_ROOT lacks the version's
-files downloading them from the platform (sha256-verified) - or failing readably with a wrong key."""
+"""Agents on other machines hold only the platform's URL and their host's credential: they download each placed
+version over the agent API (sha256-verified), deploy, switch, restart a crashed server and report - with
+neither a database nor a broker URL - and a revoked host gets no more work."""
 
 from __future__ import annotations
 
-import hashlib
+import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 
 from apps.deployments import services
 from apps.deployments.models import Deployment, DeploymentState, PlacementState
+from apps.fleet import services as fleet_services
+from apps.fleet.agent_client import ArtifactDownloadError, PlatformClient, VersionSpec
 from apps.fleet.models import InstanceState, TritonInstance
 from tests.conftest import wait_for
+from tests.fleet.conftest import PLATFORM_ONLY_ENV
 from tests.fleet.test_agent import seed_example_3
 
-KEY = "agent-secret-for-tests"
+pytestmark = pytest.mark.django_db(transaction=True)
 
 
-@pytest.fixture
-def agent_key(settings):
-    settings.AGENT_KEY = KEY
-    return KEY
-
-
-@pytest.mark.django_db
-def test_artifact_endpoints_need_the_key_and_stay_inside_the_version(client, agent_key, make_ready_version):
-    version = make_ready_version()
-    base = f"/api/v1/agent/versions/{version.pk}"
-    refused = client.get(f"{base}/manifest", HTTP_X_AGENT_KEY="wrong")
-    assert refused.status_code == 403
-    assert refused.json()["message"] == (
-        "Wrong or missing X-Agent-Key: the agent's AGENT_KEY must equal the platform's."
-    )
-    assert client.get(f"{base}/manifest").status_code == 403
-    manifest = client.get(f"{base}/manifest", HTTP_X_AGENT_KEY=KEY).json()
-    paths = {entry["path"]: entry["sha256"] for entry in manifest["files"]}
-    assert set(paths) == {"config.pbtxt", "1/model.onnx"}
-    body = b"".join(client.get(f"{base}/files/1/model.onnx", HTTP_X_AGENT_KEY=KEY).streaming_content)
-    assert hashlib.sha256(body).hexdigest() == paths["1/model.onnx"]
-    assert client.get(f"{base}/files/../../source/x", HTTP_X_AGENT_KEY=KEY).status_code == 404
-
-
-@pytest.mark.django_db
-def test_without_a_platform_key_the_agent_endpoints_do_not_exist(client, settings, make_ready_version):
-    settings.AGENT_KEY = ""
-    version = make_ready_version()
-    assert client.get(f"/api/v1/agent/versions/{version.pk}/manifest", HTTP_X_AGENT_KEY="").status_code == 404
-
-
-def remote_agent(start_agent, live_server, tmp_path, key: str):
-    empty = tmp_path / "remote-artifacts"
-    empty.mkdir()
-    agent = start_agent("remote", ARTIFACT_ROOT=empty, PLATFORM_URL=live_server.url, AGENT_KEY=key)
-    instance = wait_for(
-        lambda: TritonInstance.objects.filter(host__name="remote", state=InstanceState.READY).first(),
+def ready_instance(agent) -> TritonInstance:
+    return wait_for(
+        lambda: TritonInstance.objects.filter(host__name=agent.name, state=InstanceState.READY).first(),
         120,
-        f"the remote instance to be READY\n{agent.output()}",
+        f"the instance of {agent.name} to be READY\n{agent.output()}",
     )
-    return agent, instance, empty
 
 
 def settled(deployment: Deployment, timeout: float = 120) -> Deployment:
     return wait_for(
         lambda: Deployment.objects.filter(
-            pk=deployment.pk, state__in=[DeploymentState.SERVING, DeploymentState.FAILED]
+            pk=deployment.pk, state__in=[DeploymentState.SERVING, DeploymentState.FAILED], target_version=None
         ).first(),
         timeout,
         "the deployment to settle",
@@ -70,64 +42,87 @@ def settled(deployment: Deployment, timeout: float = 120) -> Deployment:
 
 
 @pytest.mark.triton
-@pytest.mark.django_db(transaction=True)
-def test_a_remote_agent_downloads_the_version_and_serves_it(
-    start_agent, make_ready_version, owner, live_server, agent_key, tmp_path, artifact_root
+def test_an_agent_without_database_or_broker_deploys_switches_restarts_and_reports(
+    start_agent, make_ready_version, owner, artifact_root
 ):
-    version = make_ready_version()
-    agent, instance, empty = remote_agent(start_agent, live_server, tmp_path, KEY)
+    agent = start_agent("remote")
+    environ = Path(f"/proc/{agent.process.pid}/environ").read_bytes().split(b"\0")
+    names = {entry.split(b"=", 1)[0].decode() for entry in environ if entry}
+    assert not set(PLATFORM_ONLY_ENV) & names
+    instance = ready_instance(agent)
+    first = make_ready_version()
     deployment = settled(
-        services.deploy_version(actor=owner, model=version.model, version=version, instances=[instance])
+        services.deploy_version(actor=owner, model=first.model, version=first, instances=[instance])
     )
     assert deployment.state == DeploymentState.SERVING, f"{deployment.last_error}\n{agent.output()}"
-    assert list(empty.iterdir()) == []  # nothing came from the (absent) shared artifact store
-    cached = artifact_root.parent / "fleet" / "cache" / str(version.pk)
-    original = version.servable_dir() / "1" / "model.onnx"
-    assert (cached / "1" / "model.onnx").read_bytes() == original.read_bytes()
-    seed_example_3(agent.url, version.model.triton_model_name())
+    cached = artifact_root.parent / "fleet" / "cache" / str(first.pk) / "1" / "model.onnx"
+    assert cached.read_bytes() == (first.servable_dir() / "1" / "model.onnx").read_bytes()
+    seed_example_3(agent.url, first.model.triton_model_name())
+
+    second = make_ready_version(model=first.model, scale=2.0)
+    deployment = settled(services.switch_version(actor=owner, deployment=deployment, version=second))
+    assert deployment.active_version == second, f"{deployment.last_error}\n{agent.output()}"
+
+    old_pid = TritonInstance.objects.get(pk=instance.pk).pid
+    os.kill(old_pid, signal.SIGKILL)
+    restarted = wait_for(
+        lambda: (
+            TritonInstance.objects.filter(pk=instance.pk, state=InstanceState.READY, restarts=1)
+            .exclude(pid=old_pid)
+            .first()
+        ),
+        60,
+        f"the killed server to be restarted\n{agent.output()}",
+    )
+    assert "exited with code" in restarted.last_error
+    wait_for(
+        lambda: deployment.placements.filter(state=PlacementState.READY, served_version=second).exists(),
+        60,
+        "the restarted server to serve the switched version again",
+    )
+    # Nothing opened a database on the host: Django would have created its SQLite file on first use.
+    assert not (agent.var_dir / "db.sqlite3").exists()
+    assert not list(agent.var_dir.glob("*.sqlite3*"))
+    assert oct(agent.credential_file.stat().st_mode & 0o777) == "0o600"
 
 
 @pytest.mark.triton
-@pytest.mark.django_db(transaction=True)
-def test_a_wrong_agent_key_fails_the_placement_with_a_readable_error(
-    start_agent, make_ready_version, owner, live_server, agent_key, tmp_path
-):
+def test_a_revoked_host_is_refused_and_gets_no_more_work(start_agent, make_ready_version, owner):
+    agent = start_agent("revoked")
+    instance = ready_instance(agent)
+    fleet_services.revoke_host(actor=None, host=agent.host)
     version = make_ready_version()
-    agent, instance, _ = remote_agent(start_agent, live_server, tmp_path, "not-the-key")
-    deployment = settled(
-        services.deploy_version(actor=owner, model=version.model, version=version, instances=[instance])
+    deployment = services.deploy_version(
+        actor=owner, model=version.model, version=version, instances=[instance]
     )
-    assert deployment.state == DeploymentState.FAILED
+    wait_for(lambda: "no more work" in agent.output(), 15, f"the agent to be refused\n{agent.output()}")
+    time.sleep(2)
     placement = deployment.placements.get()
-    assert placement.state == PlacementState.FAILED
-    assert placement.last_error == (
-        f"{version}: the platform at {live_server.url} refused the manifest request (HTTP 403): "
-        "Wrong or missing X-Agent-Key: the agent's AGENT_KEY must equal the platform's."
-    )
-    assert placement.last_error in deployment.last_error
+    assert placement.state == PlacementState.PENDING and placement.applied_generation == 0
 
 
-@pytest.mark.django_db(transaction=True)
 def test_a_download_that_does_not_match_its_sha256_is_discarded(
-    live_server, agent_key, settings, make_ready_version, monkeypatch, tmp_path
+    live_server, make_ready_version, owner, tmp_path
 ):
-    from apps.fleet import agent_api
-    from apps.fleet.artifacts import ArtifactDownloadError, download_servable
-
+    host, token = fleet_services.create_host(actor=None, name="edge", address="127.0.0.1")
+    _, credential = fleet_services.join_host(token)
+    instance = fleet_services.create_instance(
+        actor=None, host=host, name="cpu-0", http_port=18100, grpc_port=18101, metrics_port=18102
+    )
     version = make_ready_version()
-    real = agent_api.file_manifest
-
-    def tampered(root):
-        return [
-            entry | {"sha256": "0" * 64} if entry["path"] == "1/model.onnx" else entry for entry in real(root)
-        ]
-
-    monkeypatch.setattr(agent_api, "file_manifest", tampered)  # the live server runs in this process
-    settings.PLATFORM_URL = live_server.url
+    services.deploy_version(actor=owner, model=version.model, version=version, instances=[instance])
+    client = PlatformClient(live_server.url, credential)
+    _, state = client.desired_state(None)
+    entry = state["versions"][str(version.pk)]
+    files = [f | {"sha256": "0" * 64} if f["path"] == "1/model.onnx" else f for f in entry["files"]]
+    spec = VersionSpec(pk=version.pk, number=1, label=str(version), model_name="m", config_text="",
+                       signature={}, instance_limit=1, files=files)  # fmt: skip
     cache = tmp_path / "cache"
     with pytest.raises(
         ArtifactDownloadError, match=r"1/model.onnx does not match its sha256; download discarded"
     ):
-        download_servable(version, cache)
+        client.download_version(spec, cache)
     assert not (cache / str(version.pk)).exists()
     assert [p.name for p in cache.iterdir()] == []  # the temp dir is gone too
+    good = VersionSpec(**{**spec.__dict__, "files": entry["files"]})
+    assert (client.download_version(good, cache) / "1" / "model.onnx").is_file()

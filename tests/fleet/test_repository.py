@@ -98,9 +98,15 @@ def test_model_instance_limit_is_the_smaller_of_the_teams_quota_and_the_hosts(se
 
     team = Team.objects.create(name="T", slug="t", quota_model_instances=4)
     settings.FLEET_MAX_MODEL_INSTANCES = 2
-    assert model_instance_limit(team) == (2, "this host's limit (FLEET_MAX_MODEL_INSTANCES)")
+    assert model_instance_limit(team.model_instance_limit()) == (
+        2,
+        "this host's limit (FLEET_MAX_MODEL_INSTANCES)",
+    )
     settings.FLEET_MAX_MODEL_INSTANCES = 8
-    assert model_instance_limit(team) == (4, "the team's limit (quota_model_instances)")
+    assert model_instance_limit(team.model_instance_limit()) == (
+        4,
+        "the team's limit (quota_model_instances)",
+    )
 
 
 @pytest.mark.parametrize("where", ["model", "version dir", "servable"])

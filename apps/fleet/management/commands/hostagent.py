@@ -1,94 +1,137 @@
-"""``manage.py hostagent --name NAME``: the agent of one inference host.
+"""``manage.py hostagent --platform URL``: the agent of one inference host.
 
-It registers the host, supervises the host's Triton + GE instances (start, restart after a crash with
-backoff, quarantine, reconcile of loaded models), sends a heartbeat with the NPU inventory every 10 s, and
-runs a Celery worker on the host's own queue ``host.<name>`` for deploy/switch/undeploy work. SIGTERM stops
-the worker, then every instance gracefully (in-flight requests finish).
+It holds the platform's URL and this host's credential, nothing else - no database, no broker. The first start
+exchanges the one-time join token staff got when they added the host (``--join-token`` or ``AGENT_JOIN_TOKEN``)
+for the host's credential, kept in ``--credential-file`` (mode 0600, default ``FLEET_ROOT/host-credential``);
+later starts read it from there. Then it supervises the host's Triton + GE instances (start, restart after a
+crash with backoff, quarantine, reconcile of loaded models), polls the desired state every second and sends a
+heartbeat with the NPU inventory every 10 s, all over the agent API (``/agent/v1/``). SIGTERM stops every
+instance gracefully (in-flight requests finish).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
 
-from django.core.exceptions import ValidationError
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from apps.fleet import services
 from apps.fleet.agent import HostAgent
-from apps.fleet.models import TritonInstance
+from apps.fleet.agent_client import (
+    CredentialRefused,
+    PlatformClient,
+    PlatformError,
+    join,
+    load_credential,
+)
 from backend_ge.runtime import TritonError
 from backend_ge.sandbox import SandboxError
-from serving_platform.celery import app as celery_app
 
 log = logging.getLogger(__name__)
 
 
 class Command(BaseCommand):
-    help = "Run the host agent: Triton instance supervisor + Celery worker on host.<name>."
+    help = (
+        "Run the host agent: supervises this host's Triton instances, talks to the platform over /agent/v1/."
+    )
+    # No system checks: they are the platform's business, and some would open the database.
+    requires_system_checks = []
 
     def add_arguments(self, parser):
-        parser.add_argument("--name", required=True, help="Host name (lowercase letters, digits, hyphens).")
         parser.add_argument(
-            "--address", default="127.0.0.1", help="Address clients reach this host's instances at."
+            "--platform",
+            default=os.environ.get("PLATFORM_URL", ""),
+            help="The platform's URL, e.g. https://platform.example.com (env PLATFORM_URL).",
         )
         parser.add_argument(
-            "--bind", default=None, help="Address tritonserver binds to (default: --address)."
+            "--join-token",
+            default=os.environ.get("AGENT_JOIN_TOKEN", ""),
+            help="One-time join token from the host's page or POST /api/v1/hosts/ (env AGENT_JOIN_TOKEN).",
         )
         parser.add_argument(
-            "--ensure-instance",
-            metavar="NAME:HTTP:GRPC:METRICS",
-            action="append",
-            default=[],
-            help="Create this CPU instance if the host has none by that name (the embedded default uses it).",
+            "--credential-file",
+            default=os.environ.get("AGENT_CREDENTIAL_FILE", ""),
+            help="Where the host credential is kept (mode 0600); default FLEET_ROOT/host-credential.",
         )
-        parser.add_argument("--concurrency", type=int, default=4, help="Worker threads for host tasks.")
+        parser.add_argument(
+            "--bind", default=None, help="Address tritonserver binds to (default: the host's address)."
+        )
+        parser.add_argument(
+            "--wait", type=float, default=120.0, help="Seconds to wait for the platform to answer at start."
+        )
 
     def handle(self, *args, **options):
+        platform = options["platform"]
+        if not platform:
+            raise CommandError("Give the platform's URL: --platform URL or PLATFORM_URL.")
+        credential_file = Path(options["credential_file"] or Path(settings.FLEET_ROOT) / "host-credential")
+        if options["join_token"] and not credential_file.is_file():
+            try:
+                answer = self._retry(
+                    options["wait"], lambda: join(platform, options["join_token"], credential_file)
+                )
+            except PlatformError as exc:
+                raise CommandError(str(exc)) from None
+            self.stdout.write(
+                f"joined {platform} as host {answer['host']}; credential kept in {credential_file}"
+            )
+        if not credential_file.is_file():
+            raise CommandError(
+                f"No host credential in {credential_file}: start once with --join-token (staff get one when "
+                "they add the host, or from the host's page)."
+            )
+        client = PlatformClient(platform, load_credential(credential_file))
         try:
-            host = services.register_host(name=options["name"], address=options["address"])
-        except ValidationError as exc:
-            raise CommandError(f"invalid host: {'; '.join(exc.messages)}") from None
-        for spec in options["ensure_instance"]:
-            self._ensure_instance(host, spec)
-        try:
-            agent = HostAgent(host, bind_address=options["bind"] or options["address"]).start()
-        except (SandboxError, TritonError) as exc:
-            # The runtime tree or an instance's unprivileged user is not usable: say what, and stop.
-            raise CommandError(f"host agent for {host.name} cannot run its Triton instances: {exc}") from None
-        self.stdout.write(f"host agent for {host.name}: {host.instances.count()} instance(s)")
-        worker = celery_app.Worker(
-            hostname=f"agent@{host.name}",
-            queues=[f"host.{host.name}"],
-            pool="threads",
-            concurrency=options["concurrency"],
-            loglevel="INFO",
-            without_gossip=True,
-            without_mingle=True,
+            hello = self._retry(options["wait"], lambda: client.heartbeat({}))
+        except CredentialRefused as exc:
+            raise CommandError(
+                f"{exc}. Ask staff for a new join token and start with --join-token."
+            ) from None
+        except PlatformError as exc:
+            raise CommandError(str(exc)) from None
+        agent = HostAgent(
+            client,
+            hello["host"],
+            bind_address=options["bind"] or hello["address"],
+            credential_file=credential_file,
         )
         try:
-            worker.start()
+            agent.start()
+        except (SandboxError, TritonError) as exc:
+            # The runtime tree or an instance's unprivileged user is not usable: say what, and stop.
+            raise CommandError(
+                f"host agent for {hello['host']} cannot run its Triton instances: {exc}"
+            ) from None
+        except PlatformError as exc:
+            raise CommandError(f"host agent for {hello['host']}: {exc}") from None
+        self.stdout.write(
+            f"host agent for {hello['host']}: {len(agent.desired.all_instances())} instance(s), platform {platform}"
+        )
+        stop = threading.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
+        try:
+            stop.wait()
         finally:
-            log.info("stopping the instances of %s", host.name)
+            log.info("stopping the instances of %s", hello["host"])
             agent.stop()
 
-    def _ensure_instance(self, host, spec: str) -> None:
-        try:
-            name, http, grpc, metrics = spec.split(":")
-            ports = int(http), int(grpc), int(metrics)
-        except ValueError:
-            raise CommandError(
-                f"--ensure-instance {spec!r}: expected NAME:HTTP:GRPC:METRICS, e.g. cpu-0:8100:8101:8102"
-            ) from None
-        if TritonInstance.objects.filter(host=host, name=name).exists():
-            return
-        try:
-            services.create_instance(
-                actor=None,
-                host=host,
-                name=name,
-                http_port=ports[0],
-                grpc_port=ports[1],
-                metrics_port=ports[2],
-            )
-        except ValidationError as exc:
-            raise CommandError(f"--ensure-instance {spec!r}: {'; '.join(exc.messages)}") from None
+    @staticmethod
+    def _retry(wait: float, call):
+        """The platform may still be starting (``make run`` starts everything at once): retry until ``wait``."""
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return call()
+            except CredentialRefused:
+                raise
+            except PlatformError as exc:
+                if time.monotonic() >= deadline or "HTTP 4" in str(exc):
+                    raise
+                log.info("waiting for the platform: %s", exc)
+                time.sleep(1.0)

@@ -1,0 +1,388 @@
+"""The host agent's side of the agent API: the platform URL and this host's credential are all it holds.
+
+``PlatformClient`` makes the calls (join, heartbeat, desired state with ``If-None-Match``, instance and
+placement reports, artifact downloads); ``DesiredState`` is the last answer as plain objects whose attributes
+read like the platform's rows, so ``apps.fleet.placement`` says what it does without knowing where the
+answer came from. Nothing here touches a database or a broker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from apps.fleet.repository import RepositoryError
+
+log = logging.getLogger(__name__)
+
+API_PREFIX = "/agent/v1"
+PLACEMENT_READY = "READY"
+
+
+class ArtifactDownloadError(RepositoryError):
+    """The version's files could not be fetched from the platform (or did not match their sha256)."""
+
+
+class PlatformError(RuntimeError):
+    """The platform could not be reached or refused a call; the message says which and why."""
+
+
+class CredentialRefused(PlatformError):
+    """401: the host was revoked (or the credential is wrong). The agent takes no more work."""
+
+
+def _reason(response: requests.Response) -> str:
+    try:
+        return str(response.json()["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200]
+
+
+def join(platform: str, token: str, credential_file: Path, timeout: float = 30) -> dict:
+    """Exchange a join token for the host's credential and keep it in ``credential_file`` (mode 0600)."""
+    try:
+        response = requests.post(
+            f"{platform.rstrip('/')}{API_PREFIX}/join", json={"join_token": token}, timeout=timeout
+        )
+    except requests.RequestException as exc:
+        raise PlatformError(f"the platform at {platform} did not answer: {exc}") from None
+    if response.status_code != 201:
+        raise PlatformError(f"joining {platform} failed (HTTP {response.status_code}): {_reason(response)}")
+    answer = response.json()
+    save_credential(credential_file, answer["credential"])
+    return answer
+
+
+def save_credential(path: Path, credential: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(credential + "\n")
+    os.replace(tmp, path)
+
+
+def load_credential(path: Path) -> str:
+    return path.read_text().strip()
+
+
+class PlatformClient:
+    """Calls of one host's agent. Transient failures (connection errors, 5xx) are retried a few times with
+    backoff; a 401 raises ``CredentialRefused`` at once."""
+
+    def __init__(self, platform: str, credential: str, *, timeout: float = 30, retries: int = 3) -> None:
+        self.base = platform.rstrip("/") + API_PREFIX
+        self.platform = platform
+        self.timeout = timeout
+        self.retries = retries
+        self._local = threading.local()
+        self._credential = credential
+
+    def _session(self) -> requests.Session:
+        # One session per thread: the supervisor, reconcile, poll and heartbeat threads call concurrently.
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+            session.headers["Authorization"] = f"Bearer {self._credential}"
+        return session
+
+    def call(self, method: str, path: str, *, ok=(200,), **kwargs) -> requests.Response:
+        kwargs.setdefault("timeout", self.timeout)
+        delay = 0.2
+        for attempt in range(self.retries + 1):
+            try:
+                response = self._session().request(method, self.base + path, **kwargs)
+            except requests.RequestException as exc:
+                error = f"{method} {path}: {exc.__class__.__name__}: {exc}"
+            else:
+                if response.status_code == 401:
+                    raise CredentialRefused(
+                        f"{self.platform} refused this host's credential: {_reason(response)}"
+                    )
+                if response.status_code in ok:
+                    return response
+                if response.status_code < 500:
+                    raise PlatformError(f"{method} {path}: HTTP {response.status_code}: {_reason(response)}")
+                error = f"{method} {path}: HTTP {response.status_code}: {_reason(response)}"
+            if attempt < self.retries:
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        raise PlatformError(f"the platform at {self.platform} did not answer: {error}")
+
+    # -- calls -------------------------------------------------------------------------------------------
+    def heartbeat(self, body: dict) -> dict:
+        return self.call("POST", "/heartbeat", json=body).json()
+
+    def desired_state(self, etag: str | None) -> tuple[str | None, dict | None]:
+        """(etag, state), or (etag, None) when nothing changed since ``etag``."""
+        headers = {"If-None-Match": etag} if etag else {}
+        response = self.call("GET", "/desired-state", ok=(200, 304), headers=headers)
+        if response.status_code == 304:
+            return etag, None
+        return response.headers.get("ETag"), response.json()
+
+    def report_instance(self, instance_id: int, fields: dict) -> None:
+        self.call("POST", f"/instances/{instance_id}/state", json=fields)
+
+    def report_placement(self, placement_id: int, body: dict) -> dict:
+        return self.call("POST", f"/placements/{placement_id}/report", json=body).json()
+
+    def report_final_counts(self, instance_id: int, counts: dict) -> None:
+        self.call("POST", f"/instances/{instance_id}/final-counts", json=counts)
+
+    def download_version(self, version: VersionSpec, cache_root: Path) -> Path:
+        """The version's files in ``cache_root/<version id>``, each checked against the manifest's sha256."""
+        target = cache_root / str(version.pk)
+        marker = target / ".manifest-sha256"
+        fingerprint = hashlib.sha256(
+            repr(sorted((f["path"], f["sha256"]) for f in version.files)).encode()
+        ).hexdigest()
+        if marker.is_file() and marker.read_text() == fingerprint:
+            return target
+        if not version.files:
+            raise ArtifactDownloadError(f"{version}: the platform has no converted files for it")
+        cache_root.mkdir(parents=True, exist_ok=True)
+        tmp = cache_root / f".tmp-{version.pk}-{uuid.uuid4().hex[:8]}"
+        try:
+            for entry in version.files:
+                relative = Path(entry["path"])
+                if relative.is_absolute() or ".." in relative.parts:
+                    raise ArtifactDownloadError(f"{version}: refusing manifest path {entry['path']!r}")
+                destination = tmp / relative
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                digest = hashlib.sha256()
+                try:
+                    response = self.call(
+                        "GET", f"/versions/{version.pk}/files/{relative.as_posix()}", stream=True, timeout=60
+                    )
+                except CredentialRefused:
+                    raise
+                except PlatformError as exc:
+                    raise ArtifactDownloadError(f"{version}: download of {relative} failed: {exc}") from None
+                with response, destination.open("wb") as handle:
+                    for chunk in response.iter_content(1 << 20):
+                        digest.update(chunk)
+                        handle.write(chunk)
+                if digest.hexdigest() != entry["sha256"]:
+                    raise ArtifactDownloadError(
+                        f"{version}: {relative} does not match its sha256; download discarded"
+                    )
+            (tmp / marker.name).write_text(fingerprint)
+            if target.exists():
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return target
+
+
+# -- the desired state as objects ------------------------------------------------------------------------
+@dataclass(eq=False)
+class VersionSpec:
+    pk: int
+    number: int
+    label: str
+    model_name: str
+    config_text: str
+    signature: dict
+    instance_limit: int
+    files: list[dict] | None
+
+    def __str__(self) -> str:
+        return self.label
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, VersionSpec) and other.pk == self.pk
+
+    def __hash__(self) -> int:
+        return hash(self.pk)
+
+
+@dataclass(eq=False)
+class InstanceSpec:
+    """One instance of this host as the platform wants it (its ports, devices, flags, key and commands)."""
+
+    pk: int
+    name: str
+    label: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    device_ids: list[int]
+    executor: str
+    latency_summaries: bool
+    desired_state: str
+    state: str
+    restarts: int
+    crash_times: list[str]
+    pid: int | None
+    command: str
+    command_seq: int
+    api_key: str
+
+    def __str__(self) -> str:
+        return self.label
+
+    @classmethod
+    def from_json(cls, entry: dict) -> InstanceSpec:
+        return cls(pk=entry["id"], **{k: v for k, v in entry.items() if k != "id"})
+
+
+@dataclass(eq=False)
+class InstanceRef:
+    pk: int
+    label: str
+
+    def __str__(self) -> str:
+        return self.label
+
+
+@dataclass(eq=False)
+class DeploymentSpec:
+    """The deployment of one placement, as far as the agent needs it."""
+
+    pk: int
+    model_name: str
+    undeploy: bool
+    target_version: VersionSpec | None
+    active_version: VersionSpec | None
+    canary: VersionSpec | None
+
+    def triton_model_name(self) -> str:
+        return self.model_name
+
+    @property
+    def target_version_id(self) -> int | None:
+        return self.target_version.pk if self.target_version else None
+
+
+@dataclass(eq=False)
+class PlacementSpec:
+    pk: int
+    instance_id: int
+    instance: InstanceRef
+    deployment: DeploymentSpec
+    generation: int
+    applied_generation: int
+    state: str
+    served_version: VersionSpec | None
+    canary_version: VersionSpec | None
+    keep_model: bool
+
+    def is_applied(self) -> bool:
+        return self.applied_generation == self.generation
+
+    @property
+    def undeploy(self) -> bool:
+        return self.deployment.undeploy
+
+    @property
+    def canary_version_id(self) -> int | None:
+        return self.canary_version.pk if self.canary_version else None
+
+
+@dataclass
+class DesiredState:
+    """The last desired state, replaced by each fetch and patched by the answers to this agent's reports."""
+
+    generation: int = 0
+    instances: dict[int, InstanceSpec] = field(default_factory=dict)
+    placements: dict[int, PlacementSpec] = field(default_factory=dict)
+    versions: dict[int, VersionSpec] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def replace(self, raw: dict) -> None:
+        versions = {
+            int(key): VersionSpec(
+                pk=v["id"],
+                **{
+                    k: v[k]
+                    for k in (
+                        "number",
+                        "label",
+                        "model_name",
+                        "config_text",
+                        "signature",
+                        "instance_limit",
+                        "files",
+                    )
+                },
+            )
+            for key, v in raw["versions"].items()
+        }
+        with self.lock:
+            self.versions.update(versions)
+            self.generation = raw["generation"]
+            self.instances = {e["id"]: InstanceSpec.from_json(e) for e in raw["instances"]}
+            fresh = {e["id"]: self._placement(e) for e in raw["placements"]}
+            for pk, placement in fresh.items():
+                local = self.placements.get(pk)
+                # A report answered after this state was read is newer: keep what it said.
+                if (
+                    local is not None
+                    and local.generation == placement.generation
+                    and local.applied_generation > placement.applied_generation
+                ):
+                    fresh[pk] = local
+            self.placements = fresh
+
+    def update_placement(self, entry: dict | None, placement_id: int) -> None:
+        with self.lock:
+            if entry is None:
+                self.placements.pop(placement_id, None)
+            elif all(
+                entry[key] is None or entry[key] in self.versions
+                for key in ("target", "served", "canary", "canary_target", "active", "target_version")
+            ):
+                self.placements[entry["id"]] = self._placement(entry)
+
+    def _placement(self, entry: dict) -> PlacementSpec:
+        def version(key: str) -> VersionSpec | None:
+            return self.versions.get(entry[key]) if entry.get(key) else None
+
+        return PlacementSpec(
+            pk=entry["id"],
+            instance_id=entry["instance"],
+            instance=InstanceRef(entry["instance"], entry["label"]),
+            deployment=DeploymentSpec(
+                pk=entry["deployment"],
+                model_name=entry["model_name"],
+                undeploy=entry["undeploy"],
+                target_version=version("target_version"),
+                active_version=version("active"),
+                canary=version("canary_target"),
+            ),
+            generation=entry["generation"],
+            applied_generation=entry["applied_generation"],
+            state=entry["state"],
+            served_version=version("served"),
+            canary_version=version("canary"),
+            keep_model=entry["keep_model"],
+        )
+
+    def placement(self, placement_id: int) -> PlacementSpec | None:
+        with self.lock:
+            return self.placements.get(placement_id)
+
+    def placements_on(self, instance_id: int) -> list[PlacementSpec]:
+        with self.lock:
+            return sorted(
+                (p for p in self.placements.values() if p.instance_id == instance_id), key=lambda p: p.pk
+            )
+
+    def instance(self, instance_id: int) -> InstanceSpec | None:
+        with self.lock:
+            return self.instances.get(instance_id)
+
+    def all_instances(self) -> list[InstanceSpec]:
+        with self.lock:
+            return sorted(self.instances.values(), key=lambda i: i.pk)
