@@ -78,6 +78,32 @@ class Deployment(models.Model):
     def is_live(self) -> bool:
         return self.state != DeploymentState.UNDEPLOYED
 
+    def traffic_split(self) -> list[dict]:
+        """Which version serves where, and its share of the requests that name no version: the active version
+        alone (100 %), or during a rollout the stable and canary versions at the rollout's weights."""
+        placements = [p for p in self.placements.all() if p.state != PlacementState.UNLOADED]
+        rollout = (
+            Rollout.objects.live()
+            .filter(deployment=self)
+            .select_related("stable_version", "canary_version")
+            .first()
+        )
+        if rollout is None:
+            if self.active_version is None:
+                return []
+            where = [str(p.instance) for p in placements if p.served_version_id == self.active_version_id]
+            return [
+                {"version": self.active_version.number, "role": "active", "weight": 100, "instances": where}
+            ]
+        stable = [str(p.instance) for p in placements if p.served_version_id == rollout.stable_version_id]
+        canary = [str(p.instance) for p in placements if p.canary_version_id == rollout.canary_version_id]
+        return [
+            {"version": rollout.stable_version.number, "role": "stable", "weight": 100 - rollout.current_weight,
+             "instances": stable},
+            {"version": rollout.canary_version.number, "role": "canary", "weight": rollout.current_weight,
+             "instances": canary},
+        ]  # fmt: skip
+
 
 class PlacementState(models.TextChoices):
     PENDING = "PENDING", "Pending"

@@ -110,3 +110,18 @@ def test_viewers_see_the_rollout_without_controls_and_cannot_post(viewer, owner,
 
 def test_outsiders_get_404(outsider, deployment):
     assert web(outsider).get(panel_url(deployment)).status_code == 404
+
+
+def test_model_list_and_model_page_show_which_version_serves_where_at_what_weight(
+    viewer, owner, deployment, model, instance
+):
+    client = web(viewer)
+    page = client.get("/teams/vision/models/classifier/").content.decode()
+    assert 'data-version="1" data-weight="100">v1 · <strong>100 %</strong> on local/cpu-0' in page
+    rollout = rollouts.start_rollout(actor=owner, deployment=deployment, canary=make_version(model, 2))
+    report_canary(rollout)
+    rollouts.check_rollouts()
+    for url in ("/teams/vision/models/", "/teams/vision/models/classifier/"):
+        page = client.get(url).content.decode()
+        assert "v1 (stable) · <strong>90 %</strong> on local/cpu-0" in page, url
+        assert "v2 (canary) · <strong>10 %</strong> on local/cpu-0" in page, url
