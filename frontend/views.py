@@ -15,6 +15,8 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST
 
 from apps.audit.models import AuditEvent
+from apps.fleet.models import is_platform_staff
+from apps.gateway.metrics import gateway_wide_summary
 from apps.teams import services
 from apps.teams.models import Action, ApiToken, Membership, Team, TeamInvitation
 from frontend.context_processors import current_team
@@ -66,6 +68,8 @@ def dashboard(request):
     context["invitations"] = (
         TeamInvitation.objects.addressed_to(request.user).pending().select_related("team", "invited_by")
     )
+    if is_platform_staff(request.user):
+        context["gateway_wide"] = gateway_wide_summary(timezone.now() - timedelta(hours=1))
     return render(request, "frontend/dashboard.html", context)
 
 
