@@ -41,7 +41,14 @@ def test_model_metrics_page_draws_a_line_per_version_with_data(page, live_server
             nonNull: u.data.slice(1).map(values => values.filter(v => v !== null && v > 0).length),
         }]))"""
     )
-    assert set(charts) == {"chart-requests", "chart-latency", "chart-queue", "chart-batch", "chart-errors"}
+    assert set(charts) == {
+        "chart-requests",
+        "chart-latency",
+        "chart-queue",
+        "chart-batch",
+        "chart-errors",
+        "chart-gateway",
+    }
     assert charts["chart-requests"]["series"] == ["v1", "v2"]
     assert charts["chart-requests"]["points"] == 60
     assert charts["chart-requests"]["nonNull"] == [20, 10]  # the minutes each version served
@@ -70,6 +77,7 @@ def test_deployment_page_draws_its_charts_with_markers_ranges_live_refresh_and_a
     from django.utils import timezone
 
     from apps.deployments.models import Deployment, DeploymentEvent, DeploymentInstance, DeploymentState
+    from apps.gateway.models import GatewayMetrics
 
     write, model, (v1, v2) = metrics_setup["write"], metrics_setup["model"], metrics_setup["versions"]
     deployment = Deployment.objects.create(
@@ -90,6 +98,13 @@ def test_deployment_page_draws_its_charts_with_markers_ranges_live_refresh_and_a
     for minute in range(10, 1, -1):
         write(v2, minute, 180, 2, p50_us=700, p95_us=1200, p99_us=1600, quantile_requests=182)
 
+    def gateway_minute(minutes_ago: int, **counts) -> None:
+        bucket = timezone.now().replace(second=0, microsecond=0) - timedelta(minutes=minutes_ago)
+        GatewayMetrics.objects.create(deployment=deployment, bucket=bucket, **counts)
+
+    for minute in range(10, 1, -1):
+        gateway_minute(minute, requests=182, responses_401=6, responses_429=12, time_ms_sum=182 * 2.5)
+
     page.clock.install()  # the 15 s refresh timer runs on the test's clock
     login(page, live_server, viewer.username)
     page.goto(f"{live_server.url}/teams/vision/deployments/{deployment.pk}/")
@@ -97,8 +112,15 @@ def test_deployment_page_draws_its_charts_with_markers_ranges_live_refresh_and_a
     charts = page.evaluate(
         "() => Object.fromEntries(Object.entries(window.metricsCharts).map(([id, u]) => [id, u.series.slice(1).map(s => s.label)]))"
     )
-    assert set(charts) == {"chart-requests", "chart-latency", "chart-errors"}
-    assert charts["chart-latency"] == ["v1 p50", "v1 p95", "v1 p99", "v2 p50", "v2 p95", "v2 p99"]
+    assert set(charts) == {"chart-requests", "chart-latency", "chart-errors", "chart-gateway"}
+    assert charts["chart-latency"] == [
+        *("v1 p50", "v1 p95", "v1 p99", "v2 p50", "v2 p95", "v2 p99"),
+        "gateway mean",  # the time at the gateway beside Triton's
+    ]
+    assert charts["chart-gateway"] == ["requests", "401", "404", "429", "5xx"]
+    assert page.evaluate("() => Math.max(...window.metricsCharts['chart-gateway'].data[4])") == 0.2
+    assert page.evaluate("() => Math.max(...window.metricsCharts['chart-latency'].data[7])") == 2.5
+    assert "refused 54 × 401, 0 × 404, 108 × 429" in page.locator(".metric-totals").inner_text()
     assert page.locator(".latency-title").inner_text() == "Latency p50 / p95 / p99 (ms)"
     markers = page.locator("#chart-requests .chart-marker")
     assert markers.count() == 3
@@ -126,9 +148,11 @@ def test_deployment_page_draws_its_charts_with_markers_ranges_live_refresh_and_a
     # Live refresh: every 15 s while on, new rows show without reloading; off stops it.
     loads = int(page.locator("#metrics").get_attribute("data-loads"))
     write(v2, 1, 600)
+    gateway_minute(1, requests=600, responses_429=120)
     page.clock.run_for(16_000)
     page.wait_for_function(f"() => Number(document.querySelector('#metrics').dataset.loads) > {loads}")
     assert page.evaluate("() => Math.max(...window.metricsCharts['chart-requests'].data[2])") == 10.0
+    assert page.evaluate("() => Math.max(...window.metricsCharts['chart-gateway'].data[4])") == 2.0
 
     page.uncheck("input[data-refresh]")
     assert page.locator("#metrics").get_attribute("data-live") == "off"
