@@ -7,16 +7,14 @@ import pytest
 
 from apps.deployments import services
 from apps.deployments.models import DeploymentState
-from apps.fleet.models import Host, TritonInstance
 from apps.monitoring.models import ModelMetrics, ScrapeState
 from apps.monitoring.scraper import scrape_instance
 from apps.registry.models import ModelVersion, SourceFormat, VersionState
 from backend_ge.convert import prepare_onnx
-from backend_ge.runtime import free_port
 from tests.conftest import wait_for
-from tests.fleet.test_agent import deployment_settled
+from tests.fleet.test_agent import deployment_settled, instance_of
 from tests.monitoring.builders import reshaping_onnx
-from tests.monitoring.test_live_scrape import ready_instance, send, totals
+from tests.monitoring.test_live_scrape import send, totals
 
 pytestmark = [pytest.mark.triton, pytest.mark.django_db(transaction=True)]
 
@@ -46,12 +44,8 @@ def next_version(model, owner, tmp_path) -> ModelVersion:
 def test_counts_at_a_switch_and_an_undeploy_add_up_to_what_clients_sent(
     start_agent, make_reshaper_version, owner, tmp_path
 ):
-    host = Host.objects.create(name="mon-fc", address="127.0.0.1")
-    instance = TritonInstance.objects.create(
-        host=host, name="cpu-0", http_port=free_port(), grpc_port=free_port(), metrics_port=free_port()
-    )
     agent = start_agent("mon-fc")
-    instance = wait_for(lambda: ready_instance(instance.pk), 120, f"READY\n{agent.output()}")
+    instance = instance_of(agent)
     v1 = make_reshaper_version()
     v2 = next_version(v1.model, owner, tmp_path)
     name = v1.model.triton_model_name()
