@@ -100,12 +100,16 @@ def read_exporter(timeout: float) -> dict[str, dict[str, float]]:
         return parse_exporter(response.read().decode("utf-8", errors="replace"))
 
 
-def read_slot_owners() -> dict[str, str]:
-    """``{"s3": "d12", "s4": "d12c"}`` from ``slots.map`` (none when backends are named by deployment)."""
+def read_slot_owners() -> dict[str, str] | None:
+    """``{"s3": "d12", "s4": "d12c"}`` from ``slots.map`` (empty when backends are named by deployment; None
+    when the gateway's directory cannot be read)."""
+    path = options().map_file("slots")
     try:
-        text = options().map_file("slots").read_text()
+        text = path.read_text()
+    except FileNotFoundError:
+        return {} if path.parent.is_dir() else None
     except OSError:
-        return {}
+        return None
     pairs = (line.split() for line in text.splitlines())
     return {p[0]: p[1] for p in pairs if len(p) == 2 and _DEPLOYMENT.match(p[1])}
 
@@ -150,7 +154,9 @@ def scrape_gateway(now: datetime | None = None, timeout: float | None = None) ->
     now = now or timezone.now()
     timeout = timeout or settings.METRICS_SCRAPE_TIMEOUT
     state, _ = GatewayScrapeState.objects.get_or_create(pk=1)
-    baseline = state.counters if state.fetched_at is not None else None
+    # {"keys": {key: counters}, "pid": worker pid, "slots": slot owners} of the last scrape.
+    baseline = state.counters.get("keys") if state.fetched_at is not None else None
+    before = state.counters if baseline is not None else {}
     try:
         current = read_exporter(timeout)
     except (OSError, ValueError) as exc:
@@ -163,18 +169,19 @@ def scrape_gateway(now: datetime | None = None, timeout: float | None = None) ->
         # The exporter's figures still count; the stage counters carry over, so the refusals of this
         # interval are counted at the next scrape that reaches the socket.
         error = f"admin socket: {type(exc).__name__}: {exc}"[:500]
-        pid = (baseline or {}).get("pid")
+        pid = before.get("pid")
         counts = {
             key: {name: values[name] for name in STAGES if name in values}
             for key, values in (baseline or {}).items()
-            if isinstance(values, dict)
         }
     for key, stages in counts.items():
         current.setdefault(key, {}).update(stages)
-    if baseline is not None and baseline.get("pid") not in (None, pid):
+    if baseline is not None and before.get("pid") not in (None, pid):
         baseline = {}  # HAProxy reloaded since: every counter started again at zero
     bucket = now.replace(second=0, microsecond=0)
     slots = read_slot_owners()
+    if slots is None:  # out of reach with the admin socket: the last known owners
+        slots = before.get("slots", {})
     # Sum the deltas of every key (frontends, backends or slots, stage counts) into its row's owner.
     totals: dict[int | None, dict[str, float]] = {}
     for key, values in current.items() if baseline is not None else ():  # the first scrape: baseline
@@ -211,7 +218,7 @@ def scrape_gateway(now: datetime | None = None, timeout: float | None = None) ->
             row.save()
             rows += 1
         GatewayScrapeState.objects.filter(pk=1).update(
-            counters={**current, "pid": pid}, fetched_at=now, last_error=error
+            counters={"keys": current, "pid": pid, "slots": slots}, fetched_at=now, last_error=error
         )
     return rows
 

@@ -154,3 +154,25 @@ def test_targets_json_lists_the_gateway(client, settings):
     assert gateway == [
         {"targets": ["10.0.0.5:8404"], "labels": {"job": "gateway", "__metrics_path__": "/metrics"}}
     ]
+
+
+def test_without_the_admin_socket_the_exporter_still_counts_and_refusals_follow_later(
+    metered_gateway, down_deployment, settings, tmp_path
+):
+    gateway, secret = metered_gateway
+    for _ in range(2):
+        assert gateway.infer(MODEL, None)[0] == 401
+    assert gateway.infer(MODEL, secret)[0] == 503
+    reachable, settings.GATEWAY_DIR = settings.GATEWAY_DIR, tmp_path / "elsewhere"
+    assert scrape_gateway() == 2
+    assert GatewayScrapeState.objects.get().last_error.startswith("admin socket: ")
+    wide = GatewayMetrics.objects.get(deployment=None)
+    assert (wide.requests, wide.responses_4xx, wide.responses_401) == (3, 2, 0)
+    assert GatewayMetrics.objects.get(deployment=down_deployment).requests == 1
+
+    assert gateway.infer(MODEL, None)[0] == 401
+    settings.GATEWAY_DIR = reachable
+    scrape_gateway()
+    assert GatewayScrapeState.objects.get().last_error == ""
+    assert GatewayMetrics.objects.get(deployment=None).responses_401 == 3
+    assert GatewayMetrics.objects.get(deployment=down_deployment).responses_401 == 3
