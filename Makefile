@@ -30,6 +30,8 @@ migrate: install
 
 demo: migrate
 	$(PY) manage.py bootstrap_demo
+	$(PY) manage.py fleet_local_host --name local --address 127.0.0.1 --credential-file var/agent/local.credential \
+		--instance cpu-0:$${TRITON_HTTP_PORT:-8100}:$${TRITON_GRPC_PORT:-8101}:$${TRITON_METRICS_PORT:-8102}
 
 ## Start web (http://127.0.0.1:8000), Celery worker and beat, the local host agent and the inference gateway
 ## (http://127.0.0.1:8080, GATEWAY_BIND) together. No PostgreSQL/Redis needed.

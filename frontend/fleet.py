@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.mixins import LoginRequiredMixin
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, redirect
 from django.views.generic import TemplateView
@@ -21,6 +21,8 @@ INSTANCE_ACTIONS = ("start", "stop", "restart")
 
 
 class HostListView(LoginRequiredMixin, TemplateView):
+    """Hosts; platform staff also add one here and see its one-time join token (once, on the answer page)."""
+
     template_name = "frontend/fleet/hosts.html"
 
     def get_context_data(self, **kwargs):
@@ -31,7 +33,22 @@ class HostListView(LoginRequiredMixin, TemplateView):
             .prefetch_related("devices", "instances")
             .order_by("name")
         )
+        context["is_staff"] = is_platform_staff(self.request.user)
+        context["platform_url"] = self.request.build_absolute_uri("/").rstrip("/")
         return context
+
+    def post(self, request, *args, **kwargs):
+        if not is_platform_staff(request.user):
+            raise PermissionDenied("Only platform staff may add hosts.")
+        name, address = request.POST.get("name", "").strip(), request.POST.get("address", "").strip()
+        try:
+            if Host.objects.filter(name=name).exists():
+                raise ValidationError({"name": [f"A host named '{name}' already exists."]})
+            host, token = services.create_host(actor=request.user, name=name, address=address)
+        except ValidationError as exc:
+            context = self.get_context_data(form_error="; ".join(exc.messages), form=request.POST)
+            return self.render_to_response(context, status=400)
+        return self.render_to_response(self.get_context_data(new_host=host, join_token=token))
 
 
 class HostDetailView(LoginRequiredMixin, TemplateView):
@@ -47,8 +64,25 @@ class HostDetailView(LoginRequiredMixin, TemplateView):
             devices=host.devices.all(),
             instances=host.instances.all(),
             can_operate=host.can_be_operated_by(self.request.user),
+            is_staff=is_platform_staff(self.request.user),
+            platform_url=self.request.build_absolute_uri("/").rstrip("/"),
         )
         return context
+
+    def post(self, request, *args, **kwargs):
+        """Staff: a new one-time join token for the host's agent, or revoke the host's credential."""
+        host = get_object_or_404(Host.objects.for_user(request.user), name=self.kwargs["host_name"])
+        if not is_platform_staff(request.user):
+            raise PermissionDenied("Only platform staff may issue join tokens or revoke hosts.")
+        operation = request.POST.get("op", "")
+        if operation == "join-token":
+            token = services.issue_join_token(actor=request.user, host=host)
+            return self.render_to_response(self.get_context_data(join_token=token))
+        if operation == "revoke":
+            services.revoke_host(actor=request.user, host=host)
+            messages.success(request, f"{host.name} is revoked: its agent's calls are refused from now on.")
+            return redirect("host-detail", host_name=host.name)
+        return HttpResponseBadRequest(f"Unknown operation '{operation}'; use join-token or revoke.")
 
 
 class InstanceDetailView(LoginRequiredMixin, TemplateView):

@@ -219,9 +219,11 @@ FLEET_CRASH_WINDOW = env_int("FLEET_CRASH_WINDOW", 600, minimum=1)
 FLEET_MAX_MODEL_INSTANCES = env_int("FLEET_MAX_MODEL_INSTANCES", 8, minimum=1)
 # How often each agent compares Triton with the placements (and reports models that are not ready).
 FLEET_RECONCILE_INTERVAL_MS = env_int("FLEET_RECONCILE_INTERVAL_MS", 5000, minimum=50)
-# Agents on machines without the artifact store download converted models from here, with this key.
+# A host agent (`manage.py hostagent`) talks to the platform at PLATFORM_URL with its host's credential only,
+# kept in AGENT_CREDENTIAL_FILE (0600); AGENT_JOIN_TOKEN is the one-time token of its first start.
 PLATFORM_URL = env_str("PLATFORM_URL") or ""
-AGENT_KEY = env_str("AGENT_KEY") or ""
+AGENT_JOIN_TOKEN = env_str("AGENT_JOIN_TOKEN") or ""
+AGENT_CREDENTIAL_FILE = Path(env_str("AGENT_CREDENTIAL_FILE") or FLEET_ROOT / "host-credential")
 
 # --- Security (checked by `manage.py check --deploy`) ---------------------------------------------
 SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG)

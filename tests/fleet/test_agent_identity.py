@@ -189,3 +189,20 @@ def test_another_hosts_placement_and_unplaced_versions_are_404_and_placed_files_
     assert hashlib.sha256(body).hexdigest() == manifest["1/model.onnx"]
     assert agent.get(f"{base}/files/../../source/x").status_code == 404
     assert agent.get(f"{base}/files/1/../config.pbtxt").status_code == 404
+
+
+def test_staff_add_a_host_on_the_page_see_its_join_token_once_and_revoke_it(client, owner):
+    client.force_login(UserFactory(username="ops-page", is_staff=True))
+    page = client.post("/hosts/", {"name": "page-host", "address": "10.0.0.8"})
+    assert page.status_code == 200
+    token = page.context["join_token"]
+    assert token.startswith("hjt_") and token in page.content.decode()
+    assert token not in client.get("/hosts/page-host/").content.decode()
+    assert client.post("/hosts/", {"name": "page-host", "address": "x"}).status_code == 400
+    fresh = client.post("/hosts/page-host/", {"op": "join-token"}).context["join_token"]
+    assert fresh != token and Host.objects.get(name="page-host").join_token_hash == hash_host_secret(fresh)
+    client.post("/hosts/page-host/", {"op": "revoke"})
+    assert Host.objects.get(name="page-host").identity == "revoked"
+    client.force_login(owner)
+    assert client.post("/hosts/", {"name": "owned", "address": "10.0.0.9"}).status_code == 403
+    assert client.post("/hosts/page-host/", {"op": "revoke"}).status_code in (403, 404)

@@ -26,11 +26,18 @@ def test_host_agent_mounts_the_npu_devices_and_driver_read_only(compose):
     devices = {entry.split(":")[0] for entry in agent["devices"]}
     assert {"/dev/davinci0", "/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc"} <= devices
     assert "/usr/local/Ascend/driver:/usr/local/Ascend/driver:ro" in agent["volumes"]
-    assert any(arg.startswith("host.") for arg in agent["command"])
+    assert agent["command"][:3] == ["python", "manage.py", "hostagent"] and "--platform" in agent["command"]
+
+
+def test_the_host_agent_holds_no_database_broker_or_platform_secret(compose):
+    agent = compose["services"]["host-agent"]
+    assert not {"DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"} & set(agent["environment"])
+    assert "artifacts:/artifacts" not in agent["volumes"]
+    assert "AGENT_SECRET_KEY" in agent["environment"]["SECRET_KEY"]
 
 
 def test_platform_services_use_postgres_and_redis(compose):
-    for name in ("web", "worker", "beat", "gateway", "host-agent"):
+    for name in ("web", "worker", "beat", "gateway"):
         env = compose["services"][name]["environment"]
         assert env["DATABASE_URL"].startswith("postgres://") and env["CELERY_BROKER_URL"].startswith(
             "redis://"
@@ -56,7 +63,12 @@ def _compose_command() -> list[str] | None:
 def test_docker_compose_config_validates():
     result = subprocess.run(
         [*_compose_command(), "-f", str(COMPOSE), "config", "--quiet"],
-        env={"PATH": "/usr/bin:/bin:/usr/local/bin", "SECRET_KEY": "x", "POSTGRES_PASSWORD": "y"},
+        env={
+            "PATH": "/usr/bin:/bin:/usr/local/bin",
+            "SECRET_KEY": "x",
+            "POSTGRES_PASSWORD": "y",
+            "AGENT_SECRET_KEY": "z",
+        },
         capture_output=True,
         text=True,
         timeout=60,

@@ -12,7 +12,6 @@ instance gracefully (in-flight requests finish).
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
@@ -45,18 +44,19 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument(
             "--platform",
-            default=os.environ.get("PLATFORM_URL", ""),
+            default=settings.PLATFORM_URL,
             help="The platform's URL, e.g. https://platform.example.com (env PLATFORM_URL).",
         )
         parser.add_argument(
             "--join-token",
-            default=os.environ.get("AGENT_JOIN_TOKEN", ""),
+            default=settings.AGENT_JOIN_TOKEN,
             help="One-time join token from the host's page or POST /api/v1/hosts/ (env AGENT_JOIN_TOKEN).",
         )
         parser.add_argument(
             "--credential-file",
-            default=os.environ.get("AGENT_CREDENTIAL_FILE", ""),
-            help="Where the host credential is kept (mode 0600); default FLEET_ROOT/host-credential.",
+            default=str(settings.AGENT_CREDENTIAL_FILE),
+            help="Where the host credential is kept, mode 0600 (env AGENT_CREDENTIAL_FILE; default "
+            "FLEET_ROOT/host-credential).",
         )
         parser.add_argument(
             "--bind", default=None, help="Address tritonserver binds to (default: the host's address)."
@@ -69,7 +69,7 @@ class Command(BaseCommand):
         platform = options["platform"]
         if not platform:
             raise CommandError("Give the platform's URL: --platform URL or PLATFORM_URL.")
-        credential_file = Path(options["credential_file"] or Path(settings.FLEET_ROOT) / "host-credential")
+        credential_file = Path(options["credential_file"])
         if options["join_token"] and not credential_file.is_file():
             try:
                 answer = self._retry(
