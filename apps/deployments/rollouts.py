@@ -311,8 +311,10 @@ def check_rollouts(now=None) -> dict[str, int]:
     due = Rollout.objects.filter(state=RolloutState.RUNNING, next_check_at__lte=now)
     for pk, interval, due_at in due.values_list("pk", "step_interval_s", "next_check_at"):
         # Claim: only the beat whose UPDATE moves next_check_at from the value it read runs this check.
+        # The next one is an interval after this one was due (no drift of a tick per check), never in the past.
+        following = max(due_at + timedelta(seconds=interval), now + timedelta(seconds=interval / 2))
         claimed = Rollout.objects.filter(pk=pk, state=RolloutState.RUNNING, next_check_at=due_at).update(
-            next_check_at=now + timedelta(seconds=interval)
+            next_check_at=following
         )
         if claimed == 1:
             run_check(pk)
