@@ -1,7 +1,18 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from frontend import alerts, conversions, deployments, fleet, monitoring, registry, rollouts, versions, views
+from frontend import (
+    alerts,
+    compare,
+    conversions,
+    deployments,
+    fleet,
+    monitoring,
+    registry,
+    rollouts,
+    versions,
+    views,
+)
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
@@ -40,6 +51,11 @@ urlpatterns = [
         "teams/<slug:team_slug>/models/<slug:model_slug>/versions/<int:number>/",
         versions.VersionDetailView.as_view(),
         name="version-detail",
+    ),
+    path(
+        "teams/<slug:team_slug>/models/<slug:model_slug>/compare/",
+        compare.VersionCompareView.as_view(),
+        name="version-compare",
     ),
     path(
         "teams/<slug:team_slug>/conversions/<int:pk>/",

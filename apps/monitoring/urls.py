@@ -1,12 +1,17 @@
 from django.urls import path
 
-from apps.monitoring import api
+from apps.monitoring import api, compare_api
 
 urlpatterns = [
     path(
         "teams/<slug:team_slug>/models/<slug:model_slug>/metrics/",
         api.ModelMetricsViewSet.as_view({"get": "retrieve"}),
         name="team-model-metrics",
+    ),
+    path(
+        "teams/<slug:team_slug>/models/<slug:model_slug>/compare/",
+        compare_api.VersionComparisonViewSet.as_view({"get": "retrieve"}),
+        name="team-model-compare",
     ),
     path(
         "instances/<int:pk>/metrics/",
