@@ -10,8 +10,10 @@ class MembershipInline(admin.TabularInline):
 
 @admin.register(Team)
 class TeamAdmin(admin.ModelAdmin):
-    list_display = ("name", "slug", "quota_model_instances", "created_at")
+    list_display = ("name", "slug", "quota_model_instances", "quota_requests_per_second", "created_at")
     search_fields = ("name", "slug")
+    # Changed through apps.teams.services.set_request_rate_quota (bounded and audited): the team API or page.
+    readonly_fields = ("quota_requests_per_second",)
     inlines = [MembershipInline]
 
 

@@ -118,3 +118,13 @@ def test_a_changed_quota_takes_effect_at_the_gateway_within_5_seconds(
     body = wait_for(limited, 5, "the new quota at the gateway", interval=0.2)
     assert time.monotonic() - changed < 5
     assert body["error"] == "rate limit exceeded: team vision may send 2 requests per second"
+
+
+def test_the_admin_shows_the_quota_but_changes_go_through_the_audited_service(client, team):
+    admin = UserFactory(username="root", is_staff=True, is_superuser=True)
+    client.force_login(admin)
+    response = client.get(f"/admin/teams/team/{team.pk}/change/")
+    page = response.content.decode()
+    assert response.status_code == 200 and 'name="name"' in page  # the change form
+    assert 'name="quota_requests_per_second"' not in page
+    assert f'<div class="readonly">{team.quota_requests_per_second}</div>' in page
