@@ -363,6 +363,10 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         "",
         "frontend inference",
         f"    bind {o.bind}",
+        # A retry needs the whole request in the buffer: without this, a POST whose body came in a second
+        # packet was forwarded before it was complete and its 503 (model still loading) reached the client.
+        # (Not on the gRPC frontend: a stream's body does not end.)
+        "    option http-buffer-request",
         f"    http-request del-header {o.key_header}",
         "    acl health path /v2/health/live /v2/health/ready",
         "    http-request return status 200 if health METH_GET",

@@ -179,8 +179,8 @@ def start_gateway(gateway_env, tmp_path, settings):
         gateway.stop()
 
 
-def ready_instance(start_agent, name: str):  # noqa: F811 - the shared fixture
-    agent = start_agent(name)
+def ready_instance(start_agent, name: str, **env):  # noqa: F811 - the shared fixture
+    agent = start_agent(name, **env)
     instance = wait_for(
         lambda: TritonInstance.objects.filter(host__name=name, state=InstanceState.READY).first(),
         120,

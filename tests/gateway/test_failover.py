@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -28,10 +29,11 @@ def _no_rate_limit(team):
 
 
 def test_instance_killed_under_load_fails_no_request(
-    owner_client, team, owner, start_agent, make_scaler_version, start_gateway, make_token
+    owner_client, team, owner, start_agent, make_scaler_version, start_gateway, make_token, artifact_root
 ):
     _, first = ready_instance(start_agent, "host-a")
-    _, second = ready_instance(start_agent, "host-b")
+    # Two hosts, two host directories (their version caches are their own, as on two machines).
+    _, second = ready_instance(start_agent, "host-b", FLEET_ROOT=Path(artifact_root).parent / "fleet-b")
     model = RegisteredModel.objects.create(team=team, name="Scaler", slug="scaler", created_by=owner)
     make_scaler_version(model, 2.0)
     deployment = deploy(owner_client, "vision", "scaler", 1, [first, second])
