@@ -10,7 +10,9 @@ import signal
 import time
 
 import pytest
+import tritonclient.grpc as grpcclient
 from django.urls import reverse
+from tritonclient.utils import InferenceServerException
 
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.gateway.metrics import scrape_gateway
@@ -19,6 +21,7 @@ from apps.monitoring.tasks import scrape_instances
 from tests.conftest import client_for, wait_for
 from tests.deployments.conftest import add_instance, make_version, model, shared_host  # noqa: F401
 from tests.gateway.conftest import requires_haproxy
+from tests.gateway.test_grpc import grpc_error
 
 pytestmark = [requires_haproxy, pytest.mark.django_db(transaction=True)]
 MODEL = "vision__classifier"
@@ -176,3 +179,22 @@ def test_without_the_admin_socket_the_exporter_still_counts_and_refusals_follow_
     assert GatewayScrapeState.objects.get().last_error == ""
     assert GatewayMetrics.objects.get(deployment=None).responses_401 == 3
     assert GatewayMetrics.objects.get(deployment=down_deployment).responses_401 == 3
+
+
+def test_grpc_refusals_count_gateway_wide_with_their_http_equivalents(
+    metered_gateway, down_deployment, make_token
+):
+    gateway, secret = metered_gateway
+    for _ in range(2):
+        assert grpc_error(gateway.grpc_url, MODEL, "tgp_0_wrong").status() == "StatusCode.UNAUTHENTICATED"
+    # No dedicated instance for the team, and a method the gateway does not offer: its own "not found".
+    assert grpc_error(gateway.grpc_url, MODEL, secret).status() == "StatusCode.PERMISSION_DENIED"
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+    with pytest.raises(InferenceServerException) as caught:
+        client.unload_model(MODEL, headers={"authorization": f"Bearer {secret}"})
+    client.close()
+    assert caught.value.status() == "StatusCode.UNIMPLEMENTED"
+
+    assert scrape_gateway() == 1  # gRPC names no model the gateway can read: gateway-wide only
+    wide = GatewayMetrics.objects.get(deployment=None)
+    assert (wide.requests, wide.responses_401, wide.responses_404, wide.responses_429) == (4, 2, 2, 0)
