@@ -18,6 +18,7 @@ from apps.deployments.models import Deployment, DeploymentInstance, DeploymentSt
 from apps.gateway.metrics import scrape_gateway
 from apps.gateway.models import GatewayMetrics, GatewayScrapeState
 from apps.monitoring.tasks import scrape_instances
+from apps.teams import services as team_services
 from tests.conftest import client_for, wait_for
 from tests.deployments.conftest import add_instance, make_version, model, shared_host  # noqa: F401
 from tests.gateway.conftest import requires_haproxy
@@ -55,8 +56,6 @@ def metered_gateway(down_deployment, start_gateway, gateway_env, settings, make_
 def test_refusals_are_counted_exactly_per_code_per_deployment_and_gateway_wide(
     metered_gateway, down_deployment, team, other_team, outsider, client, owner
 ):
-    from apps.teams import services as team_services
-
     gateway, secret = metered_gateway
     _, speech_secret = team_services.create_token(actor=outsider, team=other_team, name="speech")
     team.quota_requests_per_second = 2
