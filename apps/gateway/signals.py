@@ -12,7 +12,7 @@ from django.db.models.signals import post_delete, post_save
 from django.dispatch import receiver
 
 from apps.audit.models import AuditEvent
-from apps.deployments.models import Deployment, DeploymentEvent
+from apps.deployments.models import Deployment, DeploymentEvent, Rollout
 from apps.fleet.models import TritonInstance
 from apps.gateway.services import poke_gateway
 from apps.teams.models import ApiToken, Team
@@ -21,6 +21,7 @@ from apps.teams.models import ApiToken, Team
 @receiver(post_save, sender=AuditEvent, dispatch_uid="gateway-audit")
 @receiver(post_save, sender=Deployment, dispatch_uid="gateway-deployment")
 @receiver(post_save, sender=DeploymentEvent, dispatch_uid="gateway-deployment-event")
+@receiver(post_save, sender=Rollout, dispatch_uid="gateway-rollout")  # a weight step is a map change
 @receiver(post_save, sender=ApiToken, dispatch_uid="gateway-token")
 @receiver(post_save, sender=Team, dispatch_uid="gateway-team")
 @receiver(post_delete, sender=Team, dispatch_uid="gateway-team-deleted")
