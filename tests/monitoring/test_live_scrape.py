@@ -12,13 +12,13 @@ import pytest
 from django.db.models import Sum
 
 from apps.deployments import services
-from apps.fleet.models import Host, InstanceState, TritonInstance
+from apps.fleet import services as fleet_services
+from apps.fleet.models import InstanceState, TritonInstance
 from apps.monitoring.models import InstanceMetrics, ModelMetrics, ScrapeState
 from apps.monitoring.scraper import scrape_instance
-from backend_ge.runtime import free_port
 from tests.conftest import wait_for
 from tests.fleet.conftest import instance_key_headers
-from tests.fleet.test_agent import deployment_settled
+from tests.fleet.test_agent import deployment_settled, instance_of
 from tests.monitoring.builders import infer_body
 
 pytestmark = [pytest.mark.triton, pytest.mark.django_db(transaction=True)]
@@ -57,18 +57,12 @@ def ready_instance(pk: int, old_pid: int | None = None) -> TritonInstance:
 def test_rollups_count_exactly_the_requests_sent_also_across_a_restart(
     start_agent, make_reshaper_version, owner
 ):
-    # The instance exists before its agent starts, with latency summaries on; the agent adopts it.
-    host = Host.objects.create(name="mon-a", address="127.0.0.1")
-    instance = TritonInstance.objects.create(
-        host=host,
-        name="cpu-0",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        metrics_port=free_port(),
-        latency_summaries=True,
-    )
     agent = start_agent("mon-a", FLEET_RESTART_BASE_DELAY_MS=200)
-    instance = wait_for(lambda: ready_instance(instance.pk), 120, f"READY\n{agent.output()}")
+    instance = instance_of(agent)
+    # Latency summaries on: staff set the flag and restart the instance, the agent starts it with them.
+    TritonInstance.objects.filter(pk=instance.pk).update(latency_summaries=True)
+    fleet_services.request_instance_state(actor=None, instance=instance, action="restart")
+    instance = ready_instance(instance.pk, instance.pid)
     version = make_reshaper_version()
     name = version.model.triton_model_name()
     deployment = deployment_settled(
