@@ -130,15 +130,36 @@ def read_counts(timeout: float) -> tuple[dict[str, dict[str, int]], int | None]:
     return parse_counts_table("\n".join(answers[1:])), int(pid.group(1)) if pid else None
 
 
-def _deltas(now: dict[str, float], before: dict[str, float] | None) -> dict[str, float]:
+COUNTERS = ("requests", "2xx", "4xx", "5xx", *STAGES)
+REFUSALS = ("responses_401", "responses_404", "responses_429")
+
+
+def _deltas(now: dict[str, float], before: dict[str, float] | None) -> tuple[dict[str, float], bool]:
+    """The counters' increase since ``before``, and whether the key restarted (then: since zero)."""
     # A counter that went down belongs to a new worker: everything of this key restarted at zero.
-    if before is None or any(now.get(name, 0) < value for name, value in before.items() if name != "time_s"):
-        before = {}
-    return {name: max(0.0, value - before.get(name, 0)) for name, value in now.items() if name != "time_s"}
+    restarted = before is None or any(now.get(name, 0) < before[name] for name in COUNTERS if name in before)
+    before = {} if restarted else before
+    return {name: max(0.0, now[name] - before.get(name, 0)) for name in COUNTERS if name in now}, restarted
 
 
-def _refusals(delta: dict[str, float], gateway_wide: bool) -> dict[str, int]:
-    g = [delta.get(name, 0) for name in STAGES]
+def _counted_refusals(
+    values: dict, before: dict | None, restarted: bool, gateway_wide: bool
+) -> dict[str, int]:
+    """Refusals to add now. The stage counters of one request are not incremented atomically with respect to
+    a scrape on another thread (``GATEWAY_THREADS`` > 1), so a difference of two stages can be one too high
+    for a moment; what was counted is kept (``counted_*``) and only the excess over it is added, so the sum
+    over time stays exact. Writes the new ``counted_*`` into ``values``."""
+    cumulative = _refusals(values, gateway_wide)
+    counted = {} if restarted or before is None else before
+    added = {name: max(0, cumulative[name] - counted.get(f"counted_{name}", 0)) for name in REFUSALS}
+    for name in REFUSALS:
+        values[f"counted_{name}"] = counted.get(f"counted_{name}", 0) + added[name]
+    return added
+
+
+def _refusals(stages: dict[str, float], gateway_wide: bool) -> dict[str, int]:
+    """401, 404 and 429 from the stage counts (see ``apps.gateway.haproxy``)."""
+    g = [stages.get(name, 0) for name in STAGES]
     not_found = g[5]  # answered by an instance
     if gateway_wide:
         not_found += max(0, g[0] - g[1]) + max(0, g[3] - g[4])  # off the allow-list; unknown or other team's
@@ -170,8 +191,9 @@ def scrape_gateway(now: datetime | None = None, timeout: float | None = None) ->
         # interval are counted at the next scrape that reaches the socket.
         error = f"admin socket: {type(exc).__name__}: {exc}"[:500]
         pid = before.get("pid")
+        carried = (*STAGES, *(f"counted_{name}" for name in REFUSALS))
         counts = {
-            key: {name: values[name] for name in STAGES if name in values}
+            key: {name: values[name] for name in carried if name in values}
             for key, values in (baseline or {}).items()
         }
     for key, stages in counts.items():
@@ -184,11 +206,19 @@ def scrape_gateway(now: datetime | None = None, timeout: float | None = None) ->
         slots = before.get("slots", {})
     # Sum the deltas of every key (frontends, backends or slots, stage counts) into its row's owner.
     totals: dict[int | None, dict[str, float]] = {}
-    for key, values in current.items() if baseline is not None else ():  # the first scrape: baseline
+    for key, values in current.items():
         owner = _owner(key, slots)
-        if owner is False:
+        before = baseline.get(key) if baseline is not None else None
+        delta, restarted = _deltas(values, before)
+        if STAGES[0] in values:
+            if baseline is None:  # the first scrape is only the baseline: what is there counts as counted
+                before, restarted = (
+                    {f"counted_{n}": v for n, v in _refusals(values, owner is None).items()},
+                    False,
+                )
+            delta.update(_counted_refusals(values, before, restarted, owner is None))
+        if baseline is None or owner is False:
             continue
-        delta = _deltas(values, baseline.get(key))
         delta["time_ms"] = values.get("time_s", 0) * 1000 * delta.get("requests", 0)
         target = totals.setdefault(owner, {})
         for name, value in delta.items():
@@ -206,7 +236,7 @@ def scrape_gateway(now: datetime | None = None, timeout: float | None = None) ->
                 "responses_2xx": int(delta.get("2xx", 0)),
                 "responses_4xx": int(delta.get("4xx", 0)),
                 "responses_5xx": int(delta.get("5xx", 0)),
-                **_refusals(delta, deployment_id is None),
+                **{name: int(delta.get(name, 0)) for name in REFUSALS},
             }
             if not any(counts.values()):
                 continue  # e.g. only other teams' requests naming this model: not this deployment's

@@ -11,6 +11,7 @@ from django.urls import reverse
 
 from apps.deployments.models import Deployment, DeploymentState
 from apps.gateway.metrics import (
+    _counted_refusals,
     _owner,
     _refusals,
     gateway_series,
@@ -49,6 +50,21 @@ def test_the_recorded_table_parses_into_stage_counts_and_refusals():
         "responses_404": 2,
         "responses_429": 3,
     }
+
+
+def test_a_refusal_seen_between_two_stages_of_one_request_is_not_counted_twice():
+    # With several HAProxy threads a scrape can read a request's stage 1 before its stage 2: one 401 too
+    # many for a moment. What was counted is remembered, so the sum over the scrapes stays exact.
+    before = {"counted_responses_401": 0, "counted_responses_404": 0, "counted_responses_429": 0}
+    added = []
+    for g1, g2 in ((11, 10), (11, 11), (12, 11), (14, 12)):  # in flight, passed, a 401, a 401 and a pass
+        values = {"g0": g1, "g1": g1, "g2": g2, "g3": g2, "g4": g2, "g5": 0}
+        added.append(_counted_refusals(values, before, False, gateway_wide=False)["responses_401"])
+        before = values
+    assert added == [1, 0, 0, 1] and sum(added) == 2  # two real 401s in all, the first counted early
+    # A restart counts from zero again.
+    values = {"g0": 1, "g1": 1, "g2": 0, "g3": 0, "g4": 0, "g5": 0}
+    assert _counted_refusals(values, before, True, gateway_wide=False)["responses_401"] == 1
 
 
 def test_pooled_backends_count_for_the_deployment_that_owns_them(settings, tmp_path):
