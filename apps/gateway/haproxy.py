@@ -455,7 +455,10 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         "    http-request track-sc0 var(txn.team) table team_rates",
         f"    http-request set-var(txn.limit) var(txn.team),map({o.map_file('limits')},{o.default_limit})",
         "    acl over_limit sc_gpc0_rate(0),sub(txn.limit) ge 0",
-        _grpc_error(8, "rate limit exceeded for the team") + " if over_limit",
+        _grpc_error(
+            8, "rate limit exceeded: team %[var(txn.team)] may send %[var(txn.limit)] requests per second"
+        )
+        + " if over_limit",
         "    http-request sc-inc-gpc0(0)",
         *_count(3, 2),
         f"    http-request set-var(txn.backend) var(txn.team),map({o.map_file('grpc')})",

@@ -15,6 +15,7 @@ from tests.conftest import bearer_client, client_for, wait_for
 from tests.deployments.conftest import model, shared_host  # noqa: F401 - fixtures of down_deployment
 from tests.factories import MembershipFactory, UserFactory
 from tests.gateway.conftest import requires_haproxy
+from tests.gateway.test_grpc import grpc_error
 from tests.gateway.test_metrics import MODEL, down_deployment  # noqa: F401 - the shared fixture
 
 URL = "/api/v1/teams/vision/"
@@ -128,3 +129,25 @@ def test_the_admin_shows_the_quota_but_changes_go_through_the_audited_service(cl
     assert response.status_code == 200 and 'name="name"' in page  # the change form
     assert 'name="quota_requests_per_second"' not in page
     assert f'<div class="readonly">{team.quota_requests_per_second}</div>' in page
+
+
+@requires_haproxy
+@pytest.mark.django_db(transaction=True)
+def test_grpc_over_the_quota_is_resource_exhausted_naming_the_limit(
+    down_deployment,  # noqa: F811 - the imported fixture
+    start_gateway,
+    make_token,
+    team,
+):
+    team.quota_requests_per_second = 1
+    team.save()
+    gateway = start_gateway()
+    _, secret = make_token(name="client")
+    wait_for(lambda: gateway.infer(MODEL, secret)[0] in (503, 429), 10, "the route")
+    time.sleep(2.2)  # two whole rate periods
+    statuses = [grpc_error(gateway.grpc_url, MODEL, secret) for _ in range(3)]
+    codes = [error.status() for error in statuses]
+    # Admitted (no instance dedicated to the team), then over the limit.
+    assert codes[0] == "StatusCode.PERMISSION_DENIED" and "StatusCode.RESOURCE_EXHAUSTED" in codes[1:], codes
+    limited = next(e for e in statuses if e.status() == "StatusCode.RESOURCE_EXHAUSTED")
+    assert limited.message() == "rate limit exceeded: team vision may send 1 requests per second"
