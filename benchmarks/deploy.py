@@ -9,7 +9,8 @@
    a load shows. Exits 1 when a check differs.
 
 Everything runs here: a scratch database and Celery's filesystem broker under a temp directory (or
-``--database-url``), a real ``manage.py hostagent`` process, real tritonservers. Bounded by ``--timeout``.
+``--database-url``), a platform web process, a real ``manage.py hostagent`` process talking to it over the agent
+API, real tritonservers. Bounded by ``--timeout``.
 
     .venv/bin/python benchmarks/deploy.py [--models 100] [--database-url postgres://...]
 """
@@ -204,12 +205,22 @@ def main() -> int:
     team = team_services.create_team(actor=owner, name="Bench", slug=f"bench-{os.getpid()}")
     team.quota_deployed_models = args.models + args.latency_runs + 10
     team.save()
+    from apps.fleet import services as fleet_services
+    from benchmarks.fleet_scale import start_web
+
     ports = [free_port() for _ in range(3)]
+    host, token = fleet_services.create_host(actor=None, name="bench", address="127.0.0.1")
+    fleet_services.create_instance(
+        actor=None, host=host, name="cpu-0", http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2]
+    )
+    # The agent talks to a platform web process over the agent API, with neither database nor broker.
+    web, platform_url = start_web(argparse.Namespace(threads=8), scratch)
+    agent_env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
     log_path = scratch / "agent.log"
     agent = subprocess.Popen(
-        [sys.executable, "manage.py", "hostagent", "--name", "bench", "--ensure-instance",
-         f"cpu-0:{ports[0]}:{ports[1]}:{ports[2]}", "--concurrency", "4"],
-        cwd=ROOT, env=os.environ.copy(), stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+        [sys.executable, "manage.py", "hostagent", "--platform", platform_url, "--join-token", token,
+         "--credential-file", str(scratch / "host-credential")],
+        cwd=ROOT, env=agent_env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + args.timeout
     try:
@@ -292,6 +303,8 @@ def main() -> int:
             agent.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(agent.pid, signal.SIGKILL)
+        os.killpg(web.pid, signal.SIGTERM)
+        web.wait(30)
         shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -528,13 +528,15 @@ class HostAgent:
 
         if self.revoked.is_set():
             return
+        pending_before = self._pending()
         for instance in self.desired.all_instances():
             proc = self.processes.get(instance.pk)
             if proc is None or proc.state != InstanceState.READY or not proc.running():
                 # Its placements are not READY while it is down.
-                report_instance_down(
-                    instance, proc.state if proc else instance.state, proc.last_error if proc else ""
-                )
+                state = proc.state if proc else instance.state
+                if state == InstanceState.READY:
+                    state = "not running"  # died since the supervisor's last look: it records the crash next
+                report_instance_down(instance, state, proc.last_error if proc else "")
                 continue
             # Wait a little for a running load: with a queue of deploys the lock is rarely free at one instant,
             # and the check of what Triton really serves must not wait for the whole queue.
@@ -544,6 +546,18 @@ class HostAgent:
                 reconcile_instance(instance, proc)
             finally:
                 proc.lock.release()
+        pending = self._pending()
+        if pending and pending < pending_before:
+            # A queue of decisions (a burst of deploys): go on with the next one at once instead of waiting
+            # for the interval; a pass that made no progress waits as usual.
+            self.poke()
+
+    def _pending(self) -> set[tuple[int, int]]:
+        """(placement, generation) of decisions not applied yet on a running instance."""
+        running = {pk for pk, proc in self.processes.items() if proc.running()}
+        with self.desired.lock:
+            placements = list(self.desired.placements.values())
+        return {(p.pk, p.generation) for p in placements if not p.is_applied() and p.instance_id in running}
 
 
 def npu_inventory() -> dict | None:

@@ -17,7 +17,6 @@ from rest_framework.decorators import action
 from rest_framework.exceptions import PermissionDenied
 from rest_framework.response import Response
 
-from apps.deployments.models import DeploymentInstance, DeploymentState
 from apps.fleet import services
 from apps.fleet.models import (
     Device,
@@ -160,14 +159,13 @@ class InstanceDetailSerializer(InstanceSerializer):
         ).data
 
 
-def visible_placements(user, instance: TritonInstance):
-    return (
-        DeploymentInstance.objects.filter(
-            instance=instance, deployment__team__in=team_ids_for(user, Action.VIEW)
-        )
-        .exclude(deployment__state=DeploymentState.UNDEPLOYED)
-        .select_related("deployment__model__team", "deployment__team", "served_version")
-    )
+def visible_placements(user, instance: TritonInstance) -> list:
+    """The caller's teams' live placements on the instance. Through the reverse relation: the fleet sits below
+    the deployments app and does not import it."""
+    placements = instance.placements.filter(
+        deployment__team__in=team_ids_for(user, Action.VIEW)
+    ).select_related("deployment__model__team", "deployment__team", "served_version")
+    return [placement for placement in placements if placement.deployment.is_live()]
 
 
 class InstanceCreateSerializer(serializers.Serializer):

@@ -15,6 +15,7 @@ import tritonclient.http as httpclient
 from apps.deployments import services
 from apps.deployments.models import Deployment, DeploymentState, PlacementState
 from apps.fleet.models import Host, InstanceState, TritonInstance
+from apps.fleet.services import notify_hosts
 from apps.registry.models import ModelVersion
 from backend_ge import config as gc
 from tests.conftest import wait_for
@@ -208,15 +209,16 @@ def test_a_model_that_crashes_the_server_at_every_start_quarantines_the_instance
     runtime = artifact_root.parent / "killer-runtime"
     runtime.mkdir(mode=0o755)
     (runtime / "acl.py").write_text(KILLER_ACL)
-    host = Host.objects.create(name="host-a", address="127.0.0.1")
     agent = start_agent(
         "host-a", FLEET_RESTART_BASE_DELAY_MS=100, FLEET_MAX_CRASHES=3, PYTHONPATH=str(runtime)
     )
+    host = agent.host
     instance = instance_of(agent)
     deployment = Deployment.objects.create(
         team=team, model=version.model, active_version=killer, state="SERVING"
     )
     deployment.placements.create(instance=instance, served_version=killer, state=PlacementState.READY)
+    notify_hosts([host.pk])  # made by hand here: tell the agent, as a decision does
     row = wait_for(
         lambda: (r := TritonInstance.objects.get(pk=instance.pk)).state == InstanceState.QUARANTINED and r,
         90,

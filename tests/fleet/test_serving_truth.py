@@ -203,7 +203,7 @@ def test_serving_deployments_equal_triton_ready_models_under_concurrent_deploys_
 
 
 def test_a_model_triton_lost_is_reported_and_reloaded_and_one_that_cannot_be_is_failed_with_the_reason(
-    start_agent, make_ready_version, owner
+    start_agent, make_ready_version, owner, artifact_root
 ):
     agent = start_agent("truth", FLEET_RECONCILE_INTERVAL_MS=RECONCILE_MS, FLEET_RESTART_BASE_DELAY_MS=200)
     instance = wait_for(
@@ -222,8 +222,9 @@ def test_a_model_triton_lost_is_reported_and_reloaded_and_one_that_cannot_be_is_
             60,
             f"{deployment} to serve\n{agent.output()}",
         )
-    # The broken version's files disappear from the artifact store, then Triton dies with every model.
-    (broken.servable_dir() / "1" / "model.onnx").unlink()
+    # The broken version's file disappears from the host's copy (the agent's download cache), then Triton
+    # dies with every model.
+    (artifact_root.parent / "fleet" / "cache" / str(broken.pk) / "1" / "model.onnx").unlink()
     os.kill(TritonInstance.objects.get(pk=instance.pk).pid, signal.SIGKILL)
 
     wait_for(
@@ -231,9 +232,12 @@ def test_a_model_triton_lost_is_reported_and_reloaded_and_one_that_cannot_be_is_
         30,
         f"the good model to be reloaded\n{agent.output()}",
     )
+    # Its first failure may be the instance's own (down, before the restart): wait for the reload's.
     row = wait_for(
         lambda: (
-            (d := Deployment.objects.get(pk=deployments["broken"].pk)).state == DeploymentState.FAILED and d
+            (d := Deployment.objects.get(pk=deployments["broken"].pk)).state == DeploymentState.FAILED
+            and "reloading" in d.last_error
+            and d
         ),
         30,
         f"the broken model's deployment to fail\n{agent.output()}",
