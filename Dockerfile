@@ -14,7 +14,7 @@ COPY manage.py Procfile ./
 RUN pip install --no-cache-dir . \
     && cd frontend && npm ci --no-audit --no-fund --loglevel=error
 RUN DEBUG=1 SECRET_KEY=collectstatic-only python manage.py collectstatic --noinput
-RUN useradd --create-home --uid 1000 platform && mkdir -p /app/var && chown -R platform /app/var
+RUN useradd --create-home --uid 1000 platform && mkdir -p /app/var/gateway && chown -R platform /app/var
 USER platform
 EXPOSE 8000
 CMD ["gunicorn", "serving_platform.wsgi", "--bind", "0.0.0.0:8000", "--workers", "3", "--access-logfile", "-"]
