@@ -1,0 +1,125 @@
+"""The sync loop against a real HAProxy (no Triton needed: placements point at closed ports): deployments take
+backend slots and their servers are added and deleted over the admin socket without a reload; only an
+exhausted slot pool reloads; the files written after runtime changes are a configuration HAProxy accepts."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
+from apps.fleet.models import InstanceState, TritonInstance
+from apps.gateway.haproxy import Slots
+from apps.gateway.services import Gateway
+from apps.registry.models import RegisteredModel
+from backend_ge.runtime import free_port
+from tests.deployments.conftest import add_instance, make_version, shared_host  # noqa: F401
+from tests.gateway.conftest import requires_haproxy
+
+pytestmark = [requires_haproxy, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+def gateway(settings, tmp_path):
+    settings.GATEWAY_DIR = tmp_path / "gateway"
+    settings.GATEWAY_BIND = f"127.0.0.1:{free_port()}"
+    settings.GATEWAY_GRPC_BIND = f"127.0.0.1:{free_port()}"
+    settings.GATEWAY_STATS_BIND = f"127.0.0.1:{free_port()}"
+    settings.GATEWAY_SLOT_CHUNK = 2
+    gateway = Gateway()
+    yield gateway
+    gateway.stop()
+
+
+def deploy(team, owner, slug: str, instance: TritonInstance) -> Deployment:
+    model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)
+    version = make_version(model, 1)
+    deployment = Deployment.objects.create(
+        team=team, model=model, active_version=version, state=DeploymentState.SERVING, created_by=owner
+    )
+    DeploymentInstance.objects.create(
+        deployment=deployment, instance=instance, served_version=version, state=PlacementState.READY
+    )
+    return deployment
+
+
+def servers(gateway: Gateway) -> dict[str, dict[str, str]]:
+    """slot -> {server name: admin state} as HAProxy has them now (``show servers state``)."""
+    out: dict[str, dict[str, str]] = {}
+    for line in gateway.process.admin.ask("show servers state").splitlines()[2:]:
+        fields = line.split()
+        if len(fields) > 6 and fields[1].startswith("s"):
+            out.setdefault(fields[1], {})[fields[3]] = "maint" if int(fields[6]) & 1 else "ready"
+    return out
+
+
+def owners(gateway: Gateway) -> dict[str, str]:
+    return Slots.read(Path(gateway.o.directory) / "slots.map", 1).owners
+
+
+def test_deployments_take_slots_at_run_time_and_only_an_exhausted_pool_reloads(
+    gateway,
+    team,
+    owner,
+    shared_host,  # noqa: F811 - the imported fixture
+):
+    first_instance = add_instance(shared_host, "cpu-0", port=1)
+    second_instance = add_instance(shared_host, "cpu-1", port=3)
+    a = deploy(team, owner, "a", first_instance)
+    gateway.start()
+    assert owners(gateway) == {"s0": f"d{a.pk}"}
+    assert servers(gateway) == {"s0": {first_instance.api_key: "ready"}}
+
+    b = deploy(team, owner, "b", first_instance)
+    DeploymentInstance.objects.create(
+        deployment=b, instance=second_instance, served_version=b.active_version, state=PlacementState.READY
+    )
+    assert gateway.sync() == "runtime"
+    assert owners(gateway) == {"s0": f"d{a.pk}", "s1": f"d{b.pk}"}
+    assert servers(gateway)["s1"] == {first_instance.api_key: "ready", second_instance.api_key: "ready"}
+    assert gateway.reloads == 0
+
+    # An instance that stops is put in maintenance; one that comes back is ready again - at run time.
+    TritonInstance.objects.filter(pk=second_instance.pk).update(state=InstanceState.STOPPED)
+    assert gateway.sync() == "runtime"
+    assert servers(gateway)["s1"][second_instance.api_key] == "maint"
+    TritonInstance.objects.filter(pk=second_instance.pk).update(state=InstanceState.READY)
+    assert gateway.sync() == "runtime"
+    assert servers(gateway)["s1"][second_instance.api_key] == "ready"
+
+    # A placement that goes is deleted from HAProxy.
+    DeploymentInstance.objects.filter(deployment=b, instance=second_instance).update(
+        state=PlacementState.UNLOADED
+    )
+    assert gateway.sync() == "runtime"
+    assert servers(gateway)["s1"] == {first_instance.api_key: "ready"}
+    assert gateway.draining == set()
+
+    # Pool of 2 full: the third deployment grows it by a chunk, with the one reload.
+    c = deploy(team, owner, "c", first_instance)
+    assert gateway.sync() == "reloaded"
+    assert gateway.reloads == 1 and gateway.slots.size == 4
+    slot = next(s for s, o in owners(gateway).items() if o == f"d{c.pk}")
+    assert slot in ("s2", "s3")  # a new slot of the grown pool
+    assert servers(gateway)[slot] == {first_instance.api_key: "ready"}
+
+    # Undeployed: route and servers gone at run time; the slot is free for a later deployment, not this sync.
+    Deployment.objects.filter(pk=b.pk).update(state=DeploymentState.UNDEPLOYED)
+    assert gateway.sync() == "runtime"
+    assert f"d{b.pk}" not in owners(gateway).values()
+    assert "s1" not in servers(gateway)
+    d = deploy(team, owner, "d", first_instance)
+    assert gateway.sync() == "runtime"
+    assert f"d{d.pk}" in owners(gateway).values()
+    assert gateway.reloads == 1
+    assert "vision__b" not in (gateway.o.directory / "models.map").read_text()
+
+    # What runtime changes left in the files is a configuration HAProxy accepts, with the same servers.
+    config = gateway.o.config_file
+    result = subprocess.run(["haproxy", "-c", "-q", "-f", str(config)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = config.read_text()
+    assert text.count(f"server {first_instance.api_key} ") == 3  # a, c, d
+    assert second_instance.api_key not in text
