@@ -12,6 +12,7 @@ the same model name throughout.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
@@ -148,10 +149,10 @@ def _apply_locked(proc: InstanceProcess, placement_id: int, generation: int | No
             services.placement_loaded(placement.pk, generation, target, kind=None)
             return
         # A rollout ended: serve the stable version alone (Triton lets in-flight canary requests finish).
-        report_final_counts(proc, name, others)
         try:
             _materialize(proc, name, [target])
-            server.load_model(name)
+            with final_counts_reported(proc, name, others):
+                server.load_model(name)
             _wait_model_ready(server, name, target.number)
         except (TritonError, RepositoryError, OSError) as exc:
             log.warning("%s: unloading versions %s of %s: %s", placement.instance, others, name, exc)
@@ -288,9 +289,9 @@ def _undeploy(proc: InstanceProcess, placement: PlacementSpec, name: str) -> Non
     server = proc.server
     if not reused:
         if server is not None and server.is_model_ready(name):
-            report_final_counts(proc, name)
             try:
-                server.unload_model(name)
+                with final_counts_reported(proc, name):
+                    server.unload_model(name)
             except TritonError as exc:
                 log.warning("unloading %s: %s", name, exc)
         remove_model(proc.repository, name)
@@ -357,25 +358,35 @@ def switch_version(
             # Put the repository back as it was so a later reload (e.g. after a restart) serves the old version.
             _materialize(proc, name, [current])
             raise
-    report_final_counts(proc, name, [current.number] if current != target else [])
     _materialize(proc, name, [target])
-    server.load_model(name)
+    with final_counts_reported(proc, name, [current.number] if current != target else []):
+        server.load_model(name)
     _wait_model_ready(server, name, target.number)
 
 
-def report_final_counts(proc: InstanceProcess, name: str, versions: list[int | str] | None = None) -> None:
-    """Read what Triton counted for ``versions`` of ``name`` (all loaded ones when None) and report it, just
-    before they are unloaded: their traffic since the last scrape would otherwise never be counted. Call it
-    before every reload or unload that drops a version (switch, rollout promote/abort, undeploy). A failed
-    read or report is logged, never blocks the unload."""
-    if versions == []:
-        return
-    numbers = None if versions is None else [int(v) for v in versions]
+@contextlib.contextmanager
+def final_counts_reported(proc: InstanceProcess, name: str, versions: list[int | str] | None = None):
+    """Read what Triton counted for ``versions`` of ``name`` (all loaded ones when None) on entering, and
+    report it on leaving: the block is the reload or unload that drops them (a switch's last step, a rollout's
+    promote or abort, an undeploy), whose traffic since the last scrape would otherwise never be counted.
+    Reading last and reporting after leaves the fewest requests between the reading and the unload (requests
+    in flight then finish uncounted); the platform folds a late report exactly once. A failed read or report
+    is logged and never stops the unload."""
+    counts = None
+    if versions != []:
+        numbers = None if versions is None else [int(v) for v in versions]
+        try:
+            counts = read_final_counts(proc.server, name, numbers)
+        except (TritonError, OSError, ValueError) as exc:
+            log.warning("final counts of %s %s: %s", name, numbers or "(all versions)", exc)
     try:
-        counts = read_final_counts(proc.server, name, numbers)
-        services.final_counts(proc.instance_id, counts)
-    except (TritonError, OSError, ValueError, PlatformError) as exc:
-        log.warning("final counts of %s %s: %s", name, numbers or "(all versions)", exc)
+        yield
+    finally:
+        if counts is not None:
+            try:
+                services.final_counts(proc.instance_id, counts)
+            except (OSError, ValueError, PlatformError) as exc:
+                log.warning("reporting the final counts of %s: %s", name, exc)
 
 
 def _forget_failed_loads(name: str) -> None:
