@@ -23,7 +23,9 @@
 
   var CHARTS = [
     { name: "weight", title: "Canary weight (%)", build: function (r, rows) {
-        return { series: [series("weight %", WEIGHT)], data: [rows.map(function (a) { return a.weight; })] };
+        var weight = series("weight %", WEIGHT);
+        if (uPlot.paths && uPlot.paths.stepped) { weight.paths = uPlot.paths.stepped({ align: 1 }); }  // steps, not ramps
+        return { series: [weight], data: [rows.map(function (a) { return a.weight; })] };
       } },
     { name: "requests", title: "Requests/s", build: function (r, rows) {
         return { series: [series("stable", STABLE), series("canary", CANARY)],
