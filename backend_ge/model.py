@@ -31,6 +31,11 @@ class TritonPythonModel:
         self._model = serving.GeModel(pb_utils, args)
         # Bound once: execute() is the hot path.
         self.execute = self._model.execute
+        if os.environ.get("GE_PROFILE_DIR"):  # opt-in measurements; not even imported otherwise
+            from backend_ge import profiling
+
+            mode = os.environ.get(profiling.PROFILE_MODE_ENV) or "timing"
+            self.execute = profiling.instrument(self._model, os.environ[profiling.PROFILE_DIR_ENV], mode)
 
     def execute(self, requests):
         return self._model.execute(requests)

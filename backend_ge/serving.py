@@ -364,4 +364,7 @@ class GeModel:
             start = stop
 
     def close(self) -> None:
+        recorder = getattr(self, "profile_recorder", None)  # set by backend_ge.profiling, when enabled
+        if recorder is not None:
+            recorder.flush()
         self.executor.close()
