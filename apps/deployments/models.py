@@ -221,8 +221,14 @@ class Rollout(models.Model):
     """
 
     deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="rollouts")
-    stable_version = models.ForeignKey("registry.ModelVersion", on_delete=models.PROTECT, related_name="+")
-    canary_version = models.ForeignKey("registry.ModelVersion", on_delete=models.PROTECT, related_name="+")
+    # A live rollout's versions are in use (archive and delete refuse them); an ended rollout lets go of a
+    # version deleted later (null), its events and audit rows still name it.
+    stable_version = models.ForeignKey(
+        "registry.ModelVersion", null=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    canary_version = models.ForeignKey(
+        "registry.ModelVersion", null=True, on_delete=models.SET_NULL, related_name="+"
+    )
     state = models.CharField(max_length=20, choices=RolloutState.choices, default=RolloutState.RUNNING)
     steps = models.JSONField(
         default=default_rollout_steps, help_text="Canary weights in percent, increasing, ending at 100."

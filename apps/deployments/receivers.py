@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from django.db.models import Q
 from django.dispatch import receiver
 
-from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
+from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState, Rollout
 from apps.registry.signals import VersionUse, version_deleting, version_retiring
 
 
@@ -21,7 +22,17 @@ def deployments_using_version(sender, version, action, **kwargs) -> list[Version
     )
     for deployment in live:
         state = deployment.get_state_display().lower()
-        if deployment.active_version_id == version.pk:
+        rollout = Rollout.objects.live().filter(deployment=deployment).first()
+        if rollout is not None and version.pk in (rollout.canary_version_id, rollout.stable_version_id):
+            role = "canary" if rollout.canary_version_id == version.pk else "stable version"
+            uses.append(
+                VersionUse(
+                    f"deployment #{deployment.pk} is rolling it out as its {role} ({rollout.state.lower()})",
+                    "deployment",
+                    deployment.pk,
+                )
+            )
+        elif deployment.active_version_id == version.pk:
             uses.append(
                 VersionUse(f"deployment #{deployment.pk} serves it ({state})", "deployment", deployment.pk)
             )
@@ -33,7 +44,9 @@ def deployments_using_version(sender, version, action, **kwargs) -> list[Version
             )
         else:
             placed = (
-                deployment.placements.filter(served_version_id=version.pk)
+                deployment.placements.filter(
+                    Q(served_version_id=version.pk) | Q(canary_version_id=version.pk)
+                )
                 .exclude(state=PlacementState.UNLOADED)
                 .select_related("instance")
             )
@@ -61,3 +74,6 @@ def release_deleted_version(sender, version, **kwargs) -> None:
     DeploymentInstance.objects.filter(
         served_version_id=version.pk, deployment__state=DeploymentState.UNDEPLOYED
     ).update(served_version=None)
+    DeploymentInstance.objects.filter(canary_version_id=version.pk).filter(
+        Q(state=PlacementState.UNLOADED) | Q(deployment__state=DeploymentState.UNDEPLOYED)
+    ).update(canary_version=None)

@@ -41,8 +41,18 @@ class RolloutAnalysisSerializer(serializers.ModelSerializer):
 
 class RolloutSerializer(serializers.ModelSerializer):
     deployment = serializers.IntegerField(source="deployment_id")
-    stable_version = serializers.IntegerField(source="stable_version.number")
-    canary_version = serializers.IntegerField(source="canary_version.number")
+    stable_version = serializers.IntegerField(
+        source="stable_version.number",
+        allow_null=True,
+        default=None,
+        help_text="null once the version was deleted",
+    )
+    canary_version = serializers.IntegerField(
+        source="canary_version.number",
+        allow_null=True,
+        default=None,
+        help_text="null once the version was deleted",
+    )
     steps = serializers.ListField(child=serializers.IntegerField())
     created_by = serializers.CharField(source="created_by.username", allow_null=True, default=None)
 

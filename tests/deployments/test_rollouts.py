@@ -263,3 +263,33 @@ def test_a_stale_canary_report_is_dropped(owner, deployment, canary, instance, e
     )
     assert deployment.placements.get().canary_version is None
     finish(deployment, instance)  # settles without change
+
+
+def test_a_live_rollouts_versions_are_in_use_and_an_ended_rollout_lets_a_deleted_version_go(
+    owner_client, owner, deployment, canary, enqueued
+):
+    versions = "/api/v1/teams/vision/models/classifier/versions/"
+    rollout = rollouts.start_rollout(actor=owner, deployment=deployment, canary=canary)
+    report_canary(rollout)
+    for verb, path in (("post", f"{versions}2/archive/"), ("delete", f"{versions}2/")):
+        response = getattr(owner_client, verb)(path)
+        assert response.status_code == 409, response.json()
+        assert f"deployment #{deployment.pk} is rolling it out as its canary" in response.json()["message"]
+    rollouts.abort(actor=owner, rollout=rollout)
+    rollouts.check_rollouts(timezone.now() + timedelta(seconds=60))
+    placement = deployment.placements.get()
+    services.placement_loaded(
+        placement.pk, placement.generation, rollout.stable_version
+    )  # the canary unloaded
+    assert owner_client.delete(f"{versions}2/").status_code == 204
+    body = owner_client.get(url(deployment, f"{rollout.pk}/")).json()
+    assert body["canary_version"] is None and body["stable_version"] == 1 and body["state"] == "ABORTED"
+
+
+def test_the_beat_schedule_runs_the_registered_rollout_task(settings):
+    from apps.deployments.tasks import check_rollouts
+
+    entry = settings.CELERY_BEAT_SCHEDULE["check-rollouts"]
+    assert entry["task"] == check_rollouts.name
+    assert entry["schedule"].total_seconds() == settings.ROLLOUT_TICK_MS / 1000
+    assert check_rollouts.apply().get() == {"unloaded": 0, "begun": 0, "checked": 0}
