@@ -219,6 +219,8 @@ FLEET_CRASH_WINDOW = env_int("FLEET_CRASH_WINDOW", 600, minimum=1)
 FLEET_MAX_MODEL_INSTANCES = env_int("FLEET_MAX_MODEL_INSTANCES", 8, minimum=1)
 # How often each agent compares Triton with the placements (and reports models that are not ready).
 FLEET_RECONCILE_INTERVAL_MS = env_int("FLEET_RECONCILE_INTERVAL_MS", 5000, minimum=50)
+# How often each agent polls its desired state (a 304 while nothing changed): a deploy reaches it within this.
+FLEET_POLL_INTERVAL_MS = env_int("FLEET_POLL_INTERVAL_MS", 1000, minimum=100)
 # A host agent (`manage.py hostagent`) talks to the platform at PLATFORM_URL with its host's credential only,
 # kept in AGENT_CREDENTIAL_FILE (0600); AGENT_JOIN_TOKEN is the one-time token of its first start.
 PLATFORM_URL = env_str("PLATFORM_URL") or ""

@@ -128,7 +128,7 @@ class HostAgent:
         tick: float = 0.5,
         reconcile_every: float | None = None,
         heartbeat_every: float = 10.0,
-        poll_every: float = 1.0,
+        poll_every: float | None = None,
         full_fetch_every: float = 30.0,
         credential_file: Path | None = None,
     ) -> None:
@@ -148,7 +148,7 @@ class HostAgent:
             reconcile_every if reconcile_every is not None else settings.FLEET_RECONCILE_INTERVAL_MS / 1000
         )
         self.heartbeat_every = heartbeat_every
-        self.poll_every = poll_every
+        self.poll_every = poll_every if poll_every is not None else settings.FLEET_POLL_INTERVAL_MS / 1000
         self.full_fetch_every = full_fetch_every
         self._etag: str | None = None
         self._fetched_at = 0.0
