@@ -189,7 +189,7 @@ def start_rollout(
 def _locked(rollout: Rollout) -> tuple[Deployment, Rollout]:
     deployment = Deployment.objects.select_for_update().select_related("team").get(pk=rollout.deployment_id)
     rollout = (
-        Rollout.objects.select_for_update()
+        Rollout.objects.select_for_update(of=("self",))
         .select_related("deployment__team", "stable_version", "canary_version")
         .get(pk=rollout.pk)
     )

@@ -293,3 +293,33 @@ def test_the_beat_schedule_runs_the_registered_rollout_task(settings):
     assert entry["task"] == check_rollouts.name
     assert entry["schedule"].total_seconds() == settings.ROLLOUT_TICK_MS / 1000
     assert check_rollouts.apply().get() == {"unloaded": 0, "begun": 0, "checked": 0}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_beats_ticking_at_once_check_a_due_rollout_once(owner, deployment, canary, enqueued):
+    import threading
+
+    from django.db import connection, connections
+
+    if connection.vendor != "postgresql":
+        pytest.skip("concurrent writers need PostgreSQL (SQLite serializes the whole database)")
+    rollout = rollouts.start_rollout(actor=owner, deployment=deployment, canary=canary, step_interval_s=2)
+    report_canary(rollout)
+    rollouts.check_rollouts()
+    due = timezone.now() + timedelta(seconds=3)
+    barrier, results = threading.Barrier(4), []
+
+    def beat():
+        try:
+            barrier.wait(10)
+            results.append(rollouts.check_rollouts(due)["checked"])
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=beat) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(results) == [0, 0, 0, 1]
+    assert rollout.analyses.count() == 1
