@@ -2,10 +2,10 @@
 
 No Django here. Order matters, so that no request meets a half-applied change:
 
-1. servers that appear are added (``add server``, which creates them in maintenance), given their health
-   check and put in rotation; servers whose weight changed are updated;
-2. map entries change: health-check paths first, then routes, tokens, limits (a route never names a slot whose
-   servers are not there yet);
+1. health-check paths (``checks.map``) change, so a server added next is checked with the right path;
+2. servers that appear are added (``add server``, which creates them in maintenance), given their health
+   check and put in rotation; servers whose weight changed are updated; then routes, tokens and limits
+   change (a route never names a slot whose servers are not there yet);
 3. servers that disappear are put in maintenance (in-flight requests finish) and deleted. HAProxy refuses to
    delete a server that still has connections: such a server stays *draining* and the next sync tries again.
    A draining server that is wanted again is put back in rotation instead of added.
@@ -39,9 +39,9 @@ class Plan:
 
 
 def _map_commands(
-    plan: Plan, before: dict[str, dict[str, str]], after: dict[str, dict[str, str]], o: Options
-):
-    for name in ("checks", "models", "tokens", "limits", "grpc"):
+    plan: Plan, before: dict[str, dict[str, str]], after: dict[str, dict[str, str]], o: Options, names: tuple
+) -> None:
+    for name in names:
         old, new, path = before.get(name, {}), after[name], o.map_file(name)
         for key, value in sorted(new.items()):
             if key not in old:
@@ -71,6 +71,9 @@ def runtime_plan(
     """Commands from ``old`` to ``new`` (same structure and slot pool size). ``draining``: servers still in
     HAProxy, in maintenance, that an earlier sync could not delete yet."""
     plan = Plan()
+    old_maps, new_maps = old.maps(old_slots), new.maps(new_slots)
+    # Health-check paths first: a server added next is checked with its slot's path from its first check.
+    _map_commands(plan, old_maps, new_maps, o, ("checks",))
     before, after = old.servers(old_slots), new.servers(new_slots)
     old_weights, new_weights = old.server_weights(old_slots), new.server_weights(new_slots)
     for backend, servers in sorted(after.items()):
@@ -92,7 +95,7 @@ def runtime_plan(
                 )  # fmt: skip
             if was is None or old_weights.get((backend, key), 100) != weight:
                 _put_in_rotation(plan, backend, key, weight)
-    _map_commands(plan, old.maps(old_slots), new.maps(new_slots), o)
+    _map_commands(plan, old_maps, new_maps, o, ("models", "tokens", "limits", "grpc"))
     for backend, servers in sorted(before.items()):
         for key in sorted(servers.keys() - after.get(backend, {}).keys()):
             plan.add(f"set server {backend}/{key} state maint")

@@ -70,8 +70,8 @@ def test_runtime_commands_change_maps_and_servers_without_a_reload(tmp_path):
     assert new.structure() == state().structure()
     commands = runtime_commands(state(), SLOTS, new, SLOTS, o)
     assert commands == [
-        f"set server s0/{KEY_A} state maint",
         f"set map {tmp_path}/checks.map s0 vision__mlp",
+        f"set server s0/{KEY_A} state maint",
         f"set map {tmp_path}/models.map vision__mlp vision/d1/s0/0/-/0/0",
         f"add map {tmp_path}/tokens.map ffff0000:{'1' * 64} vision:32503680000",
         f"del map {tmp_path}/tokens.map abcd1234:{'0' * 64}",
@@ -89,14 +89,13 @@ def test_a_new_deployment_takes_a_free_slot_and_its_servers_are_added_at_run_tim
     slots = SLOTS.assign(new.backends, (), chunk=4)
     assert slots == Slots(4, {"s0": "d1", "s1": "d2"})
     commands = runtime_commands(state(), SLOTS, new, slots, o)
-    assert commands[:3] == [
+    # The health-check path first, then the server, then the route that names the slot.
+    assert commands == [
+        f"add map {tmp_path}/checks.map s1 vision__other/versions/1",
         f"add server s1/{key_c} 127.0.0.1:8300 weight 100 check inter 500ms fastinter 250ms downinter 500ms "
         "rise 2 fall 2",
         f"enable health s1/{key_c}",
         f"set server s1/{key_c} state ready",
-    ]
-    assert commands[3:] == [
-        f"add map {tmp_path}/checks.map s1 vision__other/versions/1",
         f"add map {tmp_path}/models.map vision__other vision/d2/s1/1/-/0/0",
     ]
     # Undeployed again: route first, then the server leaves (maintenance, then deleted).
