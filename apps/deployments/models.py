@@ -280,6 +280,11 @@ class Rollout(models.Model):
                 name="one_live_rollout_per_deployment",
             )
         ]
+        # The beat's tick: due checks and pending unloads, found without a scan of every rollout ever run.
+        indexes = [
+            models.Index(fields=["state", "next_check_at"], name="rollout_due_check"),
+            models.Index(fields=["canary_unload_at"], name="rollout_pending_unload"),
+        ]
 
     def __str__(self) -> str:
         return f"rollout of {self.canary_version} on {self.deployment} ({self.state}, {self.current_weight}%)"
