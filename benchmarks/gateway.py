@@ -32,7 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from apps.gateway.haproxy import GatewayState, HAProxyProcess, Options, Route, Server, Slots, write_files  # noqa: E402
+from apps.gateway.haproxy import GatewayState, Options, Route, Server, Slots, write_files  # noqa: E402
+from apps.gateway.process import HAProxyProcess  # noqa: E402
 from backend_ge import examples  # noqa: E402
 from backend_ge.runtime import API_KEY_HEADER, GRPC_API_KEY_HEADER, TritonServer, free_port  # noqa: E402
 

@@ -18,14 +18,8 @@ from pathlib import Path
 from django.conf import settings
 from django.db import close_old_connections
 
-from apps.gateway.haproxy import (
-    GatewayError,
-    GatewayState,
-    HAProxyProcess,
-    Options,
-    Slots,
-    write_files,
-)
+from apps.gateway.haproxy import GatewayError, GatewayState, Options, Slots, write_files
+from apps.gateway.process import HAProxyProcess
 from apps.gateway.runtime import Plan, runtime_plan
 from apps.gateway.state import desired_state, options
 

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from apps.gateway.haproxy import pid_alive
+from apps.gateway.process import pid_alive
 from tests.conftest import wait_for
 from tests.gateway.conftest import requires_haproxy
 
