@@ -1,7 +1,8 @@
 """HAProxy as the inference gateway: the configuration and map files it runs from, and its admin socket.
 
 No Django here: ``apps.gateway.state`` turns the database into a :class:`GatewayState`, this module turns a
-state into files and runtime commands. Everything a tenant sends is checked in HAProxy itself, in this order:
+state into files (``apps.gateway.runtime`` into admin-socket commands, ``apps.gateway.process`` runs HAProxy).
+Everything a tenant sends is checked in HAProxy itself, in this order:
 
 1. ``/v2/health/live|ready`` (and ``/v2`` server metadata) are answered by the gateway.
 2. The path must match the allow-list (``ALLOWED_PATH``) with the right method, else 404. Path tricks
