@@ -35,6 +35,12 @@ class PlacementSerializer(serializers.ModelSerializer):
     instance_state = serializers.CharField(source="instance.state")
     endpoint = serializers.CharField(source="instance.endpoint_url")
     served_version = serializers.IntegerField(source="served_version.number", allow_null=True, default=None)
+    canary_version = serializers.IntegerField(
+        source="canary_version.number",
+        allow_null=True,
+        default=None,
+        help_text="During a rollout: the canary this instance also serves, as its agent reported.",
+    )
 
     class Meta:
         model = DeploymentInstance
@@ -44,6 +50,7 @@ class PlacementSerializer(serializers.ModelSerializer):
             "instance_state",
             "endpoint",
             "served_version",
+            "canary_version",
             "state",
             "last_error",
             "updated_at",
@@ -246,7 +253,9 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamSc
 
     queryset = Deployment.objects.select_related(
         "model__team", "active_version", "target_version", "created_by"
-    ).prefetch_related("placements__instance__host", "placements__served_version")
+    ).prefetch_related(
+        "placements__instance__host", "placements__served_version", "placements__canary_version"
+    )
     serializer_class = DeploymentSerializer
     filterset_fields = ["state"]
     ordering_fields = ["created_at", "updated_at", "state"]

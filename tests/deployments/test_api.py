@@ -37,6 +37,7 @@ def test_maintainer_deploys_and_sees_placements_and_events(maintainer_client, ve
         "instance_state": "READY",
         "endpoint": "http://127.0.0.1:18100",
         "served_version": None,
+        "canary_version": None,
         "state": "PENDING",
         "last_error": "",
         "updated_at": None,

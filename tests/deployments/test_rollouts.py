@@ -142,13 +142,15 @@ def test_viewers_read_rollouts_but_cannot_act_and_outsiders_get_404(
 
 
 def test_weight_leaves_0_only_once_every_ready_placement_serves_the_canary(
-    owner, deployment, canary, shared_host, enqueued
+    owner, owner_client, deployment, canary, shared_host, enqueued
 ):
     rollout = rollouts.start_rollout(actor=owner, deployment=deployment, canary=canary, step_interval_s=2)
     assert rollouts.check_rollouts() == {"unloaded": 0, "begun": 0, "checked": 0}
     report_canary(rollout)
     placement = deployment.placements.get()
     assert placement.canary_version == canary and placement.served_version.number == 1
+    detail = owner_client.get(f"/api/v1/teams/vision/deployments/{deployment.pk}/").json()
+    assert detail["placements"][0]["served_version"] == 1 and detail["placements"][0]["canary_version"] == 2
     assert rollouts.check_rollouts()["begun"] == 1
     rollout.refresh_from_db()
     assert rollout.current_weight == 10 and rollout.next_check_at > timezone.now()
