@@ -320,7 +320,7 @@ class DesiredState:
             for key, v in raw["versions"].items()
         }
         with self.lock:
-            self.versions.update(versions)
+            self.versions = versions  # only what is placed now: nothing piles up over months
             self.generation = raw["generation"]
             self.instances = {e["id"]: InstanceSpec.from_json(e) for e in raw["instances"]}
             fresh = {e["id"]: self._placement(e) for e in raw["placements"]}
