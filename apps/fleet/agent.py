@@ -45,10 +45,10 @@ _current: HostAgent | None = None
 
 
 def current_agent() -> HostAgent:
-    """The agent of this process; tasks on a ``host.<name>`` queue run inside it."""
+    """The agent of this process (placement code reads its desired state and reports through its client)."""
     if _current is None:
         raise RuntimeError(
-            "no host agent runs in this process; host tasks must run under `manage.py hostagent`"
+            "no host agent runs in this process; placements are applied under `manage.py hostagent`"
         )
     return _current
 

@@ -21,7 +21,7 @@ from backend_ge.runtime import API_KEY_HEADER, GRPC_API_KEY_HEADER
 
 host_name_validator = RegexValidator(
     r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$",
-    "Use lowercase letters, digits and hyphens (it becomes the Celery queue host.<name>).",
+    "Use lowercase letters, digits and hyphens (it names the instances' users and directories).",
 )
 
 HEARTBEAT_INTERVAL = timedelta(seconds=10)
