@@ -14,7 +14,7 @@ import pytest
 from apps.deployments import services
 from apps.deployments.models import Deployment, DeploymentState, PlacementState
 from apps.fleet import services as fleet_services
-from apps.fleet.agent_client import ArtifactDownloadError, PlatformClient, VersionSpec
+from apps.fleet.agent_client import ArtifactDownloadError, CredentialRefused, PlatformClient, VersionSpec
 from apps.fleet.models import InstanceState, TritonInstance
 from tests.conftest import wait_for
 from tests.fleet.conftest import PLATFORM_ONLY_ENV
@@ -126,3 +126,43 @@ def test_a_download_that_does_not_match_its_sha256_is_discarded(
     assert [p.name for p in cache.iterdir()] == []  # the temp dir is gone too
     good = VersionSpec(**{**spec.__dict__, "files": entry["files"]})
     assert (client.download_version(good, cache) / "1" / "model.onnx").is_file()
+
+
+def test_a_revoked_host_given_a_new_join_token_joins_again_and_its_old_credential_stays_dead(
+    live_server, tmp_path, artifact_root
+):
+    import subprocess
+    import sys
+
+    from apps.fleet.agent_client import save_credential
+    from apps.fleet.models import Host
+    from tests.fleet.conftest import ROOT
+
+    host, token = fleet_services.create_host(actor=None, name="again", address="127.0.0.1")
+    _, old = fleet_services.join_host(token)
+    credential_file = tmp_path / "host-credential"
+    save_credential(credential_file, old)
+    fleet_services.revoke_host(actor=None, host=host)
+    new_token = fleet_services.issue_join_token(actor=None, host=host)
+    env = {k: v for k, v in os.environ.items() if k not in PLATFORM_ONLY_ENV}
+    env.update(VAR_DIR=str(tmp_path / "var"), FLEET_ROOT=str(artifact_root.parent / "fleet"), DEBUG="1")
+    log = tmp_path / "again.log"
+    with log.open("wb") as out:
+        agent = subprocess.Popen(
+            [sys.executable, "manage.py", "hostagent", "--platform", live_server.url, "--join-token", new_token,
+             "--credential-file", str(credential_file)],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        try:
+            wait_for(
+                lambda: Host.objects.get(pk=host.pk).is_online(),
+                60,
+                f"the host's heartbeat\n{log.read_text()}",
+            )
+        finally:
+            agent.send_signal(signal.SIGTERM)
+            agent.wait(60)
+    assert credential_file.read_text().strip() != old
+    assert Host.objects.get(pk=host.pk).identity == "joined"
+    with pytest.raises(CredentialRefused):
+        PlatformClient(live_server.url, old, retries=0).desired_state(None)

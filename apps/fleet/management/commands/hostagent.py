@@ -70,30 +70,28 @@ class Command(BaseCommand):
         if not platform:
             raise CommandError("Give the platform's URL: --platform URL or PLATFORM_URL.")
         credential_file = Path(options["credential_file"])
-        if options["join_token"] and not credential_file.is_file():
-            try:
-                answer = self._retry(
-                    options["wait"], lambda: join(platform, options["join_token"], credential_file)
-                )
-            except PlatformError as exc:
-                raise CommandError(str(exc)) from None
-            self.stdout.write(
-                f"joined {platform} as host {answer['host']}; credential kept in {credential_file}"
-            )
+        token = options["join_token"]
+        if token and not credential_file.is_file():
+            self._join(platform, token, credential_file, options["wait"])
+            token = ""  # used
         if not credential_file.is_file():
             raise CommandError(
                 f"No host credential in {credential_file}: start once with --join-token (staff get one when "
                 "they add the host, or from the host's page)."
             )
-        client = PlatformClient(platform, load_credential(credential_file))
         try:
-            hello = self._retry(options["wait"], lambda: client.heartbeat({}))
+            client, hello = self._hello(platform, credential_file, options["wait"])
         except CredentialRefused as exc:
-            raise CommandError(
-                f"{exc}. Ask staff for a new join token and start with --join-token."
-            ) from None
-        except PlatformError as exc:
-            raise CommandError(str(exc)) from None
+            if not token:
+                raise CommandError(
+                    f"{exc}. Ask staff for a new join token and start with --join-token."
+                ) from None
+            # Re-enrolled (say after a revocation): the new join token replaces the refused credential.
+            self._join(platform, token, credential_file, options["wait"])
+            try:
+                client, hello = self._hello(platform, credential_file, options["wait"])
+            except CredentialRefused as again:
+                raise CommandError(str(again)) from None
         agent = HostAgent(
             client,
             hello["host"],
@@ -120,6 +118,23 @@ class Command(BaseCommand):
         finally:
             log.info("stopping the instances of %s", hello["host"])
             agent.stop()
+
+    def _join(self, platform: str, token: str, credential_file: Path, wait: float) -> None:
+        try:
+            answer = self._retry(wait, lambda: join(platform, token, credential_file))
+        except PlatformError as exc:
+            raise CommandError(str(exc)) from None
+        self.stdout.write(f"joined {platform} as host {answer['host']}; credential kept in {credential_file}")
+
+    def _hello(self, platform: str, credential_file: Path, wait: float) -> tuple[PlatformClient, dict]:
+        """The first call with the stored credential: who this host is (raises CredentialRefused on 401)."""
+        client = PlatformClient(platform, load_credential(credential_file))
+        try:
+            return client, self._retry(wait, lambda: client.heartbeat({}))
+        except CredentialRefused:
+            raise
+        except PlatformError as exc:
+            raise CommandError(str(exc)) from None
 
     @staticmethod
     def _retry(wait: float, call):
