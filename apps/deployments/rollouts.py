@@ -307,7 +307,7 @@ def check_rollouts(now=None) -> dict[str, int]:
         done["unloaded"] += bool(services.unload_canary(pk))
     waiting = Rollout.objects.filter(state=RolloutState.RUNNING, step_started_at__isnull=True)
     for rollout in waiting.select_related("deployment__model__team", "stable_version", "canary_version"):
-        done["begun"] += begin_if_loaded(rollout)
+        done["begun"] += begin_if_loaded(rollout, now)
     due = Rollout.objects.filter(state=RolloutState.RUNNING, next_check_at__lte=now)
     for pk, interval, due_at in due.values_list("pk", "step_interval_s", "next_check_at"):
         # Claim: only the beat whose UPDATE moves next_check_at from the value it read runs this check.
@@ -338,10 +338,28 @@ def _serving_both(rollout: Rollout) -> tuple[list, bool]:
     return placements, loaded
 
 
-def begin_if_loaded(rollout: Rollout) -> bool:
-    """Weight 0 -> the first step once every READY placement serves the canary beside the stable version."""
+def begin_if_loaded(rollout: Rollout, now=None) -> bool:
+    """Weight 0 -> the first step once every READY placement serves the canary beside the stable version. A
+    canary still not loaded everywhere after ``traffic_deadline_s`` (an agent offline, a load that hangs) is
+    rolled back: it never got traffic."""
     placements, loaded = _serving_both(rollout)
     if not loaded:
+        now = now or timezone.now()
+        if (now - rollout.created_at).total_seconds() >= rollout.traffic_deadline_s:
+            with transaction.atomic():
+                _, rollout = _locked(rollout)
+                if rollout.state == RolloutState.RUNNING and rollout.step_started_at is None:
+                    waiting = [
+                        str(p.instance)
+                        for p in placements
+                        if p.canary_version_id != rollout.canary_version_id
+                    ]
+                    services.end_rollout(
+                        rollout,
+                        RolloutState.ROLLED_BACK,
+                        reason=f"the canary was not loaded on every instance within {rollout.traffic_deadline_s} s"
+                        + (f" (not on {', '.join(waiting)})" if waiting else " (no instance is READY)"),
+                    )
         return False
     readings = analysis.read_instances([p.instance for p in placements])
     name = rollout.deployment.triton_model_name()

@@ -325,3 +325,18 @@ def test_two_beats_ticking_at_once_check_a_due_rollout_once(owner, deployment, c
         thread.join(30)
     assert sorted(results) == [0, 0, 0, 1]
     assert rollout.analyses.count() == 1
+
+
+def test_a_canary_not_loaded_everywhere_within_the_deadline_is_rolled_back(
+    owner, deployment, canary, enqueued
+):
+    rollout = rollouts.start_rollout(
+        actor=owner, deployment=deployment, canary=canary, traffic_deadline_s=120
+    )
+    assert rollouts.check_rollouts(timezone.now() + timedelta(seconds=60))["begun"] == 0
+    rollout.refresh_from_db()
+    assert rollout.state == RolloutState.RUNNING
+    rollouts.check_rollouts(timezone.now() + timedelta(seconds=121))
+    rollout.refresh_from_db()
+    assert rollout.state == RolloutState.ROLLED_BACK and rollout.current_weight == 0
+    assert "not loaded on every instance within 120 s (not on local/cpu-0)" in rollout.reason
