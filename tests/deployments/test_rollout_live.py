@@ -119,7 +119,7 @@ def start(client, deployment, version: int, **options):
         "version": version,
         "step_interval_s": INTERVAL,
         "min_requests": 10,
-        "traffic_deadline_s": 30,
+        "traffic_deadline_s": 60,  # also the bound on loading the canary
         **options,
     }
     response = client.post(f"/api/v1/teams/vision/deployments/{deployment.pk}/rollouts/", body, format="json")
