@@ -278,16 +278,19 @@ class SimulatedAgent(threading.Thread):
             now = time.monotonic()
             if now >= next_beat:
                 self.timed("heartbeat", lambda: self.client.heartbeat(HEARTBEAT))
-                next_beat += self.args.heartbeat_every
-            if self.polling.is_set() and now >= next_poll:
+                # A late agent skips what it missed, as HostAgent's loops do: no catch-up bursts.
+                next_beat = max(next_beat + self.args.heartbeat_every, time.monotonic())
+            if not self.polling.is_set():
+                next_poll = now + rng.uniform(0, self.args.poll_every)
+            elif now >= next_poll:
                 answer = self.timed("desired-state", lambda: self.client.desired_state(self.etag))
                 if answer and answer[1] is not None:
                     self.etag = answer[0]
                     self.apply(answer[1])
-                next_poll += self.args.poll_every
-            self.stop_event.wait(
-                max(0.0, min(next_beat, next_poll if self.polling.is_set() else next_beat) - time.monotonic())
-            )
+                next_poll = max(next_poll + self.args.poll_every, time.monotonic())
+            # Not polling yet: look again within half a second, so polling starts right when it is switched on.
+            wake = next_poll if self.polling.is_set() else time.monotonic() + 0.5
+            self.stop_event.wait(max(0.0, min(next_beat, wake) - time.monotonic()))
 
     def apply(self, state: dict) -> None:
         report = self.client.report_placement
