@@ -76,6 +76,12 @@ def test_the_rollout_panel_draws_charts_and_its_controls_work_without_a_reload(
     rollout.refresh_from_db()
     assert rollout.state == RolloutState.ABORTED
     assert page.locator("#rollout-actions").count() == 0
+    # The idle panel polls every 10 s, but not while the start form is open: what is typed stays.
+    page.click("#rollout-start summary")
+    page.fill("#rollout-start input[name=steps]", "5 100")
+    page.wait_for_timeout(11_000)
+    assert page.locator("#rollout-start input[name=steps]").input_value() == "5 100"
+    page.click("#rollout-start summary")  # closed: polling resumes
     # A rollout started elsewhere shows up on the page without a reload (the panel polls).
     rollouts.start_rollout(actor=owner, deployment=deployment, canary=make_version(model, 3))
     page.wait_for_selector("#rollout-canary:has-text('v3')", timeout=20_000)

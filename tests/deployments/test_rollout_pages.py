@@ -44,7 +44,8 @@ def test_the_deployment_page_loads_the_panel_and_a_maintainer_gets_the_start_for
     assert f'hx-get="{panel_url(deployment)}"' in page and "frontend/rollout.js" in page
     html = web(maintainer).get(panel_url(deployment)).content.decode()
     assert 'id="rollout-start"' in html and '<option value="2">v2</option>' in html
-    assert 'hx-trigger="every 10s"' in html  # idle: a rollout started elsewhere still shows up
+    # Idle: a rollout started elsewhere still shows up, but never while someone fills in the start form.
+    assert "hx-trigger=\"every 10s [!document.querySelector('#rollout-start[open]')]\"" in html
 
 
 def test_start_from_the_panel_then_side_by_side_figures_gates_and_confirmed_controls(
