@@ -64,6 +64,8 @@ def test_start_from_the_panel_then_side_by_side_figures_gates_and_confirmed_cont
     assert 'id="rollout-state">Running' in html and "waiting for the canary to load" in html
     assert 'hx-trigger="every 2s"' in html and 'id="rollout-start"' not in html
     assert 'hx-confirm="Abort and roll back?' in html and 'hx-confirm="Promote v2 now?' in html
+    compare = f"/teams/{deployment.team.slug}/models/{model.slug}/compare/?a=1&amp;b=2&amp;range=1h"
+    assert f'id="rollout-compare" href="{compare}"' in html
     report_canary(rollout)
     assert rollouts.check_rollouts()["begun"] == 1
     rollout.refresh_from_db()
