@@ -201,6 +201,16 @@ def _stub_timing(directory: Path | None, model: str) -> dict[str, int]:
     return total
 
 
+def _flush_stub_timing(server: TritonServer, model: str, inputs) -> None:
+    """Make the model's stub write its counters now: they are written by a call a second after the last."""
+    time.sleep(1.1)
+    client = bench.RawHttpClient(server.http_url, model, inputs)
+    try:
+        client.infer()  # the stub writes the file before it answers
+    finally:
+        client.close()
+
+
 def served(
     server: TritonServer, model: str, concurrency: int, requests: int, protocol: str, inputs,
     timing_dir: Path | None = None,
@@ -209,7 +219,7 @@ def served(
     url = server.grpc_url if protocol == "grpc" else server.http_url
     stubs = _children(server.process.pid)
     if timing_dir:
-        time.sleep(1.2)  # the stubs write their counters once a second
+        _flush_stub_timing(server, model, inputs)
     timing = _stub_timing(timing_dir, model)
     before = (_cpu_seconds(server.process.pid), sum(_cpu_seconds(p) for p in stubs))
     result = bench.run(
@@ -221,7 +231,7 @@ def served(
     result["server_cpu_us"] = (after[0] - before[0]) / done * 1e6
     result["stub_cpu_us"] = (after[1] - before[1]) / done * 1e6
     if timing_dir:
-        time.sleep(1.2)
+        _flush_stub_timing(server, model, inputs)  # counted below with the run's requests: one more of many
         later = _stub_timing(timing_dir, model)
         counted = max(1, later.get("requests", 0) - timing.get("requests", 0))
         for key in ("execute_cpu_ns", "executor_cpu_ns"):
