@@ -86,3 +86,34 @@ def test_closing_a_model_flushes_its_counters(tmp_path):
     assert closed == [1]
     (path,) = tmp_path.glob("*.json")
     assert json.loads(path.read_text())["requests"] == 1
+
+
+def test_a_served_model_writes_its_counters_when_the_variable_is_set(
+    example_repository, tmp_path, monkeypatch
+):
+    """The switch reaches the stub through tritonserver's environment (the GE_ prefix) and model.py."""
+    import numpy as np
+
+    from backend_ge.bench import RawHttpClient
+    from backend_ge.runtime import TritonServer, load_all
+
+    monkeypatch.setenv(profiling.PROFILE_DIR_ENV, str(tmp_path / "counters"))
+    server = TritonServer(
+        example_repository, workdir=tmp_path / "triton", exit_timeout=5, die_with_parent=True
+    )
+    server.start(timeout=120)
+    try:
+        assert not load_all(server, ["mlp"])
+        client = RawHttpClient(server.http_url, "mlp", {"input": np.ones((2, 256), np.float32)})
+        try:
+            for _ in range(3):
+                status, body, _ = client.infer()
+                assert status == 200, body[:300]
+        finally:
+            client.close()
+    finally:
+        server.stop(timeout=30)  # unloading flushes what the last second counted
+    (path,) = (tmp_path / "counters").glob("mlp-*.json")
+    counters = json.loads(path.read_text())
+    assert counters["requests"] == 3 and counters["calls"] == 3
+    assert 0 < counters["executor_cpu_ns"] <= counters["execute_cpu_ns"]
