@@ -282,6 +282,7 @@ SPECTACULAR_SETTINGS = {
         "InstanceStateEnum": "apps.fleet.models.InstanceState",
         "DeploymentStateEnum": "apps.deployments.models.DeploymentState",
         "PlacementStateEnum": "apps.deployments.models.PlacementState",
+        "RolloutStateEnum": "apps.deployments.models.RolloutState",
     },
 }
 

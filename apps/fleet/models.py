@@ -16,6 +16,7 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from apps.core.credentials import HOST_CREDENTIAL_SCHEME, HOST_JOIN_TOKEN_SCHEME
 from apps.teams.models import Action, TeamScopedQuerySet, team_ids_for
 from backend_ge.runtime import API_KEY_HEADER, GRPC_API_KEY_HEADER
 
@@ -29,8 +30,8 @@ HEARTBEAT_INTERVAL = timedelta(seconds=10)
 OFFLINE_AFTER = 3 * HEARTBEAT_INTERVAL
 # A join token is for the operator who sets the host up now, not a standing secret.
 JOIN_TOKEN_TTL = timedelta(hours=24)
-JOIN_TOKEN_SCHEME = "hjt"
-CREDENTIAL_SCHEME = "hag"
+JOIN_TOKEN_SCHEME = HOST_JOIN_TOKEN_SCHEME
+CREDENTIAL_SCHEME = HOST_CREDENTIAL_SCHEME
 
 
 def new_host_secret(scheme: str) -> str:

@@ -5,6 +5,7 @@ import hmac
 from django.utils import timezone
 from rest_framework import authentication, exceptions
 
+from apps.core.credentials import HOST_SCHEMES
 from apps.teams.models import TOKEN_SCHEME, ApiToken, Membership, hash_token_secret
 from apps.teams.services import touch_token_last_used
 
@@ -32,6 +33,9 @@ class BearerTokenAuthentication(authentication.BaseAuthentication):
         if keyword.lower() != self.keyword.lower():
             return None
         raw = raw.strip()
+        if raw.partition("_")[0] in HOST_SCHEMES:
+            # A host's credential opens the agent API only; to it the management API does not exist.
+            raise exceptions.NotFound("Not found.")
         parsed = parse_token(raw)
         if parsed is None:
             raise exceptions.AuthenticationFailed(

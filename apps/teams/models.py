@@ -11,6 +11,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator, RegexVa
 from django.db import models
 from django.utils import timezone
 
+from apps.core.credentials import TEAM_TOKEN_SCHEME
 from backend_ge.served_config import MAX_INSTANCE_COUNT
 
 
@@ -145,7 +146,7 @@ class Membership(models.Model):
         return f"{self.user} in {self.team} ({self.role})"
 
 
-TOKEN_SCHEME = "tgp"
+TOKEN_SCHEME = TEAM_TOKEN_SCHEME
 
 
 def hash_token_secret(secret: str) -> str:

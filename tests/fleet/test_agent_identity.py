@@ -80,8 +80,11 @@ def test_management_credentials_do_not_open_the_agent_api_and_the_host_credentia
     assert owner_client.get("/agent/v1/desired-state").status_code == 401
     _, secret = make_token()
     assert Client(HTTP_AUTHORIZATION=f"Bearer {secret}").get("/agent/v1/desired-state").status_code == 401
-    for path in ("/api/v1/hosts/", "/api/v1/instances/", "/api/v1/teams/"):
-        assert agent.get(path).status_code == 401, path
+    # To a host's credential the management API does not exist: 404, the same as for an unknown path.
+    for path in ("/api/v1/hosts/", "/api/v1/instances/", "/api/v1/teams/", "/api/v1/me/"):
+        answer = agent.get(path)
+        assert answer.status_code == 404 and "not visible to you" in answer.json()["message"], path
+    assert agent.post("/api/v1/hosts/", {"name": "x"}, content_type="application/json").status_code == 404
 
 
 def test_heartbeat_records_facts_and_the_npu_inventory_and_refuses_bad_bodies():
