@@ -75,11 +75,17 @@ def _routed_version(deployment: Deployment) -> int | None:
     return version.number if version is not None else None
 
 
+def _routable(instance: TritonInstance) -> bool:
+    """READY, on a host whose credential is not revoked: a revoked host is no longer trusted with requests,
+    whatever its instances still report."""
+    return instance.state == InstanceState.READY and instance.host.revoked_at is None
+
+
 def _in_rotation(placement: DeploymentInstance, version: int) -> bool:
     """READY instance serving ``version`` (0: serving anything, during a switch)."""
     served = placement.served_version
     return (
-        placement.instance.state == InstanceState.READY
+        _routable(placement.instance)
         and served is not None
         and (version == 0 or served.number == version)
     )
@@ -97,7 +103,7 @@ def _canary_servers(
         instance = placement.instance
         server = Server(instance.api_key, instance.host.address, instance.http_port)
         servers.append(server)
-        ready = instance.state == InstanceState.READY and placement.state == PlacementState.READY
+        ready = _routable(instance) and placement.state == PlacementState.READY
         state.weights[(name, server.key)] = 100 if ready else 0
         in_rotation += ready
     if servers:
@@ -158,7 +164,7 @@ def _add_grpc_routes(state: GatewayState) -> None:
             instance.api_key, instance.host.address, instance.grpc_port, check_port=instance.http_port
         )
         state.grpc_backends[name] = tuple(sorted((*state.grpc_backends.get(name, ()), server)))
-        state.weights[(name, server.key)] = 100 if instance.state == InstanceState.READY else 0
+        state.weights[(name, server.key)] = 100 if _routable(instance) else 0
     for team_id, slug in Team.objects.filter(hosts__isnull=False).values_list("pk", "slug").distinct():
         if grpc_backend_name(team_id) in state.grpc_backends:
             state.grpc_routes[slug] = grpc_backend_name(team_id)
