@@ -8,6 +8,7 @@ answer came from. Nothing here touches a database or a broker.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -140,17 +141,27 @@ class PlatformClient:
         self.call("POST", f"/instances/{instance_id}/final-counts", json=counts)
 
     def download_version(self, version: VersionSpec, cache_root: Path) -> Path:
-        """The version's files in ``cache_root/<version id>``, each checked against the manifest's sha256."""
+        """The version's files in ``cache_root/<version id>``, each checked against the manifest's sha256.
+
+        One download per version at a time, across threads and processes (a lock file per version): two
+        instances placing the same version, or two agents sharing a cache, never replace a directory another
+        one is reading. A cached copy is used only while every file is there with its manifest size; a file
+        lost from the cache is downloaded again."""
+        if not version.files:
+            raise ArtifactDownloadError(f"{version}: the platform has no converted files for it")
+        cache_root.mkdir(parents=True, exist_ok=True)
+        with open(cache_root / f".lock-{version.pk}", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return self._download_locked(version, cache_root)
+
+    def _download_locked(self, version: VersionSpec, cache_root: Path) -> Path:
         target = cache_root / str(version.pk)
         marker = target / ".manifest-sha256"
         fingerprint = hashlib.sha256(
             repr(sorted((f["path"], f["sha256"]) for f in version.files)).encode()
         ).hexdigest()
-        if marker.is_file() and marker.read_text() == fingerprint:
+        if marker.is_file() and marker.read_text() == fingerprint and _cached_files_intact(target, version):
             return target
-        if not version.files:
-            raise ArtifactDownloadError(f"{version}: the platform has no converted files for it")
-        cache_root.mkdir(parents=True, exist_ok=True)
         tmp = cache_root / f".tmp-{version.pk}-{uuid.uuid4().hex[:8]}"
         try:
             for entry in version.files:
@@ -183,6 +194,17 @@ class PlatformClient:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return target
+
+
+def _cached_files_intact(target: Path, version: VersionSpec) -> bool:
+    """Every manifest file is in the cache with its size (a cheap check; the sha256 was verified at download)."""
+    for entry in version.files:
+        try:
+            if (target / entry["path"]).stat().st_size != entry.get("size", -1):
+                return False
+        except OSError:
+            return False
+    return True
 
 
 # -- the desired state as objects ------------------------------------------------------------------------

@@ -5,7 +5,9 @@ neither a database nor a broker URL - and a revoked host gets no more work."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -123,9 +125,30 @@ def test_a_download_that_does_not_match_its_sha256_is_discarded(
     ):
         client.download_version(spec, cache)
     assert not (cache / str(version.pk)).exists()
-    assert [p.name for p in cache.iterdir()] == []  # the temp dir is gone too
+    assert [p.name for p in cache.iterdir() if not p.name.startswith(".lock-")] == []  # no temp dir left
     good = VersionSpec(**{**spec.__dict__, "files": entry["files"]})
     assert (client.download_version(good, cache) / "1" / "model.onnx").is_file()
+
+    # A file lost from the cache is downloaded again instead of being served as missing.
+    cached = cache / str(version.pk) / "1" / "model.onnx"
+    cached.unlink()
+    assert client.download_version(good, cache) == cache / str(version.pk)
+    assert cached.read_bytes() == (version.servable_dir() / "1" / "model.onnx").read_bytes()
+
+    # Several downloads of the same version at once (two instances, or two agents sharing the cache): each
+    # gets the complete directory and none replaces it under another's feet.
+    shutil.rmtree(cache / str(version.pk))
+    seen: list[bytes] = []
+
+    def download_and_read() -> None:
+        seen.append((client.download_version(good, cache) / "1" / "model.onnx").read_bytes())
+
+    threads = [threading.Thread(target=download_and_read) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert seen == [cached.read_bytes()] * 4
 
 
 def test_a_revoked_host_given_a_new_join_token_joins_again_and_its_old_credential_stays_dead(

@@ -227,9 +227,11 @@ def test_a_model_triton_lost_is_reported_and_reloaded_and_one_that_cannot_be_is_
             60,
             f"{deployment} to serve\n{agent.output()}",
         )
-    # The broken version's file disappears from the host's copy (the agent's download cache), then Triton
-    # dies with every model.
-    (artifact_root.parent / "fleet" / "cache" / str(broken.pk) / "1" / "model.onnx").unlink()
+    # The broken version's file goes bad in the host's copy (the agent's download cache; same size, so the
+    # agent's cheap cache check keeps it - a missing file would be downloaded again), then Triton dies with
+    # every model.
+    cached = artifact_root.parent / "fleet" / "cache" / str(broken.pk) / "1" / "model.onnx"
+    cached.write_bytes(b"\0" * cached.stat().st_size)
     os.kill(TritonInstance.objects.get(pk=instance.pk).pid, signal.SIGKILL)
 
     wait_for(
