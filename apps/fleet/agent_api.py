@@ -267,4 +267,3 @@ def instance_entry(instance: TritonInstance) -> dict:
 
 def host_instances(host) -> list[dict]:
     return [instance_entry(i) for i in TritonInstance.objects.filter(host=host).select_related("host")]
-

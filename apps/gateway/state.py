@@ -84,11 +84,7 @@ def _routable(instance: TritonInstance) -> bool:
 def _in_rotation(placement: DeploymentInstance, version: int) -> bool:
     """READY instance serving ``version`` (0: serving anything, during a switch)."""
     served = placement.served_version
-    return (
-        _routable(placement.instance)
-        and served is not None
-        and (version == 0 or served.number == version)
-    )
+    return _routable(placement.instance) and served is not None and (version == 0 or served.number == version)
 
 
 def _canary_servers(

@@ -5,21 +5,30 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('deployments', '0005_rollout_analysis_window'),
-        ('registry', '0004_version_archive_note_tags'),
+        ("deployments", "0005_rollout_analysis_window"),
+        ("registry", "0004_version_archive_note_tags"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='rollout',
-            name='canary_version',
-            field=models.ForeignKey(null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to='registry.modelversion'),
+            model_name="rollout",
+            name="canary_version",
+            field=models.ForeignKey(
+                null=True,
+                on_delete=django.db.models.deletion.SET_NULL,
+                related_name="+",
+                to="registry.modelversion",
+            ),
         ),
         migrations.AlterField(
-            model_name='rollout',
-            name='stable_version',
-            field=models.ForeignKey(null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to='registry.modelversion'),
+            model_name="rollout",
+            name="stable_version",
+            field=models.ForeignKey(
+                null=True,
+                on_delete=django.db.models.deletion.SET_NULL,
+                related_name="+",
+                to="registry.modelversion",
+            ),
         ),
     ]

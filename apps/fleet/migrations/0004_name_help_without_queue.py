@@ -5,20 +5,36 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('fleet', '0003_host_identity_and_commands'),
+        ("fleet", "0003_host_identity_and_commands"),
     ]
 
     operations = [
         migrations.AlterField(
-            model_name='host',
-            name='name',
-            field=models.CharField(max_length=63, unique=True, validators=[django.core.validators.RegexValidator('^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$', "Use lowercase letters, digits and hyphens (it names the instances' users and directories).")]),
+            model_name="host",
+            name="name",
+            field=models.CharField(
+                max_length=63,
+                unique=True,
+                validators=[
+                    django.core.validators.RegexValidator(
+                        "^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$",
+                        "Use lowercase letters, digits and hyphens (it names the instances' users and directories).",
+                    )
+                ],
+            ),
         ),
         migrations.AlterField(
-            model_name='tritoninstance',
-            name='name',
-            field=models.CharField(max_length=63, validators=[django.core.validators.RegexValidator('^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$', "Use lowercase letters, digits and hyphens (it names the instances' users and directories).")]),
+            model_name="tritoninstance",
+            name="name",
+            field=models.CharField(
+                max_length=63,
+                validators=[
+                    django.core.validators.RegexValidator(
+                        "^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$",
+                        "Use lowercase letters, digits and hyphens (it names the instances' users and directories).",
+                    )
+                ],
+            ),
         ),
     ]
