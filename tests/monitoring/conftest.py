@@ -11,28 +11,34 @@ from tests.fleet.conftest import artifact_root, make_ready_version, start_agent 
 from tests.monitoring.builders import reshaping_onnx
 
 
+def reshaper_version(model: RegisteredModel, owner, tmp_path) -> ModelVersion:
+    """The model's next version, READY: the reshaping ONNX model prepared for the CPU executor."""
+    number = model.versions.count() + 1
+    version = ModelVersion.objects.create(
+        model=model,
+        number=number,
+        state=VersionState.CONVERTING,
+        source_format=SourceFormat.ONNX,
+        created_by=owner,
+    )
+    source = tmp_path / f"{model.slug}-{number}.onnx"
+    source.write_bytes(reshaping_onnx())
+    prepared = prepare_onnx(
+        source, version.servable_dir() / "1", name=model.triton_model_name(), max_batch_size=8
+    )
+    version.signature = prepared.signature.to_dict()
+    version.config_text = (version.servable_dir() / "config.pbtxt").read_text()
+    version.state = VersionState.READY
+    version.toolchain = "onnx"
+    version.save()
+    return version
+
+
 @pytest.fixture
 def make_reshaper_version(team, owner, artifact_root, tmp_path):  # noqa: F811 - the imported fixture
     def _make(slug: str = "reshaper") -> ModelVersion:
         model = RegisteredModel.objects.create(team=team, name=slug.title(), slug=slug, created_by=owner)
-        version = ModelVersion.objects.create(
-            model=model,
-            number=1,
-            state=VersionState.CONVERTING,
-            source_format=SourceFormat.ONNX,
-            created_by=owner,
-        )
-        source = tmp_path / f"{slug}.onnx"
-        source.write_bytes(reshaping_onnx())
-        prepared = prepare_onnx(
-            source, version.servable_dir() / "1", name=model.triton_model_name(), max_batch_size=8
-        )
-        version.signature = prepared.signature.to_dict()
-        version.config_text = (version.servable_dir() / "config.pbtxt").read_text()
-        version.state = VersionState.READY
-        version.toolchain = "onnx"
-        version.save()
-        return version
+        return reshaper_version(model, owner, tmp_path)
 
     return _make
 

@@ -9,36 +9,13 @@ from apps.deployments import rollouts, services
 from apps.deployments.models import DeploymentState, PlacementState
 from apps.monitoring.models import ModelMetrics, ScrapeState
 from apps.monitoring.scraper import scrape_instance
-from apps.registry.models import ModelVersion, SourceFormat, VersionState
-from backend_ge.convert import prepare_onnx
 from tests.conftest import wait_for
 from tests.fleet.test_agent import deployment_settled, instance_of
-from tests.monitoring.builders import infer_body, reshaping_onnx
+from tests.monitoring.builders import infer_body
+from tests.monitoring.conftest import reshaper_version
 from tests.monitoring.test_live_scrape import post, send, totals
 
 pytestmark = [pytest.mark.triton, pytest.mark.django_db(transaction=True)]
-
-
-def next_version(model, owner, tmp_path) -> ModelVersion:
-    number = model.versions.count() + 1
-    version = ModelVersion.objects.create(
-        model=model,
-        number=number,
-        state=VersionState.CONVERTING,
-        source_format=SourceFormat.ONNX,
-        created_by=owner,
-    )
-    source = tmp_path / f"reshaper-{number}.onnx"
-    source.write_bytes(reshaping_onnx())
-    prepared = prepare_onnx(
-        source, version.servable_dir() / "1", name=model.triton_model_name(), max_batch_size=8
-    )
-    version.signature = prepared.signature.to_dict()
-    version.config_text = (version.servable_dir() / "config.pbtxt").read_text()
-    version.state = VersionState.READY
-    version.toolchain = "onnx"
-    version.save()
-    return version
 
 
 def test_counts_at_a_switch_and_an_undeploy_add_up_to_what_clients_sent(
@@ -47,7 +24,7 @@ def test_counts_at_a_switch_and_an_undeploy_add_up_to_what_clients_sent(
     agent = start_agent("mon-fc")
     instance = instance_of(agent)
     v1 = make_reshaper_version()
-    v2 = next_version(v1.model, owner, tmp_path)
+    v2 = reshaper_version(v1.model, owner, tmp_path)
     name = v1.model.triton_model_name()
     deployment = deployment_settled(
         services.deploy_version(actor=owner, model=v1.model, version=v1, instances=[instance])
@@ -98,7 +75,7 @@ def test_counts_at_a_rollout_abort_and_a_promote_add_up_to_what_clients_sent(
     agent = start_agent("mon-ro")
     instance = instance_of(agent)
     v1 = make_reshaper_version()
-    v2, v3 = next_version(v1.model, owner, tmp_path), next_version(v1.model, owner, tmp_path)
+    v2, v3 = reshaper_version(v1.model, owner, tmp_path), reshaper_version(v1.model, owner, tmp_path)
     name = v1.model.triton_model_name()
     deployment = deployment_settled(
         services.deploy_version(actor=owner, model=v1.model, version=v1, instances=[instance])
