@@ -14,10 +14,10 @@ from apps.audit.models import AuditEvent
 from apps.deployments import rollouts
 from apps.deployments.models import Deployment, DeploymentState, Rollout, RolloutState
 from apps.fleet.models import TritonInstance
-from apps.registry.models import ModelVersion, RegisteredModel, SourceFormat, VersionState
-from backend_ge.convert import prepare_onnx
+from apps.registry.models import ModelVersion, RegisteredModel
 from tests.conftest import wait_for
 from tests.deployments.rollout_models import flaky_scaler_onnx, slow_scaler_onnx
+from tests.factories import ready_onnx_version
 from tests.gateway.conftest import (  # noqa: F401 - shared fixtures
     Load,
     deploy,
@@ -73,23 +73,9 @@ def make_onnx_version(artifact_root, tmp_path):
     """A READY version of ``model`` from ONNX bytes, through the real ONNX preparation."""
 
     def _make(model: RegisteredModel, onnx_bytes: bytes) -> ModelVersion:
-        number = (model.versions.order_by("-number").values_list("number", flat=True).first() or 0) + 1
-        version = ModelVersion.objects.create(
-            model=model, number=number, state=VersionState.CONVERTING, source_format=SourceFormat.ONNX,
-            created_by=model.created_by,
-        )  # fmt: skip
-        source = tmp_path / f"src-{model.slug}-{number}.onnx"
-        source.write_bytes(onnx_bytes)
-        version.servable_dir().parent.mkdir(parents=True, exist_ok=True)
-        prepared = prepare_onnx(
-            source, version.servable_dir() / "1", name=model.triton_model_name(), max_batch_size=8,
-            preferred_batch_sizes=(4, 8), max_queue_delay_us=100,
-        )  # fmt: skip
-        version.signature = prepared.signature.to_dict()
-        version.config_text = (version.servable_dir() / "config.pbtxt").read_text()
-        version.state, version.toolchain = VersionState.READY, "onnx"
-        version.save()
-        return version
+        return ready_onnx_version(
+            model, onnx_bytes, tmp_path, preferred_batch_sizes=(4, 8), max_queue_delay_us=100
+        )
 
     return _make
 

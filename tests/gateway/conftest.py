@@ -22,10 +22,10 @@ from onnx import TensorProto, helper
 from apps.deployments.models import Deployment, DeploymentState
 from apps.fleet.models import InstanceState, TritonInstance
 from apps.gateway.haproxy import AdminSocket, Slots
-from apps.registry.models import ModelVersion, RegisteredModel, SourceFormat, VersionState
-from backend_ge.convert import prepare_onnx
+from apps.registry.models import ModelVersion, RegisteredModel
 from backend_ge.runtime import free_port
 from tests.conftest import subprocess_database_url, wait_for
+from tests.factories import ready_onnx_version
 from tests.fleet.conftest import artifact_root, start_agent  # noqa: F401 - shared fixtures
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,23 +54,9 @@ INFER_BODY = json.dumps(
 @pytest.fixture
 def make_scaler_version(artifact_root, tmp_path):  # noqa: F811 - the shared fixture
     def _make(model: RegisteredModel, scale: float = 1.0) -> ModelVersion:
-        number = (model.versions.order_by("-number").values_list("number", flat=True).first() or 0) + 1
-        version = ModelVersion.objects.create(
-            model=model, number=number, state=VersionState.CONVERTING, source_format=SourceFormat.ONNX,
-            created_by=model.created_by,
-        )  # fmt: skip
-        source = tmp_path / f"src-{model.team.slug}-{model.slug}-{number}.onnx"
-        source.write_bytes(scaler_onnx(scale))
-        version.servable_dir().parent.mkdir(parents=True, exist_ok=True)
-        prepared = prepare_onnx(
-            source, version.servable_dir() / "1", name=model.triton_model_name(), max_batch_size=8,
-            preferred_batch_sizes=(4, 8), max_queue_delay_us=100,
-        )  # fmt: skip
-        version.signature = prepared.signature.to_dict()
-        version.config_text = (version.servable_dir() / "config.pbtxt").read_text()
-        version.state, version.toolchain = VersionState.READY, "onnx"
-        version.save()
-        return version
+        return ready_onnx_version(
+            model, scaler_onnx(scale), tmp_path, preferred_batch_sizes=(4, 8), max_queue_delay_us=100
+        )
 
     return _make
 

@@ -5,33 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from apps.registry.models import ModelVersion, RegisteredModel, SourceFormat, VersionState
-from backend_ge.convert import prepare_onnx
+from apps.registry.models import ModelVersion, RegisteredModel, VersionState
+from tests.factories import ready_onnx_version
 from tests.fleet.conftest import artifact_root, make_ready_version, start_agent  # noqa: F401 - fixtures
 from tests.monitoring.builders import reshaping_onnx
 
 
 def reshaper_version(model: RegisteredModel, owner, tmp_path) -> ModelVersion:
     """The model's next version, READY: the reshaping ONNX model prepared for the CPU executor."""
-    number = model.versions.count() + 1
-    version = ModelVersion.objects.create(
-        model=model,
-        number=number,
-        state=VersionState.CONVERTING,
-        source_format=SourceFormat.ONNX,
-        created_by=owner,
-    )
-    source = tmp_path / f"{model.slug}-{number}.onnx"
-    source.write_bytes(reshaping_onnx())
-    prepared = prepare_onnx(
-        source, version.servable_dir() / "1", name=model.triton_model_name(), max_batch_size=8
-    )
-    version.signature = prepared.signature.to_dict()
-    version.config_text = (version.servable_dir() / "config.pbtxt").read_text()
-    version.state = VersionState.READY
-    version.toolchain = "onnx"
-    version.save()
-    return version
+    return ready_onnx_version(model, reshaping_onnx(), tmp_path, created_by=owner)
 
 
 @pytest.fixture
