@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('teams', '0001_initial'),
+        ("teams", "0001_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='team',
-            name='default_soc_version',
-            field=models.CharField(default='Ascend310P3', max_length=32),
+            model_name="team",
+            name="default_soc_version",
+            field=models.CharField(default="Ascend310P3", max_length=32),
         ),
     ]

@@ -4,20 +4,21 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('teams', '0002_team_default_soc_version'),
+        ("teams", "0002_team_default_soc_version"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='team',
-            name='quota_deployed_models',
-            field=models.PositiveIntegerField(default=50, help_text='Models deployed at once.'),
+            model_name="team",
+            name="quota_deployed_models",
+            field=models.PositiveIntegerField(default=50, help_text="Models deployed at once."),
         ),
         migrations.AddField(
-            model_name='team',
-            name='quota_instances',
-            field=models.PositiveIntegerField(default=8, help_text="Triton instances the team's deployments use."),
+            model_name="team",
+            name="quota_instances",
+            field=models.PositiveIntegerField(
+                default=8, help_text="Triton instances the team's deployments use."
+            ),
         ),
     ]
