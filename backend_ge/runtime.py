@@ -18,9 +18,11 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -77,11 +79,28 @@ _ENV_PREFIXES = ("LC_", "ASCEND_", "TOOLCHAIN_", "NPU_", "OMP_", "ORT_", "GE_")
 _ENV_SECRETS = frozenset({"GE_REPOSITORY_KEY"})
 
 
+# Ports free_port() handed out lately in this process (bounded: a long-lived caller does not grow it).
+_HANDED_OUT: deque[int] = deque(maxlen=4096)
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS reports free right now (another process may still take it before us)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port the OS reports free right now and that this process has not handed out lately.
+
+    The kernel picks a random free port and may pick the same one again once the probing socket is closed:
+    three calls in a row repeated a port in 11 of 30,000 tries here, e.g. a gateway's inference and stats
+    ports, which HAProxy then bound twice (SO_REUSEPORT) and answered some inference connections from the
+    stats frontend. Another process may still take the port before the caller binds it.
+    """
+    with _HANDED_OUT_LOCK:
+        for _ in range(100):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.append(port)
+                return port
+    raise OSError(f"no port on {host} that was not handed out already")
 
 
 def server_environment(

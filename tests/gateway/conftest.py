@@ -87,9 +87,13 @@ class GatewayProcess:
             stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         log.close()
-        wait_for(
-            lambda: self.get("/v2/health/ready")[0] == 200, 30, f"the gateway to answer\n{self.output()}"
-        )
+        try:
+            wait_for(
+                lambda: self.get("/v2/health/ready")[0] == 200, 30, f"the gateway to answer\n{self.output()}"
+            )
+        except AssertionError:
+            self.stop()  # a command that never answered would keep its database connection past the test
+            raise
         return self
 
     def stop(self) -> None:
@@ -154,11 +158,9 @@ def start_gateway(gateway_env, tmp_path, settings):
     gateways: list[GatewayProcess] = []
 
     def _start() -> GatewayProcess:
-        gateway = GatewayProcess(
-            gateway_env, Path(gateway_env["GATEWAY_DIR"]), tmp_path / "gateway.log"
-        ).start()
-        gateways.append(gateway)
-        return gateway
+        gateway = GatewayProcess(gateway_env, Path(gateway_env["GATEWAY_DIR"]), tmp_path / "gateway.log")
+        gateways.append(gateway)  # before start(): stopped at teardown even if it never answered
+        return gateway.start()
 
     yield _start
     for gateway in gateways:
