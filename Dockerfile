@@ -17,4 +17,7 @@ RUN DEBUG=1 SECRET_KEY=collectstatic-only python manage.py collectstatic --noinp
 RUN useradd --create-home --uid 1000 platform && mkdir -p /app/var/gateway && chown -R platform /app/var
 USER platform
 EXPOSE 8000
-CMD ["gunicorn", "serving_platform.wsgi", "--bind", "0.0.0.0:8000", "--workers", "3", "--access-logfile", "-"]
+# Threads, not only processes: an agent's long poll holds one thread for up to 30 s (WEB_THREADS, read by the
+# settings too: a process holds at most WEB_THREADS - 16 polls, the rest of its threads serve the UI and API).
+ENV WEB_WORKERS=3 WEB_THREADS=64
+CMD ["sh", "-c", "exec gunicorn serving_platform.wsgi --bind 0.0.0.0:8000 --workers \"$WEB_WORKERS\" --threads \"$WEB_THREADS\" --worker-class gthread --access-logfile -"]

@@ -2,14 +2,17 @@
 
 One platform web process (gunicorn, 1 worker, ``--threads``) serves ``--hosts`` simulated agents (threads here,
 each with its own host credential and ``apps.fleet.agent_client.PlatformClient``). Each agent heartbeats every
-``--heartbeat-every`` s and polls its desired state every ``--poll-every`` s (``If-None-Match``: a 304 while
-nothing changed); its ``--instances`` fake instances answer like Triton's load API after ``--load-ms`` (a
-placement is reported started, then loaded). Printed:
+``--heartbeat-every`` s (facts and its instances' log tails, as ``HostAgent`` sends them) and long-polls its
+desired state (``If-None-Match`` + ``?wait=--long-poll-wait``: held until it changes; ``--long-poll-wait 0``
+short-polls every ``--poll-every`` s as older agents do); its ``--instances`` fake instances answer like
+Triton's load API after ``--load-ms`` (a placement is reported started, then loaded). Printed:
 
 1. platform CPU per heartbeat (a phase with heartbeats only), and the idle fleet's CPU in % of one core
    (heartbeats + polling);
-2. p50/p99 agent-API latency per call, measured at the agents;
-3. the time from one ``deploy_version`` call (what the deploy API runs) to every placement READY on
+2. p50/p99 latency of the agent-API calls that are not held (heartbeats, reports, full fetches), measured at
+   the agents, and how many polls were held and how long;
+3. the time from a change of every host's desired state to each agent having the new state;
+4. the time from one ``deploy_version`` call (what the deploy API runs) to every placement READY on
    ``--deploy-hosts`` hosts.
 
 Bounded by ``--timeout``. A scratch PostgreSQL database (``--database-url``, dropped at the end) and a scratch
@@ -44,11 +47,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hosts", type=int, default=200)
     parser.add_argument("--instances", type=int, default=4, help="instances per host")
     parser.add_argument("--heartbeat-every", type=float, default=10.0)
-    parser.add_argument("--poll-every", type=float, default=1.0)
+    parser.add_argument("--poll-every", type=float, default=1.0, help="short polls (and after an error)")
+    parser.add_argument(
+        "--long-poll-wait", type=float, default=25.0, help="0: short polls every --poll-every"
+    )
     parser.add_argument("--deploy-hosts", type=int, default=50)
     parser.add_argument("--load-ms", type=float, default=0.0, help="the fake instances' model load time")
     parser.add_argument("--phase", type=float, default=30.0, help="seconds of each measured idle phase")
-    parser.add_argument("--threads", type=int, default=8, help="threads of the one platform web process")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=256,
+        help="threads of the one platform web process (a held poll pins one: more than --hosts)",
+    )
     parser.add_argument(
         "--database-url", default=f"postgres://postgres@127.0.0.1:5432/fleet_scale_{os.getpid()}"
     )
@@ -122,6 +133,8 @@ def start_web(args, scratch: Path) -> tuple[subprocess.Popen, str]:
         "SECURE_SSL_REDIRECT": "0",
         "SESSION_COOKIE_SECURE": "0",
         "CSRF_COOKIE_SECURE": "0",
+        # The platform holds at most WEB_THREADS - 16 polls per process (AGENT_LONG_POLL_MAX_WAITERS).
+        "WEB_THREADS": str(args.threads),
     }
     web = subprocess.Popen(
         [sys.executable, "-m", "gunicorn", "serving_platform.wsgi", "--bind", f"127.0.0.1:{port}",
@@ -212,6 +225,12 @@ class Latencies:
         self.lock = threading.Lock()
         self.samples: dict[str, list[float]] = defaultdict(list)
         self.errors: dict[str, int] = defaultdict(int)
+        self.first_error: dict[str, str] = {}
+
+    def error(self, kind: str, exc: Exception) -> None:
+        with self.lock:
+            self.errors[kind] += 1
+            self.first_error.setdefault(kind, f"{exc.__class__.__name__}: {exc}"[:300])
 
     def add(self, kind: str, seconds: float) -> None:
         with self.lock:
@@ -221,24 +240,43 @@ class Latencies:
         with self.lock:
             self.samples.clear()
 
+    def count(self, kind: str) -> int:
+        with self.lock:
+            return len(self.samples.get(kind, []))
+
     def report(self) -> list[str]:
         lines = []
         with self.lock:
             for kind, values in sorted(self.samples.items()):
+                if kind == HELD:
+                    continue
                 ordered = sorted(values)
                 p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
                 lines.append(
                     f"  {kind:<14} n={len(values):>6}  p50 {statistics.median(values):7.1f} ms  p99 {p99:7.1f} ms"
                 )
-            lines += [f"  {kind}: {n} errors" for kind, n in sorted(self.errors.items())]
+            held = sorted(self.samples.get(HELD, []))
+            if held:
+                lines.append(
+                    f"  {HELD:<14} n={len(held):>6}  held p50 {statistics.median(held) / 1000:5.1f} s, "
+                    f"{sum(v < 1000 * 0.5 for v in held)} answered at once (the process held its share)"
+                )
+            lines += [
+                f"  {kind}: {n} errors, the first: {self.first_error.get(kind, '')}"
+                for kind, n in sorted(self.errors.items())
+            ]
         return lines
 
 
-HEARTBEAT = {"facts": {"cpus": 4, "memory_mb": 16000, "platform": "sim"}, "npu": None}
+HELD = "held poll 304"
+
+
+FACTS = {"cpus": 4, "memory_mb": 16000, "platform": "sim"}
 
 
 class SimulatedAgent(threading.Thread):
-    """Speaks the agent API like ``HostAgent`` does, with fake instances in place of tritonserver."""
+    """Speaks the agent API like ``HostAgent`` does, with fake instances in place of tritonserver: this thread
+    heartbeats, a second one polls the desired state (held by the platform, or every --poll-every s)."""
 
     def __init__(self, platform: str, credential: str, args, latencies: Latencies, stop: threading.Event):
         super().__init__(daemon=True)
@@ -249,14 +287,16 @@ class SimulatedAgent(threading.Thread):
         self.polling = threading.Event()
         self.etag: str | None = None
         self.applied: dict[int, int] = {}
+        self.tails: list[dict] = []
+        self.seen_at: float | None = None  # when a poll last brought a new state (time.monotonic())
+        self.poller = threading.Thread(target=self.poll_loop, daemon=True)
 
     def timed(self, kind: str, call):
         started = time.perf_counter()
         try:
             return call()
-        except Exception:  # counted, and the agent carries on as HostAgent does
-            with self.latencies.lock:
-                self.latencies.errors[kind] += 1
+        except Exception as exc:  # counted, and the agent carries on as HostAgent does
+            self.latencies.error(kind, exc)
             return None
         finally:
             self.latencies.add(kind, time.perf_counter() - started)
@@ -265,7 +305,6 @@ class SimulatedAgent(threading.Thread):
         # Spread the fleet's calls over the intervals, as agents started at different times are.
         rng = __import__("random").Random(id(self))
         next_beat = time.monotonic() + rng.uniform(0, self.args.heartbeat_every)
-        next_poll = time.monotonic() + rng.uniform(0, self.args.poll_every)
         state = self.timed("desired-state", lambda: self.client.desired_state(None))
         if state:
             self.etag = state[0]
@@ -274,23 +313,50 @@ class SimulatedAgent(threading.Thread):
                     "instance",
                     lambda i=instance: self.client.report_instance(i["id"], {"state": "READY", "pid": 1}),
                 )
+            # What HostAgent sends: each running instance's last 30 log lines (unchanged while it idles).
+            self.tails = [
+                {"id": i["id"], "log_tail": "I1201 Started HTTPService at 0.0.0.0:8100\n" * 30}
+                for i in state[1]["instances"]
+            ]
+        self.poller.start()
         while not self.stop_event.is_set():
-            now = time.monotonic()
-            if now >= next_beat:
-                self.timed("heartbeat", lambda: self.client.heartbeat(HEARTBEAT))
+            if time.monotonic() >= next_beat:
+                body = {"facts": FACTS, "npu": None, "instances": self.tails}
+                self.timed("heartbeat", lambda b=body: self.client.heartbeat(b))
                 # A late agent skips what it missed, as HostAgent's loops do: no catch-up bursts.
                 next_beat = max(next_beat + self.args.heartbeat_every, time.monotonic())
+            self.stop_event.wait(max(0.0, next_beat - time.monotonic()))
+
+    def poll_loop(self) -> None:
+        rng = __import__("random").Random(id(self) + 1)
+        wait = self.args.long_poll_wait
+        while not self.stop_event.is_set():
             if not self.polling.is_set():
-                next_poll = now + rng.uniform(0, self.args.poll_every)
-            elif now >= next_poll:
-                answer = self.timed("desired-state", lambda: self.client.desired_state(self.etag))
-                if answer and answer[1] is not None:
-                    self.etag = answer[0]
-                    self.apply(answer[1])
-                next_poll = max(next_poll + self.args.poll_every, time.monotonic())
-            # Not polling yet: look again within half a second, so polling starts right when it is switched on.
-            wake = next_poll if self.polling.is_set() else time.monotonic() + 0.5
-            self.stop_event.wait(max(0.0, min(next_beat, wake) - time.monotonic()))
+                self.polling.wait(0.5)
+                if self.polling.is_set():  # start spread over one interval, as agents started apart are
+                    self.stop_event.wait(rng.uniform(0, self.args.poll_every))
+                continue
+            started = time.perf_counter()
+            try:
+                if wait:
+                    etag, state = self.client.desired_state(self.etag, wait=wait)
+                else:
+                    etag, state = self.client.desired_state(self.etag)
+            except Exception as exc:
+                self.latencies.error("desired-state", exc)
+                self.stop_event.wait(self.args.poll_every)
+                continue
+            elapsed = time.perf_counter() - started
+            if state is None:
+                self.latencies.add(HELD if wait else "desired-state", elapsed)
+                if not wait or elapsed < 0.5:  # short polls, or a poll the platform could not hold
+                    self.stop_event.wait(max(0.0, self.args.poll_every - elapsed))
+                continue
+            self.seen_at = time.monotonic()
+            if not wait:
+                self.latencies.add("desired-state", elapsed)
+            self.etag = etag
+            self.apply(state)
 
     def apply(self, state: dict) -> None:
         report = self.client.report_placement
@@ -339,6 +405,12 @@ def main() -> int:
         for agent in agents:
             agent.start()
         time.sleep(min(args.heartbeat_every, 10) + 2)  # every agent has fetched its state and said hello once
+        mode = (
+            f"long poll, wait {args.long_poll_wait:g} s"
+            if args.long_poll_wait
+            else f"short poll every {args.poll_every:g} s"
+        )
+        print(f"agents: {mode}; platform: 1 gunicorn process, {args.threads} threads")
 
         # Phase 1: heartbeats only.
         latencies.reset()
@@ -361,16 +433,31 @@ def main() -> int:
         cpu0, t0 = group_cpu_seconds(web.pid), time.monotonic()
         time.sleep(args.phase)
         cpu_idle, seconds = group_cpu_seconds(web.pid) - cpu0, time.monotonic() - t0
-        polls = len(latencies.samples.get("desired-state", []))
+        polls = latencies.count("desired-state") + latencies.count(HELD)
         print(
-            f"\nphase 2 - idle fleet (heartbeat every {args.heartbeat_every:g} s, poll every {args.poll_every:g} s), "
-            f"{seconds:.0f} s: {polls} polls, platform CPU {cpu_idle / seconds * 100:.1f} % of one core"
+            f"\nphase 2 - idle fleet (heartbeat every {args.heartbeat_every:g} s, {mode}), "
+            f"{seconds:.0f} s: {polls} polls answered, platform CPU {cpu_idle / seconds * 100:.1f} % of one core"
         )
-        if polls:
-            print(
-                f"  platform CPU per call: {cpu_idle / (polls + len(latencies.samples.get('heartbeat', []))) * 1000:.2f} ms"
-            )
         print(*latencies.report(), sep="\n")
+
+        # Phase 2b: every host's desired state changes at once; how long until each agent has it.
+        from apps.fleet.models import Host
+        from apps.fleet.services import notify_hosts
+
+        for agent in agents:
+            agent.seen_at = None
+        changed_at = time.monotonic()
+        notify_hosts(Host.objects.values_list("pk", flat=True))
+        while time.monotonic() < min(deadline, changed_at + 30) and any(a.seen_at is None for a in agents):
+            time.sleep(0.05)
+        delays = sorted((a.seen_at - changed_at) * 1000 for a in agents if a.seen_at is not None)
+        if delays:
+            print(
+                f"\nphase 2b - a change for all {len(agents)} hosts: seen by {len(delays)} agents, "
+                f"p50 {statistics.median(delays):.0f} ms, p99 {delays[min(len(delays) - 1, int(len(delays) * 0.99))]:.0f} ms, "
+                f"max {delays[-1]:.0f} ms after the change"
+            )
+        time.sleep(2)
 
         # Phase 3: one deploy to --deploy-hosts hosts (one instance each).
         from apps.deployments import services
@@ -383,8 +470,11 @@ def main() -> int:
             )
         )
         latencies.reset()
+        for agent in agents:
+            agent.seen_at = None
         cpu0 = group_cpu_seconds(web.pid)
         started = time.perf_counter()
+        deploy_called = time.monotonic()
         deployment = services.deploy_version(
             actor=owner, model=version.model, version=version, instances=instances
         )
@@ -403,13 +493,30 @@ def main() -> int:
             f"{elapsed:.2f} s after the deploy call (fake load time {args.load_ms:g} ms), deployment {deployment.state}; "
             f"platform CPU {group_cpu_seconds(web.pid) - cpu0:.2f} s"
         )
+        deployed = {name for name, _ in credentials[: args.deploy_hosts]}
+        seen = sorted(
+            (a.seen_at - deploy_called) * 1000
+            for a, (name, _) in zip(agents, credentials, strict=True)
+            if name in deployed and a.seen_at is not None
+        )
+        if seen:
+            print(
+                f"  the deploy reached the agents after p50 {statistics.median(seen):.0f} ms, max {seen[-1]:.0f} ms"
+            )
         print(*latencies.report(), sep="\n")
+        failures = [line for line in (scratch / "web.log").read_text().splitlines() if "Error" in line]
+        if failures:
+            print(f"platform log: {len(failures)} error lines, the first: {failures[0][:300]}")
         return 0 if ready == len(instances) else 1
     finally:
         stop.set()
         if web is not None:
-            os.killpg(web.pid, signal.SIGTERM)
-            web.wait(30)
+            os.killpg(web.pid, signal.SIGINT)  # quick shutdown: held polls need no grace
+            try:
+                web.wait(10)
+            except subprocess.TimeoutExpired:  # a worker still waits for its held polls' threads
+                os.killpg(web.pid, signal.SIGKILL)
+                web.wait(10)
         from django.db import connections
 
         connections.close_all()

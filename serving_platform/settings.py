@@ -221,6 +221,20 @@ FLEET_MAX_MODEL_INSTANCES = env_int("FLEET_MAX_MODEL_INSTANCES", 8, minimum=1)
 FLEET_RECONCILE_INTERVAL_MS = env_int("FLEET_RECONCILE_INTERVAL_MS", 5000, minimum=50)
 # How often each agent polls its desired state (a 304 while nothing changed): a deploy reaches it within this.
 FLEET_POLL_INTERVAL_MS = env_int("FLEET_POLL_INTERVAL_MS", 1000, minimum=100)
+# Long poll (apps.fleet.long_poll): an agent asks the platform to hold its poll up to FLEET_LONG_POLL_WAIT s
+# (0: short polls); the platform grants at most AGENT_LONG_POLL_MAX_WAIT s and reads the waiting hosts'
+# generations every AGENT_LONG_POLL_WATCH_MS. A held poll pins one of a web process's WEB_THREADS threads, so
+# one process holds at most AGENT_LONG_POLL_MAX_WAITERS (the rest is answered at once, as a short poll): the
+# UI and the API keep threads of their own.
+FLEET_LONG_POLL_WAIT = env_int("FLEET_LONG_POLL_WAIT", 25, minimum=0)
+AGENT_LONG_POLL_MAX_WAIT = env_int("AGENT_LONG_POLL_MAX_WAIT", 30, minimum=1)
+AGENT_LONG_POLL_WATCH_MS = env_int("AGENT_LONG_POLL_WATCH_MS", 200, minimum=20)
+WEB_THREADS = env_int("WEB_THREADS", 64, minimum=1)
+AGENT_LONG_POLL_MAX_WAITERS = env_int("AGENT_LONG_POLL_MAX_WAITERS", max(0, WEB_THREADS - 16), minimum=0)
+# The database connections one web process shares among its threads (a pool in serving_platform.wsgi): at most
+# this many requests run in Django at once, so hundreds of threads for held polls do not open hundreds of
+# PostgreSQL connections.
+WEB_DATABASE_CONNECTIONS = env_int("WEB_DATABASE_CONNECTIONS", 24, minimum=1)
 # A host agent (`manage.py hostagent`) talks to the platform at PLATFORM_URL with its host's credential only,
 # kept in AGENT_CREDENTIAL_FILE (0600); AGENT_JOIN_TOKEN is the one-time token of its first start.
 PLATFORM_URL = env_str("PLATFORM_URL") or ""

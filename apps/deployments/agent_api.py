@@ -29,8 +29,11 @@ from apps.deployments.models import (
     DeploymentState,
     Rollout,
 )
-from apps.fleet.agent_api import BadReport, error, host_instances, host_only, read_json
+from apps.fleet import long_poll
+from apps.fleet.agent_api import BadReport, error, host_instances, host_only, read_json, unauthorized
+from apps.fleet.models import hash_host_secret
 from apps.fleet.repository import file_manifest
+from apps.fleet.services import host_for_credential
 from apps.registry.models import ModelVersion
 
 # Deployments in these states want nothing served.
@@ -153,12 +156,25 @@ def desired_state_of(host) -> dict:
 @require_GET
 @host_only
 def desired_state(request):
-    """What this host must run and serve. 304 while the host's generation equals the agent's ETag."""
+    """What this host must run and serve. 304 while the host's generation equals the agent's ETag; with
+    ``?wait=N`` that 304 is held up to N s (``apps.fleet.long_poll``) and a change is answered at once.
+
+    Behind gunicorn the fast path (``apps.fleet.agent_fastpath``) holds the poll before Django; this view
+    holds it where that path is not in front (``runserver``, the test server)."""
+    try:
+        wait = long_poll.parse_wait(request.META.get("QUERY_STRING", ""))
+    except long_poll.BadWait as exc:
+        return error(400, "invalid", str(exc))
     etag = f'"{request.host.desired_generation}"'
-    if request.headers.get("If-None-Match") == etag:
-        response = HttpResponse(status=304)
-    else:
-        response = JsonResponse(desired_state_of(request.host))
+    sent = request.headers.get("If-None-Match")
+    if wait and sent == etag and not request.META.get(long_poll.HELD):
+        credential = request.headers["Authorization"].partition(" ")[2].strip()
+        if long_poll.watcher().wait_for_change(hash_host_secret(credential), etag, wait):
+            request.host = host_for_credential(credential)
+            if request.host is None:
+                return unauthorized()
+            etag = f'"{request.host.desired_generation}"'
+    response = HttpResponse(status=304) if sent == etag else JsonResponse(desired_state_of(request.host))
     response["ETag"] = etag
     return response
 

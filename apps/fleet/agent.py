@@ -129,6 +129,7 @@ class HostAgent:
         reconcile_every: float | None = None,
         heartbeat_every: float = 10.0,
         poll_every: float | None = None,
+        long_poll_wait: float | None = None,
         full_fetch_every: float = 30.0,
         credential_file: Path | None = None,
     ) -> None:
@@ -149,6 +150,7 @@ class HostAgent:
         )
         self.heartbeat_every = heartbeat_every
         self.poll_every = poll_every if poll_every is not None else settings.FLEET_POLL_INTERVAL_MS / 1000
+        self.long_poll_wait = long_poll_wait if long_poll_wait is not None else settings.FLEET_LONG_POLL_WAIT
         self.full_fetch_every = full_fetch_every
         self._etag: str | None = None
         self._fetched_at = 0.0
@@ -186,7 +188,8 @@ class HostAgent:
         self._stop.set()
         self._poke.set()
         for thread in self._threads:
-            thread.join(timeout)
+            # The poll thread may be inside a long poll the platform holds for seconds: it ends by itself.
+            thread.join(0.5 if thread.name.endswith("-poll") else timeout)
         for proc in self.processes.values():
             with proc.lock:
                 if proc.server is not None:
@@ -301,25 +304,41 @@ class HostAgent:
                 log.warning("heartbeat failed: %s", exc)
 
     def _poll_loop(self) -> None:
-        while not self._stop.wait(self.poll_every):
+        """Long polls back to back: the platform answers when the desired state changes or after the wait.
+        An answer that comes at once without news (a platform that does not hold polls, or holds as many as
+        it may) is followed by the next poll after ``poll_every``; failures back off up to 30 s."""
+        failures = 0
+        while not self._stop.wait(min(self.poll_every * 2**failures, 30.0) if failures else 0):
+            started = time.monotonic()
             try:
-                if self.fetch_desired_state():
-                    self.poke()
+                changed = self.fetch_desired_state(wait=self.long_poll_wait)
+                failures = 0
             except CredentialRefused as exc:
                 self._refused(exc)
+                changed, failures = False, 0
             except Exception as exc:
                 log.warning("desired state not fetched: %s", exc)
+                changed, failures = False, min(failures + 1, 5)
+                continue
+            if self._stop.is_set():
+                break
+            if changed:
+                self.poke()
+            else:
+                self._stop.wait(max(0.0, self.poll_every - (time.monotonic() - started)))
 
     def _refused(self, exc: Exception) -> None:
         if not self.revoked.is_set():
             log.error("%s; this agent takes no more work until it joins again with a new join token", exc)
         self.revoked.set()
 
-    def fetch_desired_state(self, force: bool = False) -> bool:
-        """Poll the desired state; True when it changed. A full fetch now and then, whatever the ETag says,
-        picks up what changed without a new generation (a team's quota, say)."""
-        force = force or time.monotonic() - self._fetched_at >= self.full_fetch_every
-        etag, state = self.client.desired_state(None if force else self._etag)
+    def fetch_desired_state(self, force: bool = False, wait: float = 0) -> bool:
+        """Poll the desired state (a long poll of up to ``wait`` s); True when it changed. A full fetch now and
+        then, whatever the ETag says, picks up what changed without a new generation (a team's quota, say)."""
+        until_full = self.full_fetch_every - (time.monotonic() - self._fetched_at)
+        force = force or until_full <= 0
+        wait = 0 if force else min(wait, until_full)
+        etag, state = self.client.desired_state(None if force else self._etag, wait=wait)
         if state is None:
             return False
         self.desired.replace(state)

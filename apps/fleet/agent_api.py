@@ -42,6 +42,15 @@ def error(status: int, code: str, message: str) -> JsonResponse:
     return JsonResponse({"error": code, "message": message}, status=status)
 
 
+def unauthorized() -> JsonResponse:
+    return error(
+        401,
+        "unauthorized",
+        "Missing, unknown or revoked host credential: send 'Authorization: Bearer hag_...' as "
+        "`manage.py hostagent` stored it at join; a revoked host must be given a new join token.",
+    )
+
+
 def host_only(view):
     """Only a joined, unrevoked host's credential passes; ``request.host`` is that host."""
 
@@ -51,12 +60,7 @@ def host_only(view):
         keyword, _, raw = request.headers.get("Authorization", "").partition(" ")
         host = services.host_for_credential(raw.strip()) if keyword.lower() == "bearer" else None
         if host is None:
-            return error(
-                401,
-                "unauthorized",
-                "Missing, unknown or revoked host credential: send 'Authorization: Bearer hag_...' as "
-                "`manage.py hostagent` stored it at join; a revoked host must be given a new join token.",
-            )
+            return unauthorized()
         request.host = host
         try:
             return view(request, *args, **kwargs)
@@ -145,17 +149,18 @@ def _inventory(raw) -> npu_smi.NpuInventory | None:
     )
 
 
-def _log_tails(host, raw) -> None:
+def _log_tails(raw) -> dict[int, str]:
+    """Instance id -> its last log lines; the service writes only this host's instances."""
     if raw is None:
-        return
+        return {}
     if not isinstance(raw, list):
         raise BadReport("'instances' must be a list of {id, log_tail}.")
+    tails = {}
     for entry in raw[:256]:
         if not isinstance(entry, dict) or not isinstance(entry.get("id"), int):
             raise BadReport("'instances' must be a list of {id, log_tail}.")
-        TritonInstance.objects.filter(pk=entry["id"], host=host).update(
-            log_tail=_text(entry.get("log_tail"), "log_tail")
-        )
+        tails[entry["id"]] = _text(entry.get("log_tail"), "log_tail")
+    return tails
 
 
 @require_POST
@@ -188,8 +193,10 @@ def heartbeat(request):
     body = read_json(request)
     inventory = _inventory(body.get("npu"))
     facts = _facts(body.get("facts"))
-    _log_tails(request.host, body.get("instances"))
-    services.record_heartbeat(request.host.pk, facts=facts, inventory=inventory, read_local=False)
+    tails = _log_tails(body.get("instances"))
+    services.record_heartbeat(
+        request.host, facts=facts, inventory=inventory, log_tails=tails, read_local=False
+    )
     return JsonResponse(
         {
             "host": request.host.name,

@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 API_PREFIX = "/agent/v1"
 PLACEMENT_READY = "READY"
+# A long poll's client timeout is its wait plus this: the platform answers at the end of the wait.
+LONG_POLL_GRACE = 15.0
 
 
 class ArtifactDownloadError(RepositoryError):
@@ -123,10 +125,17 @@ class PlatformClient:
     def heartbeat(self, body: dict) -> dict:
         return self.call("POST", "/heartbeat", json=body).json()
 
-    def desired_state(self, etag: str | None) -> tuple[str | None, dict | None]:
-        """(etag, state), or (etag, None) when nothing changed since ``etag``."""
+    def desired_state(self, etag: str | None, wait: float = 0) -> tuple[str | None, dict | None]:
+        """(etag, state), or (etag, None) when nothing changed since ``etag``.
+
+        ``wait`` > 0 with an ``etag``: a long poll - the platform holds the call until the state changes or
+        ``wait`` s have passed (it caps the wait); the client's timeout is longer than the wait."""
         headers = {"If-None-Match": etag} if etag else {}
-        response = self.call("GET", "/desired-state", ok=(200, 304), headers=headers)
+        kwargs = {}
+        if wait > 0 and etag:
+            wait = round(min(wait, 3600.0), 3)
+            kwargs = {"params": {"wait": f"{wait:g}"}, "timeout": wait + LONG_POLL_GRACE}
+        response = self.call("GET", "/desired-state", ok=(200, 304), headers=headers, **kwargs)
         if response.status_code == 304:
             return etag, None
         return response.headers.get("ETag"), response.json()

@@ -193,25 +193,48 @@ def request_instance_state(*, actor, instance: TritonInstance, action: str) -> T
 
 
 def record_heartbeat(
-    host_id: int,
+    host: Host,
     *,
     facts: dict,
     inventory: npu_smi.NpuInventory | None = None,
+    log_tails: dict[int, str] | None = None,
     read_local: bool = True,
 ) -> None:
-    """What the agent reports every 10 s: liveness, facts and the NPU inventory (when npu-smi exists).
+    """What the agent reports every 10 s: liveness, facts, the NPU inventory (when npu-smi exists) and its
+    instances' log tails. ``host`` is the row as the credential check loaded it.
+
+    Only what changed is written: an idle host's heartbeat is one UPDATE of ``last_heartbeat_at`` (offline
+    detection reads it) and one SELECT of its instances' log tails, plus one SELECT of its devices when it
+    reports an inventory. A fleet of hundreds of hosts heartbeats tens of times a second, and rewriting
+    unchanged rows would be most of that work (and of PostgreSQL's dead tuples).
     ``read_local``: read npu-smi here when no inventory was given (an agent on this machine)."""
     if inventory is None and read_local:
         try:
             inventory = npu_smi.read_inventory()
         except npu_smi.NpuSmiError as exc:
             log.warning("npu-smi failed: %s", exc)
-    fields = {"last_heartbeat_at": timezone.now(), "facts": facts}
-    if inventory is not None:
+    fields: dict = {"last_heartbeat_at": timezone.now()}
+    if facts != host.facts:
+        fields["facts"] = facts
+    if inventory is not None and inventory.driver_version != host.npu_driver_version:
         fields["npu_driver_version"] = inventory.driver_version
-    Host.objects.filter(pk=host_id).update(**fields)
+    Host.objects.filter(pk=host.pk).update(**fields)
+    if log_tails:
+        record_log_tails(host.pk, log_tails)
     if inventory is not None:
-        sync_devices(host_id, inventory)
+        sync_devices(host.pk, inventory)
+
+
+def record_log_tails(host_id: int, log_tails: dict[int, str]) -> None:
+    """The instances' last log lines (the host's own instances only; an unchanged tail is not rewritten)."""
+    current = TritonInstance.objects.filter(host_id=host_id, pk__in=list(log_tails)).values_list(
+        "pk", "log_tail"
+    )
+    changed = [TritonInstance(pk=pk, log_tail=log_tails[pk]) for pk, tail in current if tail != log_tails[pk]]
+    if len(changed) == 1:
+        TritonInstance.objects.filter(pk=changed[0].pk).update(log_tail=changed[0].log_tail)
+    elif changed:
+        TritonInstance.objects.bulk_update(changed, ["log_tail"])
 
 
 def record_instance_state(instance: TritonInstance, **fields) -> None:
@@ -222,26 +245,44 @@ def record_instance_state(instance: TritonInstance, **fields) -> None:
         TritonInstance.objects.filter(pk=instance.pk).update(**fields)
 
 
+def _device_values(chip: npu_smi.NpuChip) -> dict:
+    return {
+        "logical_id": chip.device_id,
+        "name": chip.name,
+        "soc_version": chip.soc_version,
+        "health": chip.health if chip.health in ("OK", "Warning", "Alarm", "Critical") else "Unknown",
+        "aicore_percent": chip.aicore_percent,
+        "memory_used_mb": chip.memory_used_mb,
+        "memory_total_mb": chip.memory_total_mb,
+        "hbm_used_mb": chip.hbm_used_mb,
+        "hbm_total_mb": chip.hbm_total_mb,
+        "power_w": chip.power_w,
+        "temperature_c": chip.temperature_c,
+    }
+
+
 def sync_devices(host_id: int, inventory: npu_smi.NpuInventory) -> None:
-    seen = []
-    for chip in inventory.chips:
-        device, _ = Device.objects.update_or_create(
-            host_id=host_id,
-            npu_id=chip.npu_id,
-            chip_id=chip.chip_id,
-            defaults={
-                "logical_id": chip.device_id,
-                "name": chip.name,
-                "soc_version": chip.soc_version,
-                "health": chip.health if chip.health in ("OK", "Warning", "Alarm", "Critical") else "Unknown",
-                "aicore_percent": chip.aicore_percent,
-                "memory_used_mb": chip.memory_used_mb,
-                "memory_total_mb": chip.memory_total_mb,
-                "hbm_used_mb": chip.hbm_used_mb,
-                "hbm_total_mb": chip.hbm_total_mb,
-                "power_w": chip.power_w,
-                "temperature_c": chip.temperature_c,
-            },
-        )
-        seen.append(device.pk)
-    Device.objects.filter(host_id=host_id).exclude(pk__in=seen).delete()
+    """The host's devices as its agent's `npu-smi info` reports them: new chips added, changed ones updated
+    (``updated_at``: when a value last changed), chips no longer reported removed. One SELECT, and one
+    statement per kind of change; an unchanged inventory writes nothing."""
+    existing = {(d.npu_id, d.chip_id): d for d in Device.objects.filter(host_id=host_id)}
+    reported = {(chip.npu_id, chip.chip_id): _device_values(chip) for chip in inventory.chips}
+    now = timezone.now()
+    created, changed = [], []
+    for (npu_id, chip_id), values in reported.items():
+        device = existing.get((npu_id, chip_id))
+        if device is None:
+            created.append(Device(host_id=host_id, npu_id=npu_id, chip_id=chip_id, **values))
+        elif any(getattr(device, name) != value for name, value in values.items()):
+            for name, value in values.items():
+                setattr(device, name, value)
+            device.updated_at = now
+            changed.append(device)
+    if created:
+        # Two heartbeats of one host at once (a retry) may both create a chip: the second one's row is a copy.
+        Device.objects.bulk_create(created, ignore_conflicts=True)
+    if changed:
+        Device.objects.bulk_update(changed, [*next(iter(reported.values())), "updated_at"])
+    gone = [device.pk for key, device in existing.items() if key not in reported]
+    if gone:
+        Device.objects.filter(pk__in=gone).delete()

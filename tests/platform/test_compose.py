@@ -16,7 +16,16 @@ def compose() -> dict:
 
 def test_compose_has_every_service_with_a_healthcheck(compose):
     services = compose["services"]
-    assert set(services) == {"postgres", "redis", "web", "worker", "beat", "gateway", "host-agent"}
+    assert set(services) == {
+        "postgres",
+        "redis",
+        "web",
+        "agent-api",
+        "worker",
+        "beat",
+        "gateway",
+        "host-agent",
+    }
     for name, service in services.items():
         assert service.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
 
@@ -37,7 +46,7 @@ def test_the_host_agent_holds_no_database_broker_or_platform_secret(compose):
 
 
 def test_platform_services_use_postgres_and_redis(compose):
-    for name in ("web", "worker", "beat", "gateway"):
+    for name in ("web", "agent-api", "worker", "beat", "gateway"):
         env = compose["services"][name]["environment"]
         assert env["DATABASE_URL"].startswith("postgres://") and env["CELERY_BROKER_URL"].startswith(
             "redis://"
