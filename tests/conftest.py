@@ -123,6 +123,7 @@ requires_chromium = pytest.mark.skipif(
 @pytest.fixture
 def page(live_server):
     """A Playwright page in headless Chromium, for tests against the live server."""
+    from django.db import connections
     from playwright.sync_api import sync_playwright
 
     # Playwright's sync API runs an event loop in this thread; the test's own ORM calls are still sync.
@@ -140,6 +141,10 @@ def page(live_server):
         yield page
         context.close()
         browser.close()
+        # Playwright's sync API runs the test in a context of its own (a greenlet), so the fixtures and the
+        # test opened their database connection there: close it now, or it stays open after the test and
+        # PostgreSQL refuses to drop the test database at the end ("being accessed by other users").
+        connections.close_all()
     os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
 
 
