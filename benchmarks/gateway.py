@@ -4,14 +4,18 @@ gateway, with the same client in the same run, at concurrency 1 and 16.
 The gateway runs the platform's real configuration (``apps.gateway.haproxy``: allow-list, token hash and map
 lookup, team check, rate-limit table, version pinning, the instance-key header) with 10,000 tokens in its
 map; Triton runs with every API but health restricted to its key, as the host agent starts it. Direct calls
-send the key, gateway calls send a token.
+send the key, gateway calls send a token (hashed once per connection, looked up on every request, as for any
+keep-alive client).
 
-Reported: p50/p99 latency and throughput per path, the added p50 and the throughput ratio, the gateway's CPU
-per request (``/proc/<pid>/stat`` of the HAProxy worker), and the token lookup cost (p50 through the gateway
-with 1 token vs 10,000 tokens in the map). Targets (issue 10): added p50 <= 0.2 ms at concurrency 1;
+Each client connection is kept alive and warmed up (20 requests) before it is measured, on both paths. The
+paths are measured in interleaved rounds; the added p50 and the throughput ratio are the medians of each
+round's own figures (the machine's load drifts between rounds, hardly within one pair). Reported: p50/p99
+latency and throughput per path, the added p50 and the throughput ratio, the gateway's CPU per request
+(``/proc/<pid>/stat`` of the HAProxy worker), and the token lookup cost (two gateways side by side, 1 token
+vs 10,000 tokens in the map). Targets (issue 10): added p50 <= 0.2 ms at concurrency 1;
 throughput >= 0.85x direct at concurrency 1 and >= 0.8x at 16.
 
-Usage: ``python benchmarks/gateway.py [--requests 4000] [--rounds 3] [--json FILE]``
+Usage: ``python benchmarks/gateway.py [--requests 3000] [--rounds 5] [--threads 1] [--json FILE]``
 """
 
 from __future__ import annotations
@@ -151,10 +155,52 @@ def gateway_state(key: str, triton_port: int, tokens: int, token: tuple[str, str
     return state
 
 
+def _median(runs: list[dict], key: str) -> float:
+    return float(np.median([r[key] for r in runs]))
+
+
+def compare(
+    paths: dict[str, tuple[int, bytes, int | None]], concurrency: int, requests: int, rounds: int
+) -> dict:
+    """``rounds`` measurements of every path, interleaved (the order rotates each round, so a change of the
+    machine's load during the run falls on every path alike). The ratios are the medians of each round's own
+    ratios to the first path, measured seconds apart, not of medians taken minutes apart."""
+    names = list(paths)
+    rows: dict[str, list[dict]] = {name: [] for name in names}
+    for index in range(rounds):
+        for name in names[index % len(names) :] + names[: index % len(names)]:
+            port, request, pid = paths[name]
+            rows[name].append(measure(port, request, concurrency, requests, cpu_pid=pid() if pid else None))
+    base = names[0]
+    summary: dict = {}
+    for name, runs in rows.items():
+        summary[name] = {k: _median(runs, k) for k in runs[0] if runs[0][k] is not None}
+        if name != base:
+            pairs = list(zip(rows[base], runs, strict=True))
+            summary[name]["added_p50_ms"] = float(np.median([g["p50_ms"] - d["p50_ms"] for d, g in pairs]))
+            summary[name]["throughput_ratio"] = float(
+                np.median([g["throughput_rps"] / d["throughput_rps"] for d, g in pairs])
+            )
+    return summary
+
+
+def start_gateway(directory: Path, state: GatewayState, threads: int) -> tuple[HAProxyProcess, int]:
+    port = free_port()
+    options = Options(
+        directory=directory, bind=f"127.0.0.1:{port}", grpc_bind=f"127.0.0.1:{free_port()}",
+        stats_bind=f"127.0.0.1:{free_port()}", key_header=API_KEY_HEADER, grpc_key_header=GRPC_API_KEY_HEADER,
+        default_limit=1_000_000, threads=threads,
+    )  # fmt: skip
+    write_files(state, SLOTS, options)
+    gateway = HAProxyProcess(options)
+    gateway.start()
+    return gateway, port
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=4000, help="requests per measurement")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating direct/gateway rounds (median)")
+    parser.add_argument("--requests", type=int, default=3000, help="requests per measurement")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians)")
     parser.add_argument("--threads", type=int, default=1, help="HAProxy threads (GATEWAY_THREADS)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -175,60 +221,53 @@ def main(argv: list[str] | None = None) -> int:
                           load_models=models, exit_timeout=10, die_with_parent=True)  # fmt: skip
     server.start(timeout=120)
     token = (secrets.token_hex(4), secrets.token_urlsafe(32))
-    port = free_port()
-    options = Options(
-        directory=work / "gateway", bind=f"127.0.0.1:{port}", grpc_bind=f"127.0.0.1:{free_port()}",
-        stats_bind=f"127.0.0.1:{free_port()}", key_header=API_KEY_HEADER, grpc_key_header=GRPC_API_KEY_HEADER,
-        default_limit=1_000_000, threads=args.threads,
-    )  # fmt: skip
-    gateway = HAProxyProcess(options)
-    write_files(gateway_state(key, server.http_port, 10_000, token), SLOTS, options)
-    gateway.start()
-    report: dict = {"threads": args.threads, "tokens_in_map": 10_000, "runs": {}}
+    gateways: list[HAProxyProcess] = []
+    report: dict = {"threads": args.threads, "tokens_in_map": 10_000, "requests": args.requests,
+                    "rounds": args.rounds, "runs": {}}  # fmt: skip
     try:
+        # The gateway measured, and (for the token lookup) the same gateway with 1 token in its map.
+        gateway, port = start_gateway(
+            work / "gateway", gateway_state(key, server.http_port, 10_000, token), args.threads
+        )
+        gateways.append(gateway)
+        small, small_port = start_gateway(
+            work / "gateway-1-token", gateway_state(key, server.http_port, 1, token), args.threads
+        )
+        gateways.append(small)  # fmt: skip
         direct = request_bytes(server.http_port, f"{API_KEY_HEADER}: {key}")
         through = request_bytes(port, f"Authorization: Bearer tgp_{token[0]}_{token[1]}")
         time.sleep(1.5)  # the health check marks the server UP
         for concurrency in (1, 16):
-            rows = {"direct": [], "gateway": []}
-            for _ in range(args.rounds):
-                rows["direct"].append(measure(server.http_port, direct, concurrency, args.requests))
-                pid = gateway.admin.worker_pid()
-                rows["gateway"].append(measure(port, through, concurrency, args.requests, cpu_pid=pid))
-            summary = {
-                path: {k: float(np.median([r[k] for r in runs])) for k in runs[0] if runs[0][k] is not None}
-                for path, runs in rows.items()
+            paths = {
+                "direct": (server.http_port, direct, None),
+                "gateway": (port, through, gateway.admin.worker_pid),
             }
-            summary["added_p50_ms"] = summary["gateway"]["p50_ms"] - summary["direct"]["p50_ms"]
-            summary["throughput_ratio"] = (
-                summary["gateway"]["throughput_rps"] / summary["direct"]["throughput_rps"]
-            )
-            report["runs"][f"c{concurrency}"] = summary
-        # Token lookup: the same gateway with 1 token in the map instead of 10,000.
-        write_files(gateway_state(key, server.http_port, 1, token), SLOTS, options)
-        gateway.reload()
-        time.sleep(1.5)
-        pid = gateway.admin.worker_pid()
-        small = [measure(port, through, 1, args.requests, cpu_pid=pid) for _ in range(args.rounds)]
-        big = report["runs"]["c1"]["gateway"]
-        one = {k: float(np.median([r[k] for r in small])) for k in ("p50_ms", "gateway_cpu_us_per_request")}
+            report["runs"][f"c{concurrency}"] = compare(paths, concurrency, args.requests, args.rounds)
+        # Token lookup: 10,000 tokens in the map vs 1, the two gateways side by side.
+        paths = {
+            "1_token": (small_port, through, small.admin.worker_pid),
+            "10000_tokens": (port, through, gateway.admin.worker_pid),
+        }
+        lookup = compare(paths, 1, args.requests, args.rounds)
+        one, big = lookup["1_token"], lookup["10000_tokens"]
         report["token_lookup"] = {
             "p50_ms_1_token": one["p50_ms"],
             "p50_ms_10000_tokens": big["p50_ms"],
-            "difference_us": (big["p50_ms"] - one["p50_ms"]) * 1000,
+            "difference_us": big["added_p50_ms"] * 1000,
             # CPU is steadier than latency on a shared machine: the lookup's cost shows there first.
             "cpu_us_1_token": one["gateway_cpu_us_per_request"],
             "cpu_us_10000_tokens": big["gateway_cpu_us_per_request"],
         }
     finally:
-        gateway.stop()
+        for gateway in gateways:
+            gateway.stop()
         server.close()
     for name, run in report["runs"].items():
         d, g = run["direct"], run["gateway"]
         print(
             f"{name}: direct {d['throughput_rps']:.0f} req/s p50 {d['p50_ms']:.3f} ms | gateway "
-            f"{g['throughput_rps']:.0f} req/s p50 {g['p50_ms']:.3f} ms | added p50 {run['added_p50_ms']:.3f} ms, "
-            f"throughput {run['throughput_ratio']:.2f}x, gateway CPU {g['gateway_cpu_us_per_request']:.1f} us/request"
+            f"{g['throughput_rps']:.0f} req/s p50 {g['p50_ms']:.3f} ms | added p50 {g['added_p50_ms']:.3f} ms, "
+            f"throughput {g['throughput_ratio']:.2f}x, gateway CPU {g['gateway_cpu_us_per_request']:.1f} us/request"
         )
     t = report["token_lookup"]
     print(

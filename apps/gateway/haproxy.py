@@ -9,7 +9,8 @@ Everything a tenant sends is checked in HAProxy itself, in this order:
    (``..``, ``//``, percent-encoding, other APIs) cannot match it.
 3. ``Authorization: Bearer tgp_<prefix>_<secret>``: the secret is hashed (``sha2(256)``) and
    ``<prefix>:<sha256>`` looked up in ``tokens.map`` (value ``<team>:<expires epoch>``). Missing, wrong,
-   revoked (not in the map) or expired: 401.
+   revoked (not in the map) or expired: 401. The hash is kept for the connection while its header does not
+   change; the lookup runs on every request.
 4. The team's request rate (stick table, ``http_req_rate(1s)``) against ``limits.map``: 429.
 5. ``models.map`` gives ``<team>/<deployment>/<slot>/<version>/<canary slot>/<canary version>/<weight>`` for a
    served model (:class:`Route`); another team's model is the same 404 as an unknown one. Unversioned requests
@@ -275,19 +276,28 @@ def _server_lines(servers: Iterable[Server], weights: dict[tuple[str, str], int]
 
 
 def _token_rules(o: Options, deny_unauthenticated: str, deny_expired: str) -> list[str]:
-    """Hash the token's secret and look ``<prefix>:<sha256>`` up; both fetched from the same header line."""
+    """Hash the token's secret and look ``<prefix>:<sha256>`` up in ``tokens.map``.
+
+    The hash is the costliest step, and a client sends the same header on every request of a connection: the
+    key is kept for the connection (``sess.`` variables) beside the header it was computed from, and computed
+    again whenever the header differs. The map lookup itself runs on every request, so a revocation or expiry
+    applies to open connections too. Both ``sess.`` variables are dropped before a new key is computed, so a
+    request without the header (or with one that yields no key) never finds the previous request's key.
+    """
     tokens = o.map_file("tokens")
     return [
+        "    acl auth_cached req.fhdr(authorization),strcmp(sess.auth) eq 0",
+        "    http-request unset-var(sess.tokkey) if !auth_cached",
+        "    http-request unset-var(sess.auth) if !auth_cached",
         # A converter argument cannot hold parentheses, so no capture group: the prefix is the 2nd "_" field.
-        "    http-request set-var(txn.prefix) req.fhdr(authorization),field(2,_)",
-        "    http-request set-var(txn.hash) req.fhdr(authorization),regsub('^[Bb]earer +tgp_[0-9a-f]+_',''),sha2(256),hex,lower",
-        "    http-request set-var(txn.tokkey) var(txn.prefix),concat(:,txn.hash,)",
-        f"    http-request set-var(txn.tokval) var(txn.tokkey),map({tokens})",
+        "    http-request set-var(txn.hash) req.fhdr(authorization),regsub('^[Bb]earer +tgp_[0-9a-f]+_',''),sha2(256),hex,lower if !auth_cached",
+        "    http-request set-var(sess.tokkey) req.fhdr(authorization),field(2,_),concat(:,txn.hash,) if { var(txn.hash) -m found }",
+        "    http-request set-var(sess.auth) req.fhdr(authorization) if { var(txn.hash) -m found }",
+        f"    http-request set-var(txn.tokval) var(sess.tokkey),map({tokens})",
         "    http-request set-var(txn.team) var(txn.tokval),field(1,:)",
         "    http-request set-var(txn.expires) var(txn.tokval),field(2,:)",
-        "    http-request set-var(txn.now) date()",
         "    acl token_known var(txn.team) -m found",
-        "    acl token_expired var(txn.expires),sub(txn.now) lt 1",
+        "    acl token_expired date(),sub(txn.expires) ge 0",
         f"    {deny_unauthenticated} if !token_known",
         f"    {deny_expired} if token_expired",
     ]
@@ -316,7 +326,9 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         f"    nbthread {o.threads}",
         f"    hard-stop-after {o.hard_stop_after_s}s",
         # Requests up to this size stay buffered, so a request an instance dropped unanswered can be retried.
-        "    tune.bufsize 65536",
+        # HAProxy copies the whole buffer (not only the request) for every request it may retry: 64 kB
+        # buffers cost ~10 us of CPU per request more than these (benchmarks/gateway.py).
+        "    tune.bufsize 16384",
         "",
         "defaults",
         "    mode http",
@@ -377,8 +389,11 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         _json_error(404, "not found") + " if !allowed_path",
         _json_error(404, "not found") + " if infer_path !METH_POST",
         _json_error(404, "not found") + " if !infer_path !METH_GET",
-        f"    http-request set-var(txn.counted) path,field(4,/),map({o.map_file('models')}),field(2,/)",
-        f"    http-request track-sc1 var(txn.counted) table {COUNTS_TABLE}",
+        # One lookup gives the whole route (Route.render):
+        # <team>/<deployment>/<slot>/<version>/<canary slot>/<canary version>/<canary weight>
+        "    http-request set-var(txn.model) path,field(4,/)",
+        f"    http-request set-var(txn.route) var(txn.model),map({o.map_file('models')})",
+        f"    http-request track-sc1 var(txn.route),field(2,/) table {COUNTS_TABLE}",
         *_count(1, 1, 2),
         *_token_rules(
             o,
@@ -402,31 +417,29 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         """'{"error":"rate limit exceeded: team %[var(txn.team)] may send %[var(txn.limit)] requests per second"}' if over_limit""",
         "    http-request sc-inc-gpc0(0)",
         *_count(3, 1, 2),
-        "    http-request set-var(txn.model) path,field(4,/)",
-        f"    http-request set-var(txn.route) var(txn.model),map({o.map_file('models')})",
-        "    http-request set-var(txn.rteam) var(txn.route),field(1,/)",
-        # <team>/<deployment>/<slot>/<version>/<canary slot>/<canary version>/<canary weight> (Route.render)
-        "    http-request set-var(txn.backend) var(txn.route),field(3,/)",
-        "    http-request set-var(txn.version) var(txn.route),field(4,/)",
-        "    acl own_model var(txn.rteam),strcmp(txn.team) eq 0",
+        "    acl own_model var(txn.route),field(1,/),strcmp(txn.team) eq 0",
         "    http-request return status 404 content-type application/json lf-string "
         """"{\\"error\\":\\"Request for unknown model: '%[var(txn.model)]' is not found\\"}" if !own_model""",
         *_count(4, 1, 2),
         "    http-response sc-inc-gpc(5,1) if { status 404 }",
         "    http-response sc-inc-gpc(5,2) if { status 404 }",
-        "    acl explicit_version path_reg ^/v2/models/[^/]+/versions/",
-        # Canary split: rand() is drawn once into a variable (an ACL using rand() twice would draw twice).
-        # Unversioned: to the canary with probability weight/100 (rand(100) is 0..99, so 0 and 100 are exact);
-        # naming the canary version: to the canary's slot, whose servers are the placements serving it.
-        "    http-request set-var(txn.cweight) var(txn.route),field(7,/)",
-        "    http-request set-var(txn.cversion) var(txn.route),field(6,/)",
-        "    http-request set-var(txn.draw) rand(100)",
-        "    http-request set-var(txn.canary) int(1) if !explicit_version { var(txn.draw),sub(txn.cweight) lt 0 }",
-        "    http-request set-var(txn.canary) int(1) if explicit_version { path,field(6,/),strcmp(txn.cversion) eq 0 }",
-        "    http-request set-var(txn.backend) var(txn.route),field(5,/) if { var(txn.canary) -m found }",
-        "    http-request set-var(txn.version) var(txn.cversion) if { var(txn.canary) -m found }",
+        # The allow-list leaves "/versions/" only where a version is named.
+        "    acl explicit_version path -m sub /versions/",
+        "    http-request set-var(txn.backend) var(txn.route),field(3,/)",
+        "    http-request set-var(txn.version) var(txn.route),field(4,/)",
+        # Canary split, only for a route with a canary slot. Unversioned: to the canary with probability
+        # weight/100 (rand(100) is 0..99, so 0 and 100 are exact; drawn once, in one rule); naming the canary
+        # version: to the canary's slot, whose servers are the placements serving it.
+        "    acl no_canary var(txn.route),field(5,/) -m str -- -",
+        "    http-request set-var(txn.cweight) var(txn.route),field(7,/) if !no_canary !explicit_version",
+        "    http-request set-var(txn.canary) int(1) if !no_canary !explicit_version { rand(100),sub(txn.cweight) lt 0 }",
+        "    http-request set-var(txn.cversion) var(txn.route),field(6,/) if !no_canary explicit_version",
+        "    http-request set-var(txn.canary) int(1) if !no_canary explicit_version { path,field(6,/),strcmp(txn.cversion) eq 0 }",
+        "    acl canary var(txn.canary) -m found",
+        "    http-request set-var(txn.backend) var(txn.route),field(5,/) if canary",
+        "    http-request set-var(txn.version) var(txn.route),field(6,/) if canary",
         "    acl pinned var(txn.version) -m int gt 0",
-        "    http-request set-var(txn.tail) path,regsub('^/v2/models/[^/]+','')",
+        "    http-request set-var(txn.tail) path,regsub('^/v2/models/[^/]+','') if pinned !explicit_version",
         "    http-request set-uri /v2/models/%[var(txn.model)]/versions/%[var(txn.version)]%[var(txn.tail)] if pinned !explicit_version",
         "    http-request set-uri %[path] if !pinned or explicit_version",
         "    http-request del-header authorization",

@@ -39,8 +39,18 @@ def test_config_strips_client_credentials_and_keys_before_forwarding(tmp_path):
     for slot in ("s0", "s1", "s2", "s3"):
         assert f"backend {slot}\n" in config
         assert f"uri-lf /v2/models/%[str({slot}),map({tmp_path}/checks.map,-)]/ready" in config
-    # Only one rand() draw, stored in a variable.
+    # Only one rand() draw, in one rule.
     assert frontend.count("rand(") == 1
+    # The token's hash is kept per connection; both cached variables are dropped before a new header is
+    # hashed, in both frontends (tests/gateway/test_connection_tokens.py has the behaviour).
+    for section in (frontend, config.split("frontend grpc", 1)[1]):
+        lines = section.splitlines()
+        index = {name: next(i for i, line in enumerate(lines) if name in line) for name in (
+            "unset-var(sess.tokkey) if !auth_cached", "unset-var(sess.auth) if !auth_cached",
+            "sha2(256),hex,lower if !auth_cached", "set-var(txn.tokval) var(sess.tokkey),map(",
+        )}  # fmt: skip
+        assert sorted(index.values()) == list(index.values()), index
+    assert "    tune.bufsize 16384" in config  # a retry copies the whole buffer on every request
     # No token secret in clear anywhere: only hashes in the map; routes name the slot.
     write_files(state(), SLOTS, replace(options(), directory=tmp_path))
     assert (tmp_path / "tokens.map").read_text() == f"abcd1234:{'0' * 64} vision:32503680000\n"
