@@ -329,6 +329,11 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         # HAProxy copies the whole buffer (not only the request) for every request it may retry: 64 kB
         # buffers cost ~10 us of CPU per request more than these (benchmarks/gateway.py).
         "    tune.bufsize 16384",
+        # A port another process listens on is an error, not shared: with SO_REUSEPORT (HAProxy's default) a
+        # second HAProxy bound to the same port (another gateway, an orphan, a stats port equal to the
+        # inference port) silently got a share of the connections, e.g. the stats frontend's empty 404 for an
+        # inference request. Reloads are unaffected: the master hands the listening sockets to the new worker.
+        "    noreuseport",
         "",
         "defaults",
         "    mode http",

@@ -60,8 +60,8 @@ class HAProxyProcess:
         self._wait_for_worker(None, timeout)
 
     def _stop_orphan(self, timeout: float = 30.0) -> None:
-        """An HAProxy left running from this directory (its gateway command was killed) would share the ports
-        with the new one (SO_REUSEPORT) and keep routing from stale files: stop it first."""
+        """An HAProxy left running from this directory (its gateway command was killed) holds the ports and
+        routes from stale files: stop it first."""
         try:
             pid = int((self.o.directory / "haproxy.pid").read_text().split()[0])
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -75,6 +75,10 @@ class HAProxyProcess:
             time.sleep(0.1)
         if pid_alive(pid):
             os.kill(pid, signal.SIGTERM)
+            # The ports are not shared (``noreuseport``): the new HAProxy binds them once this one is gone.
+            deadline = time.monotonic() + 5.0
+            while pid_alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -33,6 +33,7 @@ def test_haproxy_stops_when_the_gateway_command_is_killed(start_gateway):
 def test_a_new_gateway_replaces_an_haproxy_left_running(start_gateway):
     gateway = start_gateway()
     config = gateway.directory / "haproxy.cfg"
+    gateway.stop()
     # An HAProxy from this directory that no command supervises (as after a crash of the machine's supervisor).
     orphan = subprocess.Popen(
         ["haproxy", "-W", "-db", "-f", str(config), "-p", str(gateway.directory / "haproxy.pid")],
@@ -40,7 +41,7 @@ def test_a_new_gateway_replaces_an_haproxy_left_running(start_gateway):
     )  # fmt: skip
     try:
         wait_for(lambda: master_pid(gateway) == orphan.pid, 10, "the orphan's pid file")
-        gateway.stop()
+        assert gateway.get("/v2/health/ready")[0] == 200  # the orphan holds the ports
         restarted = start_gateway()
         orphan.wait(30)  # stopped by the new command before it starts its own HAProxy
         wait_for(lambda: master_pid(restarted) != orphan.pid, 10, "the new command's HAProxy")
@@ -48,3 +49,17 @@ def test_a_new_gateway_replaces_an_haproxy_left_running(start_gateway):
     finally:
         if orphan.poll() is None:
             orphan.kill()
+
+
+def test_a_second_haproxy_on_the_gateways_ports_fails_instead_of_sharing_them(start_gateway, tmp_path):
+    gateway = start_gateway()
+    # The same binds in another HAProxy (a second gateway, or one whose stats port is this one's inference
+    # port): with SO_REUSEPORT it started too and answered a share of the connections - its stats frontend
+    # with an empty 404 for an inference request.
+    config = (gateway.directory / "haproxy.cfg").read_text()
+    other = tmp_path / "other.cfg"
+    other.write_text(config.replace(str(gateway.directory / "admin.sock"), str(tmp_path / "other.sock")))
+    second = subprocess.run(["haproxy", "-db", "-f", str(other)], capture_output=True, text=True, timeout=10)
+    assert second.returncode != 0
+    assert f"cannot bind socket (Address already in use) for [{gateway.url}]" in second.stdout + second.stderr
+    assert [gateway.get("/v2/health/ready")[0] for _ in range(20)] == [200] * 20

@@ -51,6 +51,7 @@ def test_config_strips_client_credentials_and_keys_before_forwarding(tmp_path):
         )}  # fmt: skip
         assert sorted(index.values()) == list(index.values()), index
     assert "    tune.bufsize 16384" in config  # a retry copies the whole buffer on every request
+    assert "    noreuseport" in config  # a second HAProxy on one of these ports fails instead of sharing it
     # No token secret in clear anywhere: only hashes in the map; routes name the slot.
     write_files(state(), SLOTS, replace(options(), directory=tmp_path))
     assert (tmp_path / "tokens.map").read_text() == f"abcd1234:{'0' * 64} vision:32503680000\n"
