@@ -69,13 +69,16 @@ def version_manifest_cached(version: ModelVersion) -> list[dict] | None:
     return cached
 
 
-def _live_placements(host):
-    return (
-        DeploymentInstance.objects.filter(instance__host=host)
+def _live_placements(host, **filters) -> list[DeploymentInstance]:
+    placements = list(
+        DeploymentInstance.objects.filter(instance__host=host, **filters)
         .exclude(deployment__state=DeploymentState.UNDEPLOYED)
-        .select_related("deployment__model__team", "instance__host")
+        .select_related("deployment__model__team", "instance")
         .order_by("pk")
     )
+    for placement in placements:
+        placement.instance.host = host  # its label names the host: no join for a row the caller holds
+    return placements
 
 
 def placement_entry(placement: DeploymentInstance, canary_id: int | None, reused: bool) -> dict:
@@ -138,7 +141,7 @@ def placed_version_ids(entries: list[dict]) -> set[int]:
 
 
 def desired_state_of(host) -> dict:
-    live = list(_live_placements(host))
+    live = _live_placements(host)
     canaries = _canaries({p.deployment_id for p in live})
     placements = [placement_entry(p, canaries.get(p.deployment_id), _reused(p, live)) for p in live]
     versions = ModelVersion.objects.filter(pk__in=placed_version_ids(placements)).select_related(
@@ -256,7 +259,7 @@ def placement_report(request, placement_id: int):
         if not isinstance(reloading, bool):
             raise BadReport("'reloading' must be true or false.")
         accepted = services.placement_lost(placement.pk, generation, err, reloading=reloading)
-    live = list(_live_placements(request.host).filter(deployment__model_id=deployment.model_id))
+    live = _live_placements(request.host, deployment__model_id=deployment.model_id)
     fresh = next((p for p in live if p.pk == placement.pk), None)
     entry = None
     if fresh is not None:

@@ -197,23 +197,32 @@ def placement_finished(placement: DeploymentInstance) -> None:
 
 
 def _settle(deployment: Deployment) -> None:
-    """Derive the deployment's state from its placements. The caller holds the deployment's row lock."""
-    placements = list(deployment.placements.select_related("instance__host"))
-    states = {p.state for p in placements}
+    """Derive the deployment's state from its placements. The caller holds the deployment's row lock.
+
+    Most reports change nothing here (others are still loading, or the deployment already serves): that is
+    decided from the placements' states alone, and the placements are read in full (instances and hosts, for
+    the messages) only when the deployment's state changes - every report of a deploy waits for this lock."""
     if deployment.state == DeploymentState.UNDEPLOYED:
         return
+    rows = list(deployment.placements.order_by().values_list("state", "served_version_id"))
+    states = {state for state, _ in rows}
     if deployment.state == DeploymentState.UNDEPLOYING:
         if states <= {PlacementState.UNLOADED}:
             deployment.state = DeploymentState.UNDEPLOYED
             deployment.save(update_fields=["state", "updated_at"])
             deployment.events.create(kind="undeployed", message="undeployed from every instance")
         return
-    target = deployment.target_version
-    if target is None:
-        _follow_placements(deployment, placements)
+    if deployment.target_version_id is None:
+        _follow_placements(deployment, rows)
         return
     if states & {PlacementState.PENDING, PlacementState.LOADING}:
         return
+    # The state changes: the same checks on the placements read in full (a started or waiting report, which
+    # takes no lock, may have landed since).
+    placements = _placements_in_full(deployment)
+    if {p.state for p in placements} & {PlacementState.PENDING, PlacementState.LOADING}:
+        return
+    target = deployment.target_version
     if all(p.state == PlacementState.READY and p.served_version_id == target.pk for p in placements):
         switched = deployment.active_version is not None
         deployment.active_version, deployment.target_version = target, None
@@ -246,7 +255,8 @@ def _settle(deployment: Deployment) -> None:
         )
         deployment.save(update_fields=["target_version", "last_error", "state", "updated_at"])
         transaction.on_commit(lambda: _enqueue(back))
-        _follow_placements(deployment, list(deployment.placements.select_related("instance__host")))
+        rows = list(deployment.placements.order_by().values_list("state", "served_version_id"))
+        _follow_placements(deployment, rows)
         return
     deployment.state = DeploymentState.FAILED
     deployment.events.create(
@@ -255,21 +265,31 @@ def _settle(deployment: Deployment) -> None:
     deployment.save(update_fields=["target_version", "last_error", "state", "updated_at"])
 
 
-def _follow_placements(deployment: Deployment, placements: list[DeploymentInstance]) -> None:
+def _placements_in_full(deployment: Deployment) -> list[DeploymentInstance]:
+    return list(deployment.placements.select_related("instance__host"))
+
+
+def _follow_state(active_id: int, rows: list[tuple[str, int | None]]) -> DeploymentState:
+    if any(state == PlacementState.READY and served == active_id for state, served in rows):
+        return DeploymentState.SERVING
+    if any(state in (PlacementState.PENDING, PlacementState.LOADING) for state, _ in rows):
+        return DeploymentState.DEPLOYING
+    return DeploymentState.FAILED
+
+
+def _follow_placements(deployment: Deployment, rows: list[tuple[str, int | None]]) -> None:
     """No rollout in flight: SERVING while at least one placement serves the active version, else DEPLOYING
-    while one is being (re)loaded, else FAILED with the placements' errors."""
-    active = deployment.active_version
-    if active is None:
+    while one is being (re)loaded, else FAILED with the placements' errors. ``rows`` are the placements'
+    (state, served_version_id); they are read in full (for the messages) only when the state changes."""
+    active_id = deployment.active_version_id
+    if active_id is None or _follow_state(active_id, rows) == deployment.state:
         return
-    ready = [p for p in placements if p.state == PlacementState.READY and p.served_version_id == active.pk]
-    if ready:
-        state = DeploymentState.SERVING
-    elif any(p.state in (PlacementState.PENDING, PlacementState.LOADING) for p in placements):
-        state = DeploymentState.DEPLOYING
-    else:
-        state = DeploymentState.FAILED
+    placements = _placements_in_full(deployment)
+    state = _follow_state(active_id, [(p.state, p.served_version_id) for p in placements])
     if state == deployment.state:
         return
+    active = deployment.active_version
+    ready = [p for p in placements if p.state == PlacementState.READY and p.served_version_id == active.pk]
     was_serving = deployment.state == DeploymentState.SERVING
     deployment.state = state
     if state == DeploymentState.SERVING:
@@ -292,25 +312,35 @@ def _follow_placements(deployment: Deployment, placements: list[DeploymentInstan
 # older generation is dropped (returns False), so a stale task, retry or reconcile never undoes a newer one.
 
 
-def _report(placement_id: int, generation: int, *, where: Q | None = None, **fields) -> Deployment | None:
-    """Conditionally update a placement for ``generation``; returns its locked deployment, or None when stale.
-    The caller runs inside ``transaction.atomic()``."""
-    deployment_id = (
-        DeploymentInstance.objects.filter(pk=placement_id).values_list("deployment_id", flat=True).first()
+def _report(
+    placement_id: int, generation: int, *, where: Q | None = None, **fields
+) -> tuple[Deployment, int] | None:
+    """Conditionally update a placement for ``generation``; returns its locked deployment and the placement's
+    instance id (for the event), or None when stale. The caller runs inside ``transaction.atomic()``."""
+    ids = (
+        DeploymentInstance.objects.filter(pk=placement_id).values_list("deployment_id", "instance_id").first()
     )
-    if deployment_id is None:
+    if ids is None:
         return None
+    deployment_id, instance_id = ids
     # The deployment's row lock first, as switch_version and undeploy take it: a decision and a report on
     # the same deployment are serialized.
     deployment = Deployment.objects.select_for_update().get(pk=deployment_id)
     rows = DeploymentInstance.objects.filter(pk=placement_id, generation=generation)
     if where is not None:
         rows = rows.filter(where)
-    return deployment if rows.update(**fields) == 1 else None
+    return (deployment, instance_id) if rows.update(**fields) == 1 else None
 
 
-def _placement_event(deployment, placement_id: int, kind: str, message: str, version=None, **details):
-    instance_id = DeploymentInstance.objects.filter(pk=placement_id).values_list("instance_id", flat=True)[0]
+def _report_progress(placement_id: int, generation: int, **fields) -> bool:
+    """A report that neither settles the deployment nor writes an event (started, waiting): the conditional
+    UPDATE alone. It needs no deployment row lock: a decision bumps the generation in an UPDATE of the same
+    row, so PostgreSQL re-checks ``generation`` after that decision commits and a stale report matches
+    nothing; and ``_settle`` counts PENDING and LOADING alike, so no settling can depend on the order."""
+    return DeploymentInstance.objects.filter(pk=placement_id, generation=generation).update(**fields) == 1
+
+
+def _placement_event(deployment, instance_id: int, kind: str, message: str, version=None, **details):
     deployment.events.create(
         kind=kind, message=message, instance_id=instance_id, version=version, details=details
     )
@@ -318,14 +348,12 @@ def _placement_event(deployment, placement_id: int, kind: str, message: str, ver
 
 def placement_started(placement_id: int, generation: int) -> bool:
     """The agent starts loading the placement's decision."""
-    with transaction.atomic():
-        return _report(placement_id, generation, state=PlacementState.LOADING) is not None
+    return _report_progress(placement_id, generation, state=PlacementState.LOADING)
 
 
 def placement_waiting(placement_id: int, generation: int, message: str) -> bool:
     """The agent cannot apply the decision yet (its instance is not running); reconcile applies it later."""
-    with transaction.atomic():
-        return _report(placement_id, generation, last_error=message) is not None
+    return _report_progress(placement_id, generation, last_error=message)
 
 
 def placement_loaded(
@@ -340,7 +368,7 @@ def placement_loaded(
     """Triton reports ``version`` ready for this placement (and ``canary`` beside it during a rollout; None
     when it serves ``version`` alone): READY, and the decision is applied."""
     with transaction.atomic():
-        deployment = _report(
+        reported = _report(
             placement_id,
             generation,
             state=PlacementState.READY,
@@ -349,10 +377,11 @@ def placement_loaded(
             last_error="",
             applied_generation=generation,
         )
-        if deployment is None:
+        if reported is None:
             return False
+        deployment, instance_id = reported
         if kind:
-            _placement_event(deployment, placement_id, kind, message, version=version)
+            _placement_event(deployment, instance_id, kind, message, version=version)
         _settle(deployment)
         return True
 
@@ -369,7 +398,7 @@ def placement_failed(
 ) -> bool:
     """Loading ``version`` failed; ``still_serving`` is what Triton still serves there (None: nothing)."""
     with transaction.atomic():
-        deployment = _report(
+        reported = _report(
             placement_id,
             generation,
             state=PlacementState.FAILED,
@@ -377,16 +406,17 @@ def placement_failed(
             last_error=error,
             applied_generation=generation,
         )
-        if deployment is None:
+        if reported is None:
             return False
-        _placement_event(deployment, placement_id, kind, message or error, version=version)
+        deployment, instance_id = reported
+        _placement_event(deployment, instance_id, kind, message or error, version=version)
         _settle(deployment)
         return True
 
 
 def placement_unloaded(placement_id: int, generation: int, message: str) -> bool:
     with transaction.atomic():
-        deployment = _report(
+        reported = _report(
             placement_id,
             generation,
             state=PlacementState.UNLOADED,
@@ -395,9 +425,10 @@ def placement_unloaded(placement_id: int, generation: int, message: str) -> bool
             last_error="",
             applied_generation=generation,
         )
-        if deployment is None:
+        if reported is None:
             return False
-        _placement_event(deployment, placement_id, "unloaded", message)
+        deployment, instance_id = reported
+        _placement_event(deployment, instance_id, "unloaded", message)
         _settle(deployment)
         return True
 
@@ -408,16 +439,17 @@ def placement_lost(placement_id: int, generation: int, reason: str, *, reloading
     reports of the same failure write nothing."""
     state = PlacementState.LOADING if reloading else PlacementState.FAILED
     with transaction.atomic():
-        deployment = _report(
+        reported = _report(
             placement_id,
             generation,
             where=Q(applied_generation=F("generation")) & ~Q(state=state, last_error=reason),
             state=state,
             last_error=reason,
         )
-        if deployment is None:
+        if reported is None:
             return False
-        _placement_event(deployment, placement_id, "reloading" if reloading else "lost", reason)
+        deployment, instance_id = reported
+        _placement_event(deployment, instance_id, "reloading" if reloading else "lost", reason)
         _settle(deployment)
         return True
 
@@ -452,7 +484,7 @@ def placement_canary_failed(
     """Loading the canary beside the stable version failed (load or smoke test): the stable version keeps
     serving there and the rollout is rolled back - a canary that does not load everywhere gets no traffic."""
     with transaction.atomic():
-        deployment = _report(
+        reported = _report(
             placement_id,
             generation,
             state=PlacementState.READY if still_serving else PlacementState.FAILED,
@@ -461,9 +493,10 @@ def placement_canary_failed(
             last_error="" if still_serving else error,
             applied_generation=generation,
         )
-        if deployment is None:
+        if reported is None:
             return False
-        _placement_event(deployment, placement_id, "canary_failed", error, version=canary)
+        deployment, instance_id = reported
+        _placement_event(deployment, instance_id, "canary_failed", error, version=canary)
         rollout = (
             Rollout.objects.live().select_for_update().filter(deployment=deployment, canary_version=canary)
         )

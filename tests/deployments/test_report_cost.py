@@ -1,0 +1,76 @@
+"""What one agent report costs the platform: a deploy to many hosts sends two reports per placement, each
+waiting for the deployment's row lock, so a report's work must not grow with the deployment's placements, and
+the reports that neither settle nor write an event (started, waiting) take no lock at all - while a stale one
+is still refused."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from apps.deployments import services
+from apps.deployments.models import DeploymentInstance, DeploymentState, PlacementState
+from tests.deployments.conftest import add_instance
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def no_tasks(monkeypatch, team):
+    monkeypatch.setattr(services, "_enqueue", lambda placements: None)
+    team.quota_instances = 100
+    team.save(update_fields=["quota_instances"])
+
+
+def deploy_on(owner, version, host, count: int):
+    instances = [add_instance(host, f"cpu-{i}", port=18100 + 10 * i) for i in range(count)]
+    deployment = services.deploy_version(
+        actor=owner, model=version.model, version=version, instances=instances
+    )
+    return deployment, list(deployment.placements.order_by("pk"))
+
+
+def loaded_queries(placement, version) -> list[str]:
+    with CaptureQueriesContext(connection) as queries:
+        assert services.placement_loaded(placement.pk, placement.generation, version)
+    return [q["sql"] for q in queries.captured_queries]
+
+
+def test_a_loaded_report_costs_the_same_queries_for_3_and_30_placements(owner, model, version, shared_host):
+    from apps.fleet.models import Host
+
+    _, small = deploy_on(owner, version, shared_host, 3)
+    other = Host.objects.create(name="big", address="127.0.0.2")
+    model2 = model.__class__.objects.create(team=model.team, name="Other", slug="other", created_by=owner)
+    v2 = version.__class__.objects.create(
+        model=model2, number=1, state=version.state, signature=version.signature, config_text=""
+    )
+    big_deployment, big = deploy_on(owner, v2, other, 30)
+    # Not the last placement: the deployment stays DEPLOYING and nothing is read per placement.
+    assert len(loaded_queries(small[0], version)) == len(loaded_queries(big[0], v2))
+    for placement in big[1:-1]:
+        services.placement_loaded(placement.pk, placement.generation, v2)
+    big_deployment.refresh_from_db()
+    assert big_deployment.state == DeploymentState.DEPLOYING
+    # The last one: SERVING, with the event naming the version.
+    loaded_queries(big[-1], v2)
+    big_deployment.refresh_from_db()
+    assert big_deployment.state == DeploymentState.SERVING and big_deployment.active_version == v2
+    assert big_deployment.events.filter(kind="deployed", version=v2).count() == 1
+    assert big_deployment.events.filter(kind="serving").count() == 30
+
+
+def test_started_and_waiting_take_no_lock_and_a_stale_one_is_refused(owner, model, version, shared_host):
+    deployment, (placement,) = deploy_on(owner, version, shared_host, 1)
+    with CaptureQueriesContext(connection) as queries:
+        assert services.placement_started(placement.pk, 1)
+        assert services.placement_waiting(placement.pk, 1, "instance not running")
+    assert not any("FOR UPDATE" in q["sql"] for q in queries.captured_queries)
+    assert DeploymentInstance.objects.get(pk=placement.pk).state == PlacementState.LOADING
+    services.undeploy(actor=owner, deployment=deployment)  # a new decision: generation 2
+    assert not services.placement_started(placement.pk, 1)
+    assert not services.placement_waiting(placement.pk, 1, "late")
+    fresh = DeploymentInstance.objects.get(pk=placement.pk)
+    assert fresh.generation == 2 and fresh.last_error == "instance not running"
+    assert services.placement_started(placement.pk, 2)
