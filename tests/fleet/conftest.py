@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from apps.registry.models import ModelVersion, RegisteredModel, SourceFormat, VersionState
-from backend_ge.convert import prepare_onnx
+from apps.registry.models import ModelVersion, RegisteredModel
 from backend_ge.runtime import free_port
+from tests.factories import ready_onnx_version
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,31 +70,10 @@ def make_ready_version(team, owner, artifact_root, tmp_path):
     ) -> ModelVersion:
         if model is None:
             model = RegisteredModel.objects.create(team=team, name=slug.title(), slug=slug, created_by=owner)
-        number = (model.versions.order_by("-number").values_list("number", flat=True).first() or 0) + 1
-        version = ModelVersion.objects.create(
-            model=model,
-            number=number,
-            state=VersionState.CONVERTING,
-            source_format=SourceFormat.ONNX,
-            created_by=owner,
-        )
-        source = tmp_path / f"src-{model.slug}-{number}.onnx"
-        source.write_bytes(classifier_onnx(scale))
-        version.servable_dir().parent.mkdir(parents=True, exist_ok=True)
-        prepared = prepare_onnx(
-            source,
-            version.servable_dir() / "1",
-            name=model.triton_model_name(),
-            max_batch_size=8,
-            preferred_batch_sizes=(4, 8),
-            max_queue_delay_us=2000,
-        )
-        version.signature = prepared.signature.to_dict()
-        version.config_text = (version.servable_dir() / "config.pbtxt").read_text()
-        version.state = VersionState.READY
-        version.toolchain = "onnx"
-        version.save()
-        return version
+        return ready_onnx_version(
+            model, classifier_onnx(scale), tmp_path, created_by=owner,
+            preferred_batch_sizes=(4, 8), max_queue_delay_us=2000,
+        )  # fmt: skip
 
     return _make
 
