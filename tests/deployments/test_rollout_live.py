@@ -138,7 +138,7 @@ def test_a_good_canary_is_promoted_step_by_step_with_no_failed_request(
     v2 = make_onnx_version(model, scaler_onnx(3.0))
     with (
         Beat(),
-        Load(gateway, "vision__scaler", secret, threads=3, max_requests=40_000, max_seconds=150) as load,
+        Load(gateway, "vision__scaler", secret, threads=3, max_seconds=150) as load,
     ):
         load.wait_for_requests(50)
         rollout = start(owner_client, deployment, 2, steps=[25, 50, 100])
@@ -172,7 +172,7 @@ def test_a_canary_failing_30_percent_is_rolled_back_within_the_gates_while_stabl
     stable_answers = []
     with (
         Beat(),
-        Load(gateway, "vision__scaler", secret, threads=3, max_requests=40_000, max_seconds=120) as load,
+        Load(gateway, "vision__scaler", secret, threads=3, max_seconds=120) as load,
     ):
         load.wait_for_requests(50)
         rollout = start(owner_client, deployment, 2, steps=[20, 50, 100], max_failed_checks=3)
@@ -213,7 +213,7 @@ def test_a_slow_canary_is_rolled_back_by_the_latency_gate(scaler, owner_client, 
     make_onnx_version(model, slow_scaler_onnx(3.0))
     with (
         Beat(),
-        Load(gateway, "vision__scaler", secret, threads=3, max_requests=40_000, max_seconds=120) as load,
+        Load(gateway, "vision__scaler", secret, threads=3, max_seconds=120) as load,
     ):
         load.wait_for_requests(50)
         rollout = start(owner_client, deployment, 2, steps=[30, 100], max_p99_ms=15, max_p99_ratio=4)
@@ -238,7 +238,7 @@ def test_pause_resume_promote_and_abort_through_the_api(scaler, owner_client, ma
     url = f"/api/v1/teams/vision/deployments/{deployment.pk}/rollouts/"
     with (
         Beat(),
-        Load(gateway, "vision__scaler", secret, threads=2, max_requests=40_000, max_seconds=150) as load,
+        Load(gateway, "vision__scaler", secret, threads=2, max_seconds=150) as load,
     ):
         rollout = start(owner_client, deployment, 2, steps=[40, 100])
         wait_for(
@@ -294,7 +294,7 @@ def test_a_platform_restart_mid_rollout_resumes_it_and_the_gateway_restores_the_
     assert Rollout.objects.get(pk=rollout.pk).state == RolloutState.RUNNING
     gateway = start_gateway()
     wait_for(lambda: gateway.infer("vision__scaler", secret)[0] == 200, 15, "the restarted gateway")
-    with Load(gateway, "vision__scaler", secret, threads=2, max_requests=20_000, max_seconds=90) as load:
+    with Load(gateway, "vision__scaler", secret, threads=2, max_seconds=90) as load:
         load.wait_for_requests(200)
         # The split comes back from the database: both versions answer unversioned requests.
         assert load.outputs[2.0] > 0 and load.outputs[3.0] > 0, load.outputs

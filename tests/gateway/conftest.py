@@ -192,12 +192,18 @@ def deploy(client, team_slug: str, model_slug: str, version: int, instances) -> 
 
 
 class Load:
-    """Threads calling one model through the gateway until stopped; bounded in count and time."""
+    """Threads calling one model through the gateway until stopped; bounded in count and time.
+
+    Each thread is paced to ``rate`` requests per second, so a test sees the same traffic on a fast machine and a
+    slow one, and the count bound (the most the pace allows in ``max_seconds``) is never what ends a load early.
+    """
 
     def __init__(self, gateway: GatewayProcess, model: str, token: str, threads: int = 4,
-                 max_requests: int = 20_000, max_seconds: float = 120.0) -> None:  # fmt: skip
+                 rate: float = 150.0, max_seconds: float = 120.0) -> None:  # fmt: skip
         self.gateway, self.model, self.token = gateway, model, token
-        self.max_requests, self.deadline = max_requests, time.monotonic() + max_seconds
+        self.interval = 1.0 / rate
+        self.max_requests = int(threads * rate * max_seconds) + threads
+        self.deadline = time.monotonic() + max_seconds
         self.statuses: Counter = Counter()
         self.failures: list[str] = []
         self.outputs: Counter = Counter()
@@ -228,7 +234,11 @@ class Load:
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self.token}"}
         path = f"/v2/models/{self.model}/infer"
         connection = self._connect()
+        next_at = time.monotonic()
         while not self._stop.is_set() and time.monotonic() < self.deadline and self.total < self.max_requests:
+            next_at = max(next_at + self.interval, time.monotonic() - self.interval)
+            if (pause := next_at - time.monotonic()) > 0:
+                self._stop.wait(pause)
             try:
                 connection.request("POST", path, body=INFER_BODY, headers=headers)
                 response = connection.getresponse()
@@ -255,9 +265,18 @@ class Load:
     def _connect(self) -> http.client.HTTPConnection:
         return http.client.HTTPConnection("127.0.0.1", self.gateway.port, timeout=30)
 
+    @property
+    def running(self) -> bool:
+        return any(thread.is_alive() for thread in self._threads)
+
     def wait_for_requests(self, count: int, timeout: float = 30) -> None:
         target = self.total + count
-        wait_for(lambda: self.total >= target, timeout, f"{count} more requests ({self.statuses})")
+
+        def sent() -> bool:
+            assert self.running or self.total >= target, f"the load ended at its bound ({self.statuses})"
+            return self.total >= target
+
+        wait_for(sent, timeout, f"{count} more requests ({self.statuses})")
 
 
 def slot_of(gateway: GatewayProcess, logical: str) -> str:
