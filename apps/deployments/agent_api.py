@@ -259,7 +259,11 @@ def placement_report(request, placement_id: int):
         if not isinstance(reloading, bool):
             raise BadReport("'reloading' must be true or false.")
         accepted = services.placement_lost(placement.pk, generation, err, reloading=reloading)
-    live = _live_placements(request.host, deployment__model_id=deployment.model_id)
+    # Only this instance's placements of the model decide the answer (``_reused``): a host with many
+    # placements of one model must not make every report read them all.
+    live = _live_placements(
+        request.host, deployment__model_id=deployment.model_id, instance_id=placement.instance_id
+    )
     fresh = next((p for p in live if p.pk == placement.pk), None)
     entry = None
     if fresh is not None:

@@ -74,3 +74,39 @@ def test_started_and_waiting_take_no_lock_and_a_stale_one_is_refused(owner, mode
     fresh = DeploymentInstance.objects.get(pk=placement.pk)
     assert fresh.generation == 2 and fresh.last_error == "instance not running"
     assert services.placement_started(placement.pk, 2)
+
+
+def test_a_report_through_the_agent_api_reads_only_its_own_instances_placements(
+    owner, version, shared_host, monkeypatch
+):
+    """The answer to a report carries the placement as it is now; building it must not read every placement
+    of the model on the host (a host serving one model on 30 instances sent 30 rows back per report)."""
+    import json
+
+    from django.test import Client
+
+    from apps.deployments import agent_api
+    from apps.fleet.models import CREDENTIAL_SCHEME, hash_host_secret, new_host_secret
+
+    credential = new_host_secret(CREDENTIAL_SCHEME)
+    shared_host.credential_hash = hash_host_secret(credential)
+    shared_host.save(update_fields=["credential_hash"])
+    deployment, placements = deploy_on(owner, version, shared_host, 30)
+    read = []
+    live_placements = agent_api._live_placements
+    monkeypatch.setattr(
+        agent_api, "_live_placements", lambda *a, **kw: read.append(live_placements(*a, **kw)) or read[-1]
+    )
+    agent = Client(HTTP_AUTHORIZATION=f"Bearer {credential}")
+    for result in ("started", "loaded"):
+        body = {"generation": placements[7].generation, "result": result, "version": version.pk}
+        answer = agent.post(
+            f"/agent/v1/placements/{placements[7].pk}/report",
+            json.dumps(body),
+            content_type="application/json",
+        )
+        assert answer.status_code == 200, answer.content
+        assert answer.json()["accepted"] is True
+        assert answer.json()["placement"]["id"] == placements[7].pk
+    assert answer.json()["placement"]["state"] == PlacementState.READY
+    assert [len(rows) for rows in read] == [1, 1]
