@@ -1,22 +1,20 @@
 """The host agent's supervisor: runs this host's Triton + GE instances and keeps them as the platform wants.
 
-One ``HostAgent`` per host process (``manage.py hostagent --platform URL``). It holds the platform's URL and
-this host's credential, nothing else: no database, no broker. A poll thread fetches the desired state over the
-agent API every second (a 304 while nothing changed); a supervisor thread starts the instances the platform
-wants running, acts on start/stop/restart commands, restarts a crashed ``tritonserver`` with exponential
+One ``HostAgent`` per host process (``manage.py hostagent --platform URL``). It holds the platform's URL and this
+host's credential, nothing else: no database, no broker. A poll thread long-polls the desired state over the agent
+API (held by the platform until it changes, then fetched at once); a supervisor thread starts the instances the
+platform wants running, acts on start/stop/restart commands, restarts a crashed ``tritonserver`` with exponential
 backoff and quarantines an instance that crashes too often, reporting each state change; a heartbeat thread
-reports the host's facts, NPU inventory and log tails every 10 s; the reconcile step (after every start, every
-few seconds, and when the desired state changed) makes each instance's loaded models match the placements
-(``apps.fleet.placement``).
+reports the host's facts and NPU inventory (``apps.fleet.host_facts``) and log tails every 10 s; the reconcile
+step (after every start, every few seconds, and when the desired state changed) makes each instance's loaded
+models match the placements (``apps.fleet.placement``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
-import platform
 import signal
 import threading
 import time
@@ -35,8 +33,9 @@ from apps.fleet.agent_client import (
     PlatformClient,
     PlatformError,
 )
+from apps.fleet.host_facts import host_facts, npu_inventory
 from apps.fleet.models import InstanceState
-from backend_ge import npu_smi, sandbox
+from backend_ge import sandbox
 from backend_ge.runtime import TritonError, TritonRuntime, TritonServer, assemble_runtime, server_environment
 
 log = logging.getLogger(__name__)
@@ -577,28 +576,3 @@ class HostAgent:
         with self.desired.lock:
             placements = list(self.desired.placements.values())
         return {(p.pk, p.generation) for p in placements if not p.is_applied() and p.instance_id in running}
-
-
-def npu_inventory() -> dict | None:
-    """``npu-smi info`` of this host as JSON for the heartbeat; None without npu-smi (or when it failed)."""
-    try:
-        inventory = npu_smi.read_inventory()
-    except (npu_smi.NpuSmiError, ValueError) as exc:
-        log.warning("npu-smi failed: %s", exc)
-        return None
-    if inventory is None:
-        return None
-    return {
-        "npu_smi_version": inventory.npu_smi_version,
-        "driver_version": inventory.driver_version,
-        "chips": [dataclasses.asdict(chip) for chip in inventory.chips],
-    }
-
-
-def host_facts() -> dict:
-    facts = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                facts["memory_mb"] = int(line.split()[1]) // 1024
-    return facts
