@@ -1,6 +1,6 @@
 """Fleet scale: N simulated host agents against one platform process on PostgreSQL, over the real agent API.
 
-One platform web process (gunicorn, 1 worker, ``--threads``) serves ``--hosts`` simulated agents (threads here,
+One platform web server (gunicorn, ``--workers`` processes, default 1, of ``--threads`` each) serves ``--hosts`` simulated agents (threads here,
 each with its own host credential and ``apps.fleet.agent_client.PlatformClient``). Each agent heartbeats every
 ``--heartbeat-every`` s (facts and its instances' log tails, as ``HostAgent`` sends them) and long-polls its
 desired state (``If-None-Match`` + ``?wait=--long-poll-wait``: held until it changes; ``--long-poll-wait 0``
@@ -58,7 +58,13 @@ def parse_args() -> argparse.Namespace:
         "--threads",
         type=int,
         default=256,
-        help="threads of the one platform web process (a held poll pins one: more than --hosts)",
+        help="threads per platform web process (a held poll pins one: more than --hosts / --workers)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="platform web processes (each holds its own share of the polls)",
     )
     parser.add_argument(
         "--database-url", default=f"postgres://postgres@127.0.0.1:5432/fleet_scale_{os.getpid()}"
@@ -138,7 +144,7 @@ def start_web(args, scratch: Path) -> tuple[subprocess.Popen, str]:
     }
     web = subprocess.Popen(
         [sys.executable, "-m", "gunicorn", "serving_platform.wsgi", "--bind", f"127.0.0.1:{port}",
-         "--workers", "1", "--threads", str(args.threads), "--worker-class", "gthread", "--timeout", "120"],
+         "--workers", str(args.workers), "--threads", str(args.threads), "--worker-class", "gthread", "--timeout", "120"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -410,7 +416,7 @@ def main() -> int:
             if args.long_poll_wait
             else f"short poll every {args.poll_every:g} s"
         )
-        print(f"agents: {mode}; platform: 1 gunicorn process, {args.threads} threads")
+        print(f"agents: {mode}; platform: {args.workers} gunicorn process(es), {args.threads} threads each")
 
         # Phase 1: heartbeats only.
         latencies.reset()
