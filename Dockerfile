@@ -20,4 +20,4 @@ EXPOSE 8000
 # Threads, not only processes: an agent's long poll holds one thread for up to 30 s (WEB_THREADS, read by the
 # settings too: a process holds at most WEB_THREADS - 16 polls, the rest of its threads serve the UI and API).
 ENV WEB_WORKERS=3 WEB_THREADS=64
-CMD ["sh", "-c", "exec gunicorn serving_platform.wsgi --bind 0.0.0.0:8000 --workers \"$WEB_WORKERS\" --threads \"$WEB_THREADS\" --worker-class gthread --access-logfile -"]
+CMD ["sh", "-c", "exec gunicorn serving_platform.wsgi --config python:serving_platform.gunicorn_hooks --bind 0.0.0.0:8000 --workers \"$WEB_WORKERS\" --threads \"$WEB_THREADS\" --worker-class gthread --access-logfile -"]

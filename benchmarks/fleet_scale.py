@@ -143,7 +143,7 @@ def start_web(args, scratch: Path) -> tuple[subprocess.Popen, str]:
         "WEB_THREADS": str(args.threads),
     }
     web = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "serving_platform.wsgi", "--bind", f"127.0.0.1:{port}",
+        [sys.executable, "-m", "gunicorn", "serving_platform.wsgi", "--config", "python:serving_platform.gunicorn_hooks", "--bind", f"127.0.0.1:{port}",
          "--workers", str(args.workers), "--threads", str(args.threads), "--worker-class", "gthread", "--timeout", "120"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip

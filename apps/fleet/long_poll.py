@@ -10,7 +10,9 @@ opens its connection for each sweep and closes it after: a process holds no idle
 database restart costs one failed sweep.
 
 A held poll pins a web server thread, so one process holds at most ``AGENT_LONG_POLL_MAX_WAITERS``; beyond
-that a poll is answered at once (the agent polls again after its interval, as a short poll).
+that a poll is answered at once (the agent polls again after its interval, as a short poll). A process that is
+shutting down answers every held poll at once (``release_all``, from the gunicorn hooks in
+``serving_platform.gunicorn_hooks``), so a stop does not wait for the longest wait.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class GenerationWatcher:
         self._waiters: set[_Waiter] = set()
         self._has_waiters = threading.Event()
         self._thread: threading.Thread | None = None
+        self._closing = False
         self.sweeps = 0
 
     def waiting(self) -> int:
@@ -86,6 +89,8 @@ class GenerationWatcher:
         database); False: nothing changed for ``timeout`` s (a 304); None: this process holds as many polls
         as it may (answer at once)."""
         waiter = _Waiter(credential_hash, etag)
+        if self._closing:
+            return False  # shutting down: nothing changed, and nothing is held
         with self._lock:
             if len(self._waiters) >= self.max_waiters:
                 return None
@@ -101,6 +106,16 @@ class GenerationWatcher:
             with self._lock:
                 self._waiters.discard(waiter)
         return waiter.changed
+
+    def release_all(self) -> int:
+        """The process is stopping: every held poll is answered now (a 304: the agent polls again, and reaches
+        a process that is still serving) and no new one is held. Returns how many were released."""
+        self._closing = True
+        with self._lock:
+            waiters = list(self._waiters)
+        for waiter in waiters:
+            waiter.event.set()
+        return len(waiters)
 
     def _run(self) -> None:
         while True:
