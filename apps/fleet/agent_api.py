@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 
 MAX_TEXT = 20_000  # a log tail of 30 lines, with room to spare
 FACT_FIELDS = {"cpus": int, "memory_mb": int, "platform": str, "python": str, "agent_version": str}
+# Every number an agent sends fits the column it goes to (PostgreSQL's integer) and is a real number: a value
+# out of range is the agent's 400, never the database's error.
+MAX_INT = 2**31 - 1
+MAX_FLOAT = 1e9
 
 
 class BadReport(ValueError):
@@ -70,9 +74,15 @@ def host_only(view):
     return wrapped
 
 
+def _not_json(constant: str):
+    raise BadReport(f"The body is not JSON: {constant} is not a number in JSON.")
+
+
 def read_json(request) -> dict:
     try:
-        body = json.loads(request.body or b"{}")
+        body = json.loads(request.body or b"{}", parse_constant=_not_json)
+    except BadReport:
+        raise
     except ValueError:
         raise BadReport("The body is not JSON.") from None
     if not isinstance(body, dict):
@@ -88,6 +98,15 @@ def _text(value, name: str, limit: int = MAX_TEXT) -> str:
     return value[-limit:]
 
 
+def _is_int(value, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _is_number(value) -> bool:
+    """A float column's value: an int or float within +-MAX_FLOAT (``read_json`` refuses NaN and Infinity)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and -MAX_FLOAT <= value <= MAX_FLOAT
+
+
 def _facts(raw) -> dict:
     if raw is None:
         return {}
@@ -98,8 +117,8 @@ def _facts(raw) -> dict:
         value = raw.get(key)
         if value is None:
             continue
-        if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise BadReport(f"'facts.{key}' must be a non-negative integer.")
+        if kind is int and not _is_int(value, 0, MAX_INT):
+            raise BadReport(f"'facts.{key}' must be an integer from 0 to {MAX_INT}.")
         if kind is str:
             value = _text(value, f"facts.{key}", 200)
         facts[key] = value
@@ -125,6 +144,10 @@ _CHIP_FIELDS = {
 }
 
 
+def _kinds(kind) -> tuple:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
 def _inventory(raw) -> npu_smi.NpuInventory | None:
     """The agent's `npu-smi info` as parsed on the host (``null`` on hosts without npu-smi)."""
     if raw is None:
@@ -140,6 +163,11 @@ def _inventory(raw) -> npu_smi.NpuInventory | None:
             value = chip.get(key, 0 if kind is int else "" if kind is str else None)
             if isinstance(value, bool) or not isinstance(value, kind):
                 raise BadReport(f"'npu.chips[{index}].{key}' has the wrong type.")
+            if isinstance(value, float) or (isinstance(value, int) and float in _kinds(kind)):
+                if not _is_number(value):
+                    raise BadReport(f"'npu.chips[{index}].{key}' must be a number within +-{MAX_FLOAT:g}.")
+            elif isinstance(value, int) and not _is_int(value, 0, MAX_INT):
+                raise BadReport(f"'npu.chips[{index}].{key}' must be an integer from 0 to {MAX_INT}.")
             values[key] = value[:50] if isinstance(value, str) else value
         chips.append(npu_smi.NpuChip(**values))
     return npu_smi.NpuInventory(
@@ -223,12 +251,12 @@ def instance_state(request, instance_id: int):
             raise BadReport(f"'state' must be one of {', '.join(sorted(REPORTED_STATES))}.")
         fields["state"] = body["state"]
     if "pid" in body:
-        if body["pid"] is not None and (not isinstance(body["pid"], int) or body["pid"] <= 0):
-            raise BadReport("'pid' must be a positive integer or null.")
+        if body["pid"] is not None and not _is_int(body["pid"], 1, MAX_INT):
+            raise BadReport(f"'pid' must be an integer from 1 to {MAX_INT}, or null.")
         fields["pid"] = body["pid"]
     if "restarts" in body:
-        if not isinstance(body["restarts"], int) or body["restarts"] < 0:
-            raise BadReport("'restarts' must be a non-negative integer.")
+        if not _is_int(body["restarts"], 0, MAX_INT):
+            raise BadReport(f"'restarts' must be an integer from 0 to {MAX_INT}.")
         fields["restarts"] = body["restarts"]
     if "crash_times" in body:
         times = body["crash_times"]
