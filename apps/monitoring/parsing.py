@@ -41,6 +41,16 @@ CPU_MEMORY_USED = "nv_cpu_memory_used_bytes"
 PENDING_FAMILY = "nv_inference_pending_request_count"
 
 SeriesKey = tuple[str, str]  # (Triton model name, version)
+# A count is stored in PostgreSQL's bigint and summed in floats: anything outside 0..2**53 (NaN included) is not
+# a count Triton reported but a broken or forged reading (final counts come from an inference host), refused
+# with a ValueError before it reaches a row.
+MAX_COUNT = float(2**53)
+
+
+def _count(family: str, value: float) -> float:
+    if not 0 <= value <= MAX_COUNT:
+        raise ValueError(f"{family}: {value!r} is not a count from 0 to 2**53")
+    return value
 
 
 @dataclass
@@ -66,13 +76,13 @@ def parse_metrics(text: str, reading: Reading | None = None) -> Reading:
             for sample in family.samples:
                 # The text parser names a counter family without "_total"; Triton's samples carry none.
                 key = (sample.labels.get("model", ""), sample.labels.get("version", ""))
-                counters.setdefault(key, {})[counter] = sample.value
+                counters.setdefault(key, {})[counter] = _count(name, sample.value)
         elif name in (FAILURE_FAMILY, GE_FAILURE_FAMILY):
             prefix = FAILURE_PREFIX if name == FAILURE_FAMILY else GE_FAILURE_PREFIX
             for sample in family.samples:
                 key = (sample.labels.get("model", ""), sample.labels.get("version", ""))
                 reason = sample.labels.get("reason", "OTHER")
-                counters.setdefault(key, {})[prefix + reason] = sample.value
+                counters.setdefault(key, {})[prefix + reason] = _count(name, sample.value)
         elif name in SUMMARY_FAMILIES:
             prefix = SUMMARY_FAMILIES[name]
             for sample in family.samples:
@@ -82,16 +92,16 @@ def parse_metrics(text: str, reading: Reading | None = None) -> Reading:
                 if sample.value != sample.value:  # NaN: no observation within the summary's window
                     continue
                 key = (sample.labels.get("model", ""), sample.labels.get("version", ""))
-                reading.quantiles.setdefault(key, {})[f"{prefix}_{quantile}"] = sample.value
+                reading.quantiles.setdefault(key, {})[f"{prefix}_{quantile}"] = _count(name, sample.value)
         elif name == PENDING_FAMILY:
             for sample in family.samples:
-                reading.pending[(sample.labels.get("model", ""), sample.labels.get("version", ""))] = (
-                    sample.value
+                reading.pending[(sample.labels.get("model", ""), sample.labels.get("version", ""))] = _count(
+                    name, sample.value
                 )
         elif name == CPU_UTILIZATION and family.samples:
-            reading.cpu_utilization = family.samples[0].value
+            reading.cpu_utilization = _count(name, family.samples[0].value)
         elif name == CPU_MEMORY_USED and family.samples:
-            reading.cpu_memory_used_bytes = family.samples[0].value
+            reading.cpu_memory_used_bytes = _count(name, family.samples[0].value)
     return reading
 
 
@@ -102,8 +112,12 @@ def parse_statistics(payload: Mapping, reading: Reading | None = None) -> Readin
         key = (str(entry.get("name", "")), str(entry.get("version", "")))
         series = reading.counters.setdefault(key, {})
         for batch in entry.get("batch_stats") or []:
-            count = (batch.get("compute_infer") or {}).get("count", 0)
-            series[f"{BATCH_PREFIX}{batch.get('batch_size')}"] = float(count)
+            count, size = (batch.get("compute_infer") or {}).get("count", 0), batch.get("batch_size")
+            if isinstance(count, bool) or not isinstance(count, int | float):
+                raise ValueError(f"batch_stats count {str(count)[:40]!r} is not a number")
+            if isinstance(size, bool) or not isinstance(size, int) or not 0 < size < 2**31:
+                raise ValueError(f"batch_size {str(size)[:40]!r} is not a batch size")
+            series[f"{BATCH_PREFIX}{size}"] = float(_count("batch_stats", count))
     return reading
 
 

@@ -154,6 +154,20 @@ def test_after_a_restart_a_report_of_the_new_process_is_not_counted_again_by_its
         ({"metrics": "x" * (600 * 1024)}, "metrics must be"),
         ({"metrics": 'nv_inference_count{model="vision__mlp" 3\n'}, "do not parse"),
         ({"statistics": "all"}, "statistics must be"),
+        # Counts that no tritonserver reports: out of bigint's range, beyond float, NaN, negative.
+        *[
+            ({"metrics": text({"1": 5}).replace(" 5\n", f" {value}\n")}, "is not a count")
+            for value in (10**30, 2**63, "1e300", "NaN", "+Inf", -5)
+        ],
+        *[
+            ({"statistics": [{"name": NAME, "version": "1", "batch_stats": [batch]}]}, message)
+            for batch, message in (
+                ({"batch_size": 1, "compute_infer": {"count": 10**400}}, "is not a count"),
+                ({"batch_size": 1, "compute_infer": {"count": "5"}}, "is not a number"),
+                ({"batch_size": "x" * 10_000, "compute_infer": {"count": 1}}, "is not a batch size"),
+                ({"batch_size": 0, "compute_infer": {"count": 1}}, "is not a batch size"),
+            )
+        ],
         ({"read_at": (T0 - timedelta(hours=2)).isoformat()}, "too old"),
     ],
 )
