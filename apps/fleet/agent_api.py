@@ -142,10 +142,7 @@ _CHIP_FIELDS = {
     "hbm_used_mb": (int, type(None)),
     "hbm_total_mb": (int, type(None)),
 }
-
-
-def _kinds(kind) -> tuple:
-    return kind if isinstance(kind, tuple) else (kind,)
+_CHIP_FLOATS = {"power_w", "temperature_c", "aicore_percent"}  # float columns; the other numbers are integers
 
 
 def _inventory(raw) -> npu_smi.NpuInventory | None:
@@ -163,8 +160,8 @@ def _inventory(raw) -> npu_smi.NpuInventory | None:
             value = chip.get(key, 0 if kind is int else "" if kind is str else None)
             if isinstance(value, bool) or not isinstance(value, kind):
                 raise BadReport(f"'npu.chips[{index}].{key}' has the wrong type.")
-            if isinstance(value, float) or (isinstance(value, int) and float in _kinds(kind)):
-                if not _is_number(value):
+            if key in _CHIP_FLOATS:
+                if value is not None and not _is_number(value):
                     raise BadReport(f"'npu.chips[{index}].{key}' must be a number within +-{MAX_FLOAT:g}.")
             elif isinstance(value, int) and not _is_int(value, 0, MAX_INT):
                 raise BadReport(f"'npu.chips[{index}].{key}' must be an integer from 0 to {MAX_INT}.")
