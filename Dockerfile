@@ -1,7 +1,22 @@
-# Image of the platform (web, worker, beat) and, built on a CANN base image, of the NPU host agent.
+# Two images from one file:
+#   platform   (default target): web, worker, beat, gateway - Django, Celery, HAProxy, the front end's npm packages.
+#   host-agent (--target host-agent, on a CANN base image): `python -m hostagent` with backend_ge and their few
+#              dependencies only - no Django, no Node.js, no HAProxy, no platform secret.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
-FROM ${BASE_IMAGE}
+ARG AGENT_BASE_IMAGE=python:3.11-slim-bookworm
 
+FROM ${AGENT_BASE_IMAGE} AS host-agent
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 FLEET_ROOT=/fleet
+WORKDIR /src
+COPY agent/pyproject.toml ./
+COPY backend_ge backend_ge
+COPY hostagent hostagent
+RUN pip install --no-cache-dir . && rm -rf /src
+WORKDIR /
+# Runs as root: it gives every Triton instance an unprivileged user of its own (see the README's sandbox).
+ENTRYPOINT ["python", "-m", "hostagent"]
+
+FROM ${BASE_IMAGE} AS platform
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 VAR_DIR=/app/var
 RUN apt-get update && apt-get install -y --no-install-recommends nodejs npm haproxy && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
@@ -9,6 +24,7 @@ COPY pyproject.toml README.md ./
 COPY serving_platform serving_platform
 COPY apps apps
 COPY backend_ge backend_ge
+COPY hostagent hostagent
 COPY frontend frontend
 COPY manage.py Procfile ./
 RUN pip install --no-cache-dir . \

@@ -28,15 +28,23 @@ haproxy:
 migrate: install
 	$(PY) manage.py migrate --noinput
 
+## The local host agent of `make run` runs `python -m hostagent` over loopback like a remote one. Its settings,
+## in one place: its root (its credential is the agent's default ROOT/host-credential, written by `make demo`)
+## and what its Triton servers must not read - the platform's own state on this machine.
+LOCAL_VAR := $(or $(VAR_DIR),var)
+LOCAL_FLEET_ROOT := $(LOCAL_VAR)/fleet
+LOCAL_DB := $(LOCAL_VAR)/db.sqlite3
+LOCAL_AGENT_ENV := FLEET_ROOT=$(LOCAL_FLEET_ROOT) AGENT_PRIVATE_PATHS=$(or $(ARTIFACT_ROOT),$(LOCAL_VAR)/artifacts):$(or $(GATEWAY_DIR),$(LOCAL_VAR)/gateway):$(LOCAL_VAR)/secret_key:$(LOCAL_VAR)/demo_password:$(LOCAL_VAR)/celery:$(LOCAL_DB):$(LOCAL_DB)-wal:$(LOCAL_DB)-shm
+
 demo: migrate
 	$(PY) manage.py bootstrap_demo
-	$(PY) manage.py fleet_local_host --name local --address 127.0.0.1 --credential-file var/agent/local.credential \
+	$(PY) manage.py fleet_local_host --name local --address 127.0.0.1 --credential-file $(LOCAL_FLEET_ROOT)/host-credential \
 		--instance cpu-0:$${TRITON_HTTP_PORT:-8100}:$${TRITON_GRPC_PORT:-8101}:$${TRITON_METRICS_PORT:-8102}
 
 ## Start web (http://127.0.0.1:8000), Celery worker and beat, the local host agent and the inference gateway
 ## (http://127.0.0.1:8080, GATEWAY_BIND) together. No PostgreSQL/Redis needed.
 run: demo
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/honcho start -f Procfile
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(LOCAL_AGENT_ENV) $(VENV)/bin/honcho start -f Procfile
 
 ## Run the whole test suite (set DATABASE_URL / CELERY_BROKER_URL to test on PostgreSQL + Redis).
 test: install

@@ -114,8 +114,8 @@ def make_versions(team, owner, count: int, prefix: str, scratch: Path) -> list:
 
 def direct_load_seconds(version, scratch: Path, runs: int) -> float:
     """Triton's own time to load the model: a separate tritonserver, the same files, load -> READY."""
-    from apps.fleet.repository import materialize_model
     from backend_ge.runtime import TritonServer
+    from hostagent.repository import materialize_model
 
     repository = scratch / "direct-repository"
     name = version.model.triton_model_name()
@@ -218,7 +218,7 @@ def main() -> int:
     agent_env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
     log_path = scratch / "agent.log"
     agent = subprocess.Popen(
-        [sys.executable, "manage.py", "hostagent", "--platform", platform_url, "--join-token", token,
+        [sys.executable, "-m", "hostagent", "--platform", platform_url, "--join-token", token,
          "--credential-file", str(scratch / "host-credential")],
         cwd=ROOT, env=agent_env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """Fleet scale: N simulated host agents against one platform process on PostgreSQL, over the real agent API.
 
 One platform web server (gunicorn, ``--workers`` processes, default 1, of ``--threads`` each) serves ``--hosts`` simulated agents (threads here,
-each with its own host credential and ``apps.fleet.agent_client.PlatformClient``). Each agent heartbeats every
+each with its own host credential and ``hostagent.client.PlatformClient``). Each agent heartbeats every
 ``--heartbeat-every`` s (facts and its instances' log tails, as ``HostAgent`` sends them) and long-polls its
 desired state (``If-None-Match`` + ``?wait=--long-poll-wait``: held until it changes; ``--long-poll-wait 0``
 short-polls every ``--poll-every`` s as older agents do); its ``--instances`` fake instances answer like
@@ -286,7 +286,7 @@ class SimulatedAgent(threading.Thread):
 
     def __init__(self, platform: str, credential: str, args, latencies: Latencies, stop: threading.Event):
         super().__init__(daemon=True)
-        from apps.fleet.agent_client import PlatformClient
+        from hostagent.client import PlatformClient
 
         self.client = PlatformClient(platform, credential, retries=0, timeout=30)
         self.args, self.latencies, self.stop_event = args, latencies, stop

@@ -204,10 +204,11 @@ def main() -> int:
     logs.mkdir()
 
     def spawn(name: str, argv: list[str], extra: dict | None = None, drop: tuple = ()) -> subprocess.Popen:
+        """``argv`` after the interpreter: ``manage.py ...`` for the platform, ``-m hostagent ...`` for the agent."""
         log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - the child writes to it
         child_env = {k: v for k, v in {**env, **(extra or {})}.items() if k not in drop}
         process = subprocess.Popen(
-            [sys.executable, "manage.py", *argv], cwd=ROOT, env=child_env, stdout=log,
+            [sys.executable, *argv], cwd=ROOT, env=child_env, stdout=log,
             stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         processes.append(process)
@@ -225,7 +226,7 @@ def main() -> int:
     beat_thread = threading.Thread(target=beat, daemon=True)
     client = None
     try:
-        spawn("web", ["runserver", f"127.0.0.1:{web_port}", "--noreload"])
+        spawn("web", ["manage.py", "runserver", f"127.0.0.1:{web_port}", "--noreload"])
         host, join = fleet.create_host(actor=None, name="drill-host", address="127.0.0.1")
         ports = free_port(), free_port(), free_port()
         fleet.create_instance(
@@ -237,7 +238,7 @@ def main() -> int:
         agent_env = {"VAR_DIR": str(agent_var), "ARTIFACT_ROOT": str(agent_var / "none"),
                      "FLEET_ROOT": str(scratch / "fleet")}  # fmt: skip
         time.sleep(2)  # the web server binds
-        spawn("agent", ["hostagent", "--platform", f"http://127.0.0.1:{web_port}", "--join-token", join,
+        spawn("agent", ["-m", "hostagent", "--platform", f"http://127.0.0.1:{web_port}", "--join-token", join,
                         "--credential-file", str(agent_var / "credential")], agent_env,
               drop=("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"))  # fmt: skip
         instance = wait(
@@ -251,7 +252,7 @@ def main() -> int:
             180,
             "v1 to serve",
         )
-        spawn("gateway", ["gateway"])
+        spawn("gateway", ["manage.py", "gateway"])
         _, token = teams.create_token(actor=owner, team=team, name="drill")
         gateway_port = int(env["GATEWAY_BIND"].rsplit(":", 1)[1])
 

@@ -14,7 +14,7 @@ from django.utils import timezone
 from apps.alerts.models import Alert, AlertState
 from apps.conversions.models import ConversionJob, JobState
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
-from apps.fleet.models import OFFLINE_AFTER, Host, InstanceState, TritonInstance
+from apps.fleet.models import OFFLINE_AFTER, DesiredInstanceState, Host, InstanceState, TritonInstance
 from apps.monitoring.models import MINUTE, ModelMetrics
 from apps.registry.models import VersionState
 
@@ -96,7 +96,7 @@ def team_status(user, team) -> TeamStatus:
         .filter(host__in=hosts)
         .filter(
             Q(state__in=(InstanceState.FAILED, InstanceState.QUARANTINED))
-            | Q(state=InstanceState.STOPPED, desired_state="RUNNING")
+            | Q(state=InstanceState.STOPPED, desired_state=DesiredInstanceState.RUNNING)
         )
         .select_related("host")[:SHOWN]
     )

@@ -207,26 +207,14 @@ UPLOAD_ARCHIVE_MAX_UNPACKED_BYTES = env_int(
 PLAYGROUND_MAX_BYTES = env_int("PLAYGROUND_MAX_BYTES", 16 * 1024**2, minimum=1024)
 PLAYGROUND_MAX_ELEMENTS = env_int("PLAYGROUND_MAX_ELEMENTS", 4 * 1024**2, minimum=1)
 
-# --- Fleet: host agents ----------------------------------------------------------------------------
-FLEET_ROOT = Path(env_str("FLEET_ROOT") or VAR_DIR / "fleet").resolve()
-FLEET_START_TIMEOUT = env_int("FLEET_START_TIMEOUT", 120, minimum=5)
-# Restart a crashed tritonserver after 1, 2, 4, ... s (at most 60 s); quarantine after 5 crashes in 10 min.
-FLEET_RESTART_BASE_DELAY_MS = env_int("FLEET_RESTART_BASE_DELAY_MS", 1000, minimum=0)
-FLEET_MAX_CRASHES = env_int("FLEET_MAX_CRASHES", 5, minimum=1)
-FLEET_CRASH_WINDOW = env_int("FLEET_CRASH_WINDOW", 600, minimum=1)
-# Model instances (python stub processes) one served model may run on this host (capped by the team's quota
-# and the platform's limit, 8): the agent refuses a placement whose config asks for more.
-FLEET_MAX_MODEL_INSTANCES = env_int("FLEET_MAX_MODEL_INSTANCES", 8, minimum=1)
-# How often each agent compares Triton with the placements (and reports models that are not ready).
-FLEET_RECONCILE_INTERVAL_MS = env_int("FLEET_RECONCILE_INTERVAL_MS", 5000, minimum=50)
-# How often each agent polls its desired state (a 304 while nothing changed): a deploy reaches it within this.
-FLEET_POLL_INTERVAL_MS = env_int("FLEET_POLL_INTERVAL_MS", 1000, minimum=100)
-# Long poll (apps.fleet.long_poll): an agent asks the platform to hold its poll up to FLEET_LONG_POLL_WAIT s
-# (0: short polls); the platform grants at most AGENT_LONG_POLL_MAX_WAIT s and reads the waiting hosts'
+# --- Fleet: the platform's side of the agent API ----------------------------------------------------
+# The host agent is a program of its own (`python -m hostagent --help` lists its options and their
+# environment variables); nothing here configures it.
+# Long poll (apps.fleet.long_poll): an agent asks the platform to hold its poll (its FLEET_LONG_POLL_WAIT s,
+# 0: short polls); the platform grants at most AGENT_LONG_POLL_MAX_WAIT s and reads the waiting hosts'
 # generations every AGENT_LONG_POLL_WATCH_MS. A held poll pins one of a web process's WEB_THREADS threads, so
 # one process holds at most AGENT_LONG_POLL_MAX_WAITERS (the rest is answered at once, as a short poll): the
 # UI and the API keep threads of their own.
-FLEET_LONG_POLL_WAIT = env_int("FLEET_LONG_POLL_WAIT", 25, minimum=0)
 AGENT_LONG_POLL_MAX_WAIT = env_int("AGENT_LONG_POLL_MAX_WAIT", 30, minimum=1)
 AGENT_LONG_POLL_WATCH_MS = env_int("AGENT_LONG_POLL_WATCH_MS", 200, minimum=20)
 WEB_THREADS = env_int("WEB_THREADS", 64, minimum=1)
@@ -235,11 +223,6 @@ AGENT_LONG_POLL_MAX_WAITERS = env_int("AGENT_LONG_POLL_MAX_WAITERS", max(0, WEB_
 # this many requests run in Django at once, so hundreds of threads for held polls do not open hundreds of
 # PostgreSQL connections.
 WEB_DATABASE_CONNECTIONS = env_int("WEB_DATABASE_CONNECTIONS", 24, minimum=1)
-# A host agent (`manage.py hostagent`) talks to the platform at PLATFORM_URL with its host's credential only,
-# kept in AGENT_CREDENTIAL_FILE (0600); AGENT_JOIN_TOKEN is the one-time token of its first start.
-PLATFORM_URL = env_str("PLATFORM_URL") or ""
-AGENT_JOIN_TOKEN = env_str("AGENT_JOIN_TOKEN") or ""
-AGENT_CREDENTIAL_FILE = Path(env_str("AGENT_CREDENTIAL_FILE") or FLEET_ROOT / "host-credential")
 
 # --- Security (checked by `manage.py check --deploy`) ---------------------------------------------
 SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG)

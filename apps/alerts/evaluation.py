@@ -18,7 +18,7 @@ from django.db.models import F, Max, Q, Sum
 from apps.alerts.models import AlertKind, AlertRule
 from apps.conversions.models import ConversionJob, JobState
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
-from apps.fleet.models import OFFLINE_AFTER, Host, InstanceState, TritonInstance
+from apps.fleet.models import OFFLINE_AFTER, DesiredInstanceState, Host, InstanceState, TritonInstance
 from apps.monitoring.models import MINUTE, DeviceMetrics, ModelMetrics
 from apps.registry.models import VersionState
 
@@ -259,7 +259,7 @@ def check_instance_down(rules: list[AlertRule], context: Context) -> Findings:
         for instance in TritonInstance.objects.filter(pk__in=wanted)
         .filter(
             Q(state__in=(InstanceState.FAILED, InstanceState.QUARANTINED))
-            | Q(state=InstanceState.STOPPED, desired_state="RUNNING")
+            | Q(state=InstanceState.STOPPED, desired_state=DesiredInstanceState.RUNNING)
         )
         .select_related("host")
     }

@@ -21,7 +21,6 @@ from django.db.models import Q
 from django.http import FileResponse, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET, require_POST
 
-from apps.core.errors import public_error
 from apps.deployments import services
 from apps.deployments.models import (
     Deployment,
@@ -32,14 +31,14 @@ from apps.deployments.models import (
 from apps.fleet import long_poll
 from apps.fleet.agent_api import BadReport, error, host_instances, host_only, read_json, unauthorized
 from apps.fleet.models import hash_host_secret
-from apps.fleet.repository import file_manifest
 from apps.fleet.services import host_for_credential
 from apps.registry.models import ModelVersion
+from backend_ge.errors import public_error
+from hostagent.protocol import PlacementResult, check_placement_report
+from hostagent.repository import file_manifest
 
 # Deployments in these states want nothing served.
 GONE = (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED)
-EVENT_KINDS = {None, "serving", "reloaded", "canary_unloaded"}
-RESULTS = {"started", "waiting", "loaded", "failed", "unloaded", "lost", "canary_loaded", "canary_failed"}
 
 _manifests: dict[tuple, list[dict]] = {}
 _manifests_lock = threading.Lock()
@@ -193,11 +192,8 @@ def _version_of(deployment: Deployment, value, name: str) -> ModelVersion | None
     return version
 
 
-def _message(body: dict, key: str) -> str:
-    value = body.get(key) or ""
-    if not isinstance(value, str):
-        raise BadReport(f"'{key}' must be a string.")
-    return public_error(value[:4000]) if value else ""
+def _public(text: str) -> str:
+    return public_error(text) if text else ""
 
 
 @require_POST
@@ -212,53 +208,38 @@ def placement_report(request, placement_id: int):
     )
     if placement is None:
         return error(404, "not_found", "No such placement on this host.")
-    body = read_json(request)
-    generation, result = body.get("generation"), body.get("result")
-    if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
-        raise BadReport("'generation' must be the positive generation the agent applied.")
-    if result not in RESULTS:
-        raise BadReport(f"'result' must be one of {', '.join(sorted(RESULTS))}.")
+    report = check_placement_report(read_json(request))
+    generation, result = report.generation, report.result
     deployment = placement.deployment
-    version = _version_of(deployment, body.get("version"), "version")
-    canary = _version_of(deployment, body.get("canary"), "canary")
-    still = _version_of(deployment, body.get("still_serving"), "still_serving")
-    message, err = _message(body, "message"), _message(body, "error")
-    if result in ("loaded", "failed", "canary_loaded") and version is None:
-        raise BadReport(f"'version' is required for a '{result}' report.")
-    if result in ("canary_loaded", "canary_failed") and canary is None:
-        raise BadReport(f"'canary' is required for a '{result}' report.")
-    if result == "started":
+    version = _version_of(deployment, report.version, "version")
+    canary = _version_of(deployment, report.canary, "canary")
+    still = _version_of(deployment, report.still_serving, "still_serving")
+    message, err = _public(report.message), _public(report.error)
+    if result == PlacementResult.STARTED:
         accepted = services.placement_started(placement.pk, generation)
-    elif result == "waiting":
+    elif result == PlacementResult.WAITING:
         accepted = services.placement_waiting(placement.pk, generation, message or err)
-    elif result == "loaded":
-        kind = body.get("kind", "serving")
-        if kind not in EVENT_KINDS:
-            raise BadReport(
-                f"'kind' must be null or one of {', '.join(sorted(k for k in EVENT_KINDS if k))}."
-            )
+    elif result == PlacementResult.LOADED:
+        kind = report.kind.value if report.kind else None
         accepted = services.placement_loaded(
             placement.pk, generation, version, kind=kind, message=message, canary=canary
         )
-    elif result == "failed":
+    elif result == PlacementResult.FAILED:
         accepted = services.placement_failed(
             placement.pk, generation, err, version=version, still_serving=still, message=message
         )
-    elif result == "canary_loaded":
+    elif result == PlacementResult.CANARY_LOADED:
         accepted = services.placement_canary_loaded(
             placement.pk, generation, version, canary, message=message
         )
-    elif result == "canary_failed":
+    elif result == PlacementResult.CANARY_FAILED:
         accepted = services.placement_canary_failed(
             placement.pk, generation, err, canary=canary, still_serving=still
         )
-    elif result == "unloaded":
+    elif result == PlacementResult.UNLOADED:
         accepted = services.placement_unloaded(placement.pk, generation, message)
     else:
-        reloading = body.get("reloading", False)
-        if not isinstance(reloading, bool):
-            raise BadReport("'reloading' must be true or false.")
-        accepted = services.placement_lost(placement.pk, generation, err, reloading=reloading)
+        accepted = services.placement_lost(placement.pk, generation, err, reloading=report.reloading)
     # Only this instance's placements of the model decide the answer (``_reused``): a host with many
     # placements of one model must not make every report read them all.
     live = _live_placements(

@@ -6,6 +6,7 @@ from django.conf import settings
 from django.db import models
 
 from apps.teams.models import TeamScopedQuerySet
+from hostagent import protocol
 
 
 class DeploymentState(models.TextChoices):
@@ -106,11 +107,13 @@ class Deployment(models.Model):
 
 
 class PlacementState(models.TextChoices):
-    PENDING = "PENDING", "Pending"
-    LOADING = "LOADING", "Loading"
-    READY = "READY", "Ready"
-    FAILED = "FAILED", "Failed"
-    UNLOADED = "UNLOADED", "Unloaded"
+    """The values are the agent protocol's (``hostagent.protocol.PlacementState``): the agent reads them."""
+
+    PENDING = protocol.PlacementState.PENDING.value, "Pending"
+    LOADING = protocol.PlacementState.LOADING.value, "Loading"
+    READY = protocol.PlacementState.READY.value, "Ready"
+    FAILED = protocol.PlacementState.FAILED.value, "Failed"
+    UNLOADED = protocol.PlacementState.UNLOADED.value, "Unloaded"
 
 
 class DeploymentInstance(models.Model):

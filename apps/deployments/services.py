@@ -1,5 +1,5 @@
 """Deploy, switch and undeploy. The platform decides; each host's agent applies the placements on its
-instances (``apps.fleet.placement``) and reports back through ``placement_finished``."""
+instances (``hostagent.placement``) and reports back through ``placement_finished``."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from django.utils import timezone
 from apps.core.credentials import HOST_CREDENTIAL_SCHEME, HOST_JOIN_TOKEN_SCHEME
 from apps.teams.models import Action, TeamScopedQuerySet, team_ids_for
 from backend_ge.runtime import API_KEY_HEADER, GRPC_API_KEY_HEADER
+from hostagent import protocol
 
 host_name_validator = RegexValidator(
     r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$",
@@ -178,11 +179,18 @@ class Device(models.Model):
 
 
 class InstanceState(models.TextChoices):
-    STOPPED = "STOPPED", "Stopped"
-    STARTING = "STARTING", "Starting"
-    READY = "READY", "Ready"
-    FAILED = "FAILED", "Failed"
-    QUARANTINED = "QUARANTINED", "Quarantined"
+    """The values are the agent protocol's (``hostagent.protocol.InstanceState``): the agent reports them."""
+
+    STOPPED = protocol.InstanceState.STOPPED.value, "Stopped"
+    STARTING = protocol.InstanceState.STARTING.value, "Starting"
+    READY = protocol.InstanceState.READY.value, "Ready"
+    FAILED = protocol.InstanceState.FAILED.value, "Failed"
+    QUARANTINED = protocol.InstanceState.QUARANTINED.value, "Quarantined"
+
+
+class DesiredInstanceState(models.TextChoices):
+    RUNNING = protocol.DesiredInstanceState.RUNNING.value, "Running"
+    STOPPED = protocol.DesiredInstanceState.STOPPED.value, "Stopped"
 
 
 class ExecutorKind(models.TextChoices):
@@ -223,7 +231,7 @@ class TritonInstance(models.Model):
         help_text="Triton's latency quantile summaries; they cost throughput, so off by default.",
     )
     desired_state = models.CharField(
-        max_length=20, default="RUNNING", choices=[("RUNNING", "Running"), ("STOPPED", "Stopped")]
+        max_length=20, default=DesiredInstanceState.RUNNING, choices=DesiredInstanceState.choices
     )
     state = models.CharField(max_length=20, choices=InstanceState.choices, default=InstanceState.STOPPED)
     pid = models.IntegerField(null=True, blank=True)
@@ -260,7 +268,7 @@ class TritonInstance(models.Model):
         while this holds; an offline host's agent cannot act, so there is nothing to wait for)."""
         if not self.host.is_online():
             return False
-        if self.desired_state == "STOPPED":
+        if self.desired_state == DesiredInstanceState.STOPPED:
             return self.state in (InstanceState.READY, InstanceState.STARTING)
         return self.state in (InstanceState.STOPPED, InstanceState.STARTING)
 

@@ -16,6 +16,7 @@ from apps.fleet.models import (
     CREDENTIAL_SCHEME,
     JOIN_TOKEN_SCHEME,
     JOIN_TOKEN_TTL,
+    DesiredInstanceState,
     Device,
     ExecutorKind,
     Host,
@@ -176,7 +177,9 @@ def request_instance_state(*, actor, instance: TritonInstance, action: str) -> T
         raise ValidationError({"action": [f"'{action}' is not an action; use start, stop or restart."]})
     with transaction.atomic():
         fields: dict = {
-            "desired_state": "STOPPED" if action == "stop" else "RUNNING",
+            "desired_state": DesiredInstanceState.STOPPED
+            if action == "stop"
+            else DesiredInstanceState.RUNNING,
             "command": action,
             "command_seq": F("command_seq") + 1,
         }

@@ -237,6 +237,12 @@ class Options:
     def map_file(self, name: str) -> Path:
         return self.directory / f"{name}.map"
 
+    def make_directory(self) -> None:
+        """The gateway's directory is the platform's alone (0700): its configuration and maps name every
+        instance's key and the tokens' hashes, and Triton's servers may run on this machine as other users."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.directory.chmod(0o700)
+
 
 def _json_error(status: int, message: str, extra: str = "") -> str:
     body = json.dumps({"error": message})
@@ -524,7 +530,7 @@ def render_map(entries: dict[str, str]) -> str:
 
 def write_files(state: GatewayState, slots: Slots, o: Options) -> None:
     """Maps first, then the configuration: a restart at any moment comes back with a consistent state."""
-    o.directory.mkdir(parents=True, exist_ok=True)
+    o.make_directory()
     for name, entries in state.maps(slots).items():
         atomic_write(o.map_file(name), render_map(entries))
     atomic_write(o.map_file("slots"), slots.render())

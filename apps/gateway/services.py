@@ -133,7 +133,7 @@ def run_gateway(stop, interval: float | None = None) -> None:
     """The gateway command's loop: start HAProxy, then sync on every poke or interval until ``stop`` is set."""
     interval = settings.GATEWAY_SYNC_INTERVAL_MS / 1000 if interval is None else interval
     gateway = Gateway()
-    gateway.o.directory.mkdir(parents=True, exist_ok=True)
+    gateway.o.make_directory()
     poke_path = poke_socket_path()
     poke_path.unlink(missing_ok=True)
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as poke:

@@ -1,6 +1,6 @@
 """Agent reports carry the generation of the decision they applied: a stale one is dropped, and a placement
 whose model Triton lost takes the deployment out of SERVING until it is back. No agent, no Triton: the reports
-are made the way ``apps.fleet.placement`` makes them."""
+are made the way ``hostagent.placement`` makes them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Rollouts as the API, the agents' reports and the beat task drive them - no agent, no Triton: placements are
-moved by hand the way ``apps.fleet.placement`` reports them, and the instances' metrics ports are closed (a
+moved by hand the way ``hostagent.placement`` reports them, and the instances' metrics ports are closed (a
 check then sees no canary traffic). The behaviour with real tritonservers is in test_rollout_live.py."""
 
 from __future__ import annotations

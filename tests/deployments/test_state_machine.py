@@ -1,5 +1,5 @@
 """The deployment state machine as agents drive it through ``placement_finished`` - no agent, no Triton:
-the placements are moved by hand the way ``apps.fleet.placement`` moves them."""
+the placements are moved by hand the way ``hostagent.placement`` moves them."""
 
 from __future__ import annotations
 

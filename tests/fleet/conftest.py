@@ -86,10 +86,27 @@ def instance_key_headers(url: str) -> dict[str, str]:
     return TritonInstance.objects.get(http_port=port).key_headers()
 
 
+def agent_command(platform: str, token: str, credential_file: Path) -> list[str]:
+    """The host agent's command line, as an inference host runs it."""
+    return [sys.executable, "-m", "hostagent", "--platform", platform, "--join-token", token,
+            "--credential-file", str(credential_file)]  # fmt: skip
+
+
+def agent_environment(extra: dict) -> dict:
+    """An inference host's environment: no database or broker URL, and nothing of the platform importable
+    (``tests/without_django/sitecustomize.py`` refuses Django and the platform's packages)."""
+    env = {k: v for k, v in os.environ.items() if k not in PLATFORM_ONLY_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT / "tests" / "without_django"), env.get("PYTHONPATH")])
+    )
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
 class Agent:
-    """A `manage.py hostagent` process for a host created the way staff create one (with one CPU instance on
+    """A `python -m hostagent` process for a host created the way staff create one (with one CPU instance on
     free ports): it joins with the host's one-time token and then knows only the platform's URL and its own
-    credential - no DATABASE_URL, no broker URL."""
+    credential - no DATABASE_URL, no broker URL, no Django."""
 
     def __init__(self, name: str, env: dict, log_path: Path, platform: str):
         from apps.fleet import services
@@ -110,8 +127,7 @@ class Agent:
         )
         self.log = open(log_path, "ab")  # noqa: SIM115 - the child writes to it until stop()
         self.process = subprocess.Popen(
-            [sys.executable, "manage.py", "hostagent", "--platform", platform, "--join-token", token,
-             "--credential-file", str(self.credential_file)],
+            agent_command(platform, token, self.credential_file),
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
 
@@ -143,17 +159,12 @@ def start_agent(tmp_path, artifact_root, live_server):
     agents: list[Agent] = []
 
     def _start(name: str, **extra) -> Agent:
-        env = {k: v for k, v in os.environ.items() if k not in PLATFORM_ONLY_ENV}
         var_dir = tmp_path / f"agent-{name}-var"
         var_dir.mkdir()
-        env.update(
-            VAR_DIR=str(var_dir),
-            # The host's own directory (beside the artifact store, see ``artifact_root``); no artifact store.
-            ARTIFACT_ROOT=str(var_dir / "no-artifacts"),
-            FLEET_ROOT=str(Path(artifact_root).parent / "fleet"),
-            DEBUG="1",
+        # The host's own directory (beside the artifact store, see ``artifact_root``); no artifact store.
+        env = agent_environment(
+            {"VAR_DIR": var_dir, "FLEET_ROOT": Path(artifact_root).parent / "fleet", **extra}
         )
-        env.update({k: str(v) for k, v in extra.items()})
         agent = Agent(name, env, tmp_path / f"agent-{name}.log", live_server.url)
         agents.append(agent)
         return agent

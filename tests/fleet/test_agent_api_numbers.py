@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from apps.fleet.agent_api import MAX_INT
+from hostagent.protocol import MAX_INT
 from apps.fleet.models import Device, TritonInstance
 from tests.fleet.test_agent_identity import joined
 

@@ -3,7 +3,7 @@ was read says more (a decision applied meanwhile is not applied twice)."""
 
 from __future__ import annotations
 
-from apps.fleet.agent_client import DesiredState
+from hostagent.client import DesiredState
 
 VERSION = {"id": 7, "number": 1, "label": "M v1", "model_name": "t__m", "config_text": "", "signature": {},
            "instance_limit": 1, "files": []}  # fmt: skip

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
-from apps.core.errors import public_error
 from apps.deployments import services as deployment_services
 from apps.deployments.models import PlacementState
 from apps.fleet.models import Host, InstanceState, TritonInstance
+from backend_ge.errors import public_error
 from tests.conftest import client_for
 from tests.deployments.conftest import make_version
 from tests.factories import UserFactory
@@ -71,7 +71,7 @@ def staff_session(client):
 
 
 def test_public_error_drops_the_traceback_and_paths_and_logs_them_under_the_id_it_shows(caplog):
-    with caplog.at_level(logging.ERROR, logger="apps.errors"):
+    with caplog.at_level(logging.ERROR, logger="backend_ge.errors"):
         text = public_error(TRACEBACK_ERROR)
     assert "ValueError: input 'x' has no dims" in text and "/srv/" not in text and "At:" not in text
     error_id = ERROR_ID.search(text).group(1)
@@ -90,7 +90,7 @@ def test_public_error_keeps_the_last_line_of_a_python_traceback_without_its_path
 
 def test_public_error_leaves_a_clean_message_alone_and_logs_nothing(caplog):
     message = "the platform at http://127.0.0.1:8000 refused the manifest request (HTTP 403): wrong key"
-    with caplog.at_level(logging.ERROR, logger="apps.errors"):
+    with caplog.at_level(logging.ERROR, logger="backend_ge.errors"):
         assert public_error(message) == message
         assert public_error(public_error(TRACEBACK_ERROR)).count("error id") == 1
     assert len(caplog.records) == 1  # only the one withheld traceback

@@ -1,13 +1,13 @@
-"""What the agent's heartbeat says about its host (``apps.fleet.host_facts``), read on a host with the fake
+"""What the agent's heartbeat says about its host (``hostagent.host_facts``), read on a host with the fake
 ``npu-smi`` (a recorded real table of 8 x 910B3) and on a CPU-only host, and taken by the agent API as sent."""
 
 from __future__ import annotations
 
 import pytest
 
-from apps.fleet.host_facts import host_facts, npu_inventory
 from apps.fleet.models import TritonInstance
 from backend_ge import fakes
+from hostagent.host_facts import host_facts, npu_inventory
 from tests.fleet.test_agent_identity import joined
 
 

@@ -19,9 +19,9 @@ from django.test.utils import CaptureQueriesContext
 
 from apps.deployments import services as deployment_services
 from apps.fleet import long_poll, services
-from apps.fleet.agent_client import PlatformClient
 from apps.fleet.agent_fastpath import AgentPollFastPath, DatabaseSlots, database_slots
 from apps.fleet.models import Device, Host, TritonInstance
+from hostagent.client import PlatformClient
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -275,7 +275,8 @@ def test_database_slots_run_django_requests_on_a_bounded_pool_of_connections():
 
 
 def test_the_agent_long_polls_back_to_back_and_does_not_spin_on_a_platform_that_answers_at_once(tmp_path):
-    from apps.fleet.agent import HostAgent
+    from hostagent.config import AgentConfig
+    from hostagent.supervisor import HostAgent
 
     class Platform:
         """Answers at once, as an older platform does; the third poll brings a new generation."""
@@ -290,9 +291,10 @@ def test_the_agent_long_polls_back_to_back_and_does_not_spin_on_a_platform_that_
             return etag, None
 
     platform = Platform()
-    agent = HostAgent(
-        platform, "lp-agent", root=tmp_path, poll_every=0.2, long_poll_wait=25, full_fetch_every=3600
+    config = AgentConfig(
+        platform="http://127.0.0.1:1", root=tmp_path, poll_interval_ms=200, long_poll_wait=25
     )
+    agent = HostAgent(platform, "lp-agent", config, full_fetch_every=3600)
     agent._etag, agent._fetched_at = '"4"', time.monotonic()
     thread = threading.Thread(target=agent._poll_loop, daemon=True)
     thread.start()

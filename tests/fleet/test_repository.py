@@ -1,4 +1,4 @@
-"""apps.fleet.repository: an instance's repository holds only what is placed, with a config rebuilt by the host."""
+"""hostagent.repository: an instance's repository holds only what is placed, with a config rebuilt by the host."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from apps.fleet.repository import RepositoryError, file_manifest, materialize_model, served_config_text
 from backend_ge import config as gc
+from hostagent.repository import RepositoryError, file_manifest, materialize_model, served_config_text
 from tests.registry.hostile_configs import CASES
 
 CONFIG = """
@@ -92,18 +92,16 @@ def test_materialize_refuses_more_instances_than_the_host_allows_and_writes_noth
 
 
 @pytest.mark.django_db
-def test_model_instance_limit_is_the_smaller_of_the_teams_quota_and_the_hosts(settings):
-    from apps.fleet.placement import model_instance_limit
+def test_model_instance_limit_is_the_smaller_of_the_teams_quota_and_the_hosts():
     from apps.teams.models import Team
+    from hostagent.placement import model_instance_limit
 
     team = Team.objects.create(name="T", slug="t", quota_model_instances=4)
-    settings.FLEET_MAX_MODEL_INSTANCES = 2
-    assert model_instance_limit(team.model_instance_limit()) == (
+    assert model_instance_limit(team.model_instance_limit(), host_limit=2) == (
         2,
         "this host's limit (FLEET_MAX_MODEL_INSTANCES)",
     )
-    settings.FLEET_MAX_MODEL_INSTANCES = 8
-    assert model_instance_limit(team.model_instance_limit()) == (
+    assert model_instance_limit(team.model_instance_limit(), host_limit=8) == (
         4,
         "the team's limit (quota_model_instances)",
     )

@@ -257,7 +257,8 @@ def test_the_agent_refuses_to_start_when_an_instance_user_could_read_a_secret(st
     gateway.mkdir(mode=0o755)
     (gateway / "instances.map").write_text("key\n")
     (gateway / "instances.map").chmod(0o644)  # e.g. written by hand, with the umask's mode
-    agent = start_agent("leaky", GATEWAY_DIR=gateway)
+    # What this host's configuration names private (as `make run` names the platform's gateway files).
+    agent = start_agent("leaky", AGENT_PRIVATE_PATHS=gateway / "instances.map")
     assert agent.process.wait(120) != 0
     output = agent.output()
     assert "host agent for leaky cannot run its Triton instances" in output

@@ -21,10 +21,10 @@ from apps.deployments.models import (
     RolloutState,
 )
 from apps.fleet.models import Host, InstanceState, TritonInstance
-from apps.fleet.repository import materialize_model
 from apps.gateway.haproxy import AdminSocket
 from apps.registry.models import RegisteredModel
 from backend_ge.runtime import TritonServer
+from hostagent.repository import materialize_model
 from tests.conftest import wait_for
 from tests.gateway.conftest import Load, requires_haproxy, server_status, slot_of, worker_pid
 

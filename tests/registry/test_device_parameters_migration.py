@@ -8,10 +8,10 @@ import importlib
 import pytest
 from django.apps import apps
 
-from apps.fleet.repository import RepositoryError, served_config_text
 from apps.registry import services
 from apps.registry.models import ModelVersion, VersionState
 from backend_ge import config as gc
+from hostagent.repository import RepositoryError, served_config_text
 
 pytestmark = pytest.mark.django_db
 

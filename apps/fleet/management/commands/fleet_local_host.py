@@ -2,7 +2,7 @@
 
 Run on the platform side (it opens the database): it adds the host and its CPU instances when they are missing,
 as staff would, and when ``--credential-file`` does not hold the host's current credential it joins the host
-and writes a new one there (mode 0600). ``manage.py hostagent --platform http://127.0.0.1:8000
+and writes a new one there (mode 0600). ``python -m hostagent --platform http://127.0.0.1:8000
 --credential-file FILE`` then runs the local agent over loopback, through the same agent API as any other host.
 """
 
@@ -14,8 +14,8 @@ from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
 from apps.fleet import services
-from apps.fleet.agent_client import save_credential
 from apps.fleet.models import Host, TritonInstance, hash_host_secret
+from hostagent.client import save_credential
 
 
 class Command(BaseCommand):

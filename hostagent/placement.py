@@ -1,7 +1,8 @@
 """What an agent does to put deployments on its instances (runs inside the host agent).
 
-It reads the host's desired state (``apps.fleet.agent_client.DesiredState``, fetched over the agent API) and
-reports every result over the same API (``apps.fleet.agent_reports``): no database here.
+It reads the host's desired state (``hostagent.client.DesiredState``, fetched over the agent API) and reports
+every result over the same API (``hostagent.reports``): no database here. Every function gets the agent it
+works for (``AgentState``: its configuration, client, desired state and reports), never a global.
 
 Switching version without failed requests: the new version is first loaded under a candidate name and
 smoke-tested with inputs generated from its signature, so a broken version never touches the served model.
@@ -17,65 +18,77 @@ import logging
 import shutil
 import time
 from pathlib import Path
+from typing import Protocol
 
-from django.conf import settings
-
-from apps.core.errors import public_error
-from apps.fleet import agent_reports as services
-from apps.fleet.agent import InstanceProcess, current_agent
-from apps.fleet.agent_client import (
-    PLACEMENT_READY,
+from backend_ge import samples
+from backend_ge.config import ModelSignature
+from backend_ge.errors import public_error
+from backend_ge.final_counts import read_final_counts
+from backend_ge.runtime import TritonError, TritonServer
+from hostagent.client import (
     DeploymentSpec,
+    DesiredState,
     InstanceSpec,
     PlacementSpec,
+    PlatformClient,
     PlatformError,
     VersionSpec,
 )
-from apps.fleet.repository import RepositoryError, materialize_model, remove_model
-from backend_ge import samples
-from backend_ge.config import ModelSignature
-from backend_ge.final_counts import read_final_counts
-from backend_ge.runtime import TritonError, TritonServer
+from hostagent.config import AgentConfig
+from hostagent.instances import InstanceProcess
+from hostagent.protocol import LoadedKind, PlacementState
+from hostagent.reports import Reports
+from hostagent.repository import RepositoryError, materialize_model, remove_model
 
 log = logging.getLogger(__name__)
 
-CANDIDATE_SUFFIX = "__candidate"
 # A model that failed to load is retried by reconcile after this long, not every few seconds - unless the
 # server restarted meanwhile (the key holds its pid): a fresh server gets one attempt at every model.
 LOAD_RETRY_AFTER = 60.0
-_failed_loads: dict[tuple[int, int, str, int], tuple[float, str]] = {}
+CANDIDATE_SUFFIX = "__candidate"
+
+
+class AgentState(Protocol):
+    """What placement code needs of the agent it works for (``hostagent.supervisor.HostAgent``)."""
+
+    config: AgentConfig
+    client: PlatformClient
+    desired: DesiredState
+    reports: Reports
+    # (instance, server pid, model, version) -> (retry after, last failure) of loads that failed
+    failed_loads: dict[tuple[int, int, str, int], tuple[float, str]]
 
 
 class SmokeTestError(RuntimeError):
     """The candidate version loaded but could not answer an inference request."""
 
 
-def servable_dir(version: VersionSpec) -> Path:
+def servable_dir(agent: AgentState, version: VersionSpec) -> Path:
     """The version's converted model directory on this machine: downloaded over the agent API into the agent's
     cache (once per version), every file checked against the manifest's sha256."""
-    return current_agent().client.download_version(version, Path(settings.FLEET_ROOT) / "cache")
+    return agent.client.download_version(version, agent.config.cache_dir)
 
 
-def model_instance_limit(team_limit: int) -> tuple[int, str]:
+def model_instance_limit(team_limit: int, host_limit: int) -> tuple[int, str]:
     """How many model instances a config may run on this host, and how a refusal names the bound: the team's
     quota (capped by the platform's limit; the desired state carries it) and this host's
-    FLEET_MAX_MODEL_INSTANCES."""
-    host_limit = max(1, int(settings.FLEET_MAX_MODEL_INSTANCES))
+    ``--max-model-instances`` (FLEET_MAX_MODEL_INSTANCES)."""
+    host_limit = max(1, int(host_limit))
     if host_limit < team_limit:
         return host_limit, "this host's limit (FLEET_MAX_MODEL_INSTANCES)"
     return team_limit, "the team's limit (quota_model_instances)"
 
 
-def _materialize(proc: InstanceProcess, name: str, versions: list[VersionSpec]) -> None:
+def _materialize(agent: AgentState, proc: InstanceProcess, name: str, versions: list[VersionSpec]) -> None:
     newest = max(versions, key=lambda v: v.number)
     # The devices are the placing instance's, never the tenant's config.
-    instance = current_agent().desired.instance(proc.instance_id)
+    instance = agent.desired.instance(proc.instance_id)
     device_ids = instance.device_ids if instance is not None else []
-    limit, limit_name = model_instance_limit(newest.instance_limit)
+    limit, limit_name = model_instance_limit(newest.instance_limit, agent.config.max_model_instances)
     materialize_model(
         proc.repository,
         name,
-        {v.number: servable_dir(v) for v in versions},
+        {v.number: servable_dir(agent, v) for v in versions},
         newest.config_text,
         device_ids=list(device_ids or ()),
         max_instance_count=limit,
@@ -118,10 +131,12 @@ def _wait_model_ready(server: TritonServer, name: str, version: int, timeout: fl
     raise TritonError(f"{name} version {version} did not become ready within {timeout:.0f}s")
 
 
-def _apply_locked(proc: InstanceProcess, placement_id: int, generation: int | None = None) -> None:
+def _apply_locked(
+    agent: AgentState, proc: InstanceProcess, placement_id: int, generation: int | None = None
+) -> None:
     """Apply the placement's latest decision. The caller holds ``proc.lock``, so the placement is read here,
     after every earlier load or unload on this instance finished: nothing decided before is acted on stale."""
-    placement = current_agent().desired.placement(placement_id)
+    placement = agent.desired.placement(placement_id)
     if placement is None:
         return  # deleted meanwhile: nothing to do
     if generation is not None and placement.generation != generation:
@@ -133,38 +148,38 @@ def _apply_locked(proc: InstanceProcess, placement_id: int, generation: int | No
     name = deployment.triton_model_name()
     server = proc.server
     if placement.undeploy:
-        _undeploy(proc, placement, name)
+        _undeploy(agent, proc, placement, name)
         return
     target = deployment.target_version or deployment.active_version
     if target is None:
         return
     canary = _rollout_canary(deployment)
     if canary is not None and canary != target:
-        _apply_canary(proc, placement, name, target, canary)
+        _apply_canary(agent, proc, placement, name, target, canary)
         return
     current = placement.served_version
     if current == target and server.is_model_ready(name, str(target.number)):
         others = _other_versions_ready(server, name, target)
         if not others:
-            services.placement_loaded(placement.pk, generation, target, kind=None)
+            agent.reports.placement_loaded(placement.pk, generation, target, kind=None)
             return
         # A rollout ended: serve the stable version alone (Triton lets in-flight canary requests finish).
         try:
-            _materialize(proc, name, [target])
-            with final_counts_reported(proc, name, others):
+            _materialize(agent, proc, name, [target])
+            with final_counts_reported(agent, proc, name, others):
                 server.load_model(name)
             _wait_model_ready(server, name, target.number)
         except (TritonError, RepositoryError, OSError) as exc:
             log.warning("%s: unloading versions %s of %s: %s", placement.instance, others, name, exc)
-        services.placement_loaded(
+        agent.reports.placement_loaded(
             placement.pk,
             generation,
             target,
-            kind="canary_unloaded",
+            kind=LoadedKind.CANARY_UNLOADED,
             message=f"{placement.instance} serves {target} alone (unloaded version {', '.join(others)})",
         )
         return
-    if not services.placement_started(placement.pk, generation):
+    if not agent.reports.placement_started(placement.pk, generation):
         return
     served = current if current and server.is_model_ready(name, str(current.number)) else None
     # Promoting a canary this placement already serves beside the stable version: it passed its smoke test
@@ -175,7 +190,7 @@ def _apply_locked(proc: InstanceProcess, placement_id: int, generation: int | No
         and server.is_model_ready(name, str(target.number))
     )
     try:
-        switch_version(proc, name, served, target, tested=tested)
+        switch_version(agent, proc, name, served, target, tested=tested)
     except (TritonError, RepositoryError, SmokeTestError, OSError) as exc:
         message = public_error(exc)
         # Report what Triton really serves after the failure, not what it served before. Re-applying the
@@ -183,7 +198,7 @@ def _apply_locked(proc: InstanceProcess, placement_id: int, generation: int | No
         still = served if served and server.is_model_ready(name, str(served.number)) else None
         if still is None and deployment.target_version is None:
             still = target
-        services.placement_failed(
+        agent.reports.placement_failed(
             placement.pk,
             generation,
             message,
@@ -192,8 +207,8 @@ def _apply_locked(proc: InstanceProcess, placement_id: int, generation: int | No
             message=f"{target} failed on {placement.instance}: {message}",
         )
         return
-    _forget_failed_loads(name)
-    services.placement_loaded(
+    _forget_failed_loads(agent, name)
+    agent.reports.placement_loaded(
         placement.pk, generation, target, message=f"{placement.instance} serves {target}"
     )
 
@@ -219,6 +234,7 @@ def _other_versions_ready(server: TritonServer, name: str, keep: VersionSpec) ->
 
 
 def _apply_canary(
+    agent: AgentState,
     proc: InstanceProcess,
     placement: PlacementSpec,
     name: str,
@@ -238,12 +254,12 @@ def _apply_canary(
         and ready(stable)
         and ready(canary)
     ):
-        services.placement_canary_loaded(placement.pk, generation, stable, canary)
+        agent.reports.placement_canary_loaded(placement.pk, generation, stable, canary)
         return
     try:
-        load_canary(proc, name, stable if ready(stable) else None, stable, canary)
+        load_canary(agent, proc, name, stable if ready(stable) else None, stable, canary)
     except (TritonError, RepositoryError, SmokeTestError, OSError) as exc:
-        services.placement_canary_failed(
+        agent.reports.placement_canary_failed(
             placement.pk,
             generation,
             f"{canary} failed on {placement.instance}: {public_error(exc)}",
@@ -251,8 +267,8 @@ def _apply_canary(
             still_serving=stable if ready(stable) else None,
         )
         return
-    _forget_failed_loads(name)
-    services.placement_canary_loaded(
+    _forget_failed_loads(agent, name)
+    agent.reports.placement_canary_loaded(
         placement.pk,
         generation,
         stable,
@@ -262,19 +278,24 @@ def _apply_canary(
 
 
 def load_canary(
-    proc: InstanceProcess, name: str, served: VersionSpec | None, stable: VersionSpec, canary: VersionSpec
+    agent: AgentState,
+    proc: InstanceProcess,
+    name: str,
+    served: VersionSpec | None,
+    stable: VersionSpec,
+    canary: VersionSpec,
 ) -> None:
     """Candidate load + smoke test of the canary, then the served model reloaded with both versions. On a
     failure the repository holds the stable version alone again (and Triton serves it, when it did before)."""
     server = proc.server
-    _smoke_test_candidate(proc, name, canary)
+    _smoke_test_candidate(agent, proc, name, canary)
     try:
-        _materialize(proc, name, [stable, canary])
+        _materialize(agent, proc, name, [stable, canary])
         server.load_model(name)
         _wait_model_ready(server, name, stable.number)
         _wait_model_ready(server, name, canary.number)
     except BaseException:
-        _materialize(proc, name, [stable])
+        _materialize(agent, proc, name, [stable])
         if served is not None:
             try:
                 server.load_model(name)
@@ -283,28 +304,28 @@ def load_canary(
         raise
 
 
-def _undeploy(proc: InstanceProcess, placement: PlacementSpec, name: str) -> None:
+def _undeploy(agent: AgentState, proc: InstanceProcess, placement: PlacementSpec, name: str) -> None:
     # A newer live deployment of the same model uses the same Triton name: leave its model alone.
     reused = placement.keep_model
     server = proc.server
     if not reused:
         if server is not None and server.is_model_ready(name):
             try:
-                with final_counts_reported(proc, name):
+                with final_counts_reported(agent, proc, name):
                     server.unload_model(name)
             except TritonError as exc:
                 log.warning("unloading %s: %s", name, exc)
         remove_model(proc.repository, name)
-    services.placement_unloaded(
+    agent.reports.placement_unloaded(
         placement.pk, placement.generation, f"{name} unloaded from {placement.instance}"
     )
 
 
-def _smoke_test_candidate(proc: InstanceProcess, name: str, version: VersionSpec) -> None:
+def _smoke_test_candidate(agent: AgentState, proc: InstanceProcess, name: str, version: VersionSpec) -> None:
     server = proc.server
     candidate = name + CANDIDATE_SUFFIX
     try:
-        _materialize(proc, candidate, [version])
+        _materialize(agent, proc, candidate, [version])
         server.load_model(candidate)
         _wait_model_ready(server, candidate, version.number)
         smoke_test(server, candidate, version)
@@ -319,6 +340,7 @@ def _smoke_test_candidate(proc: InstanceProcess, name: str, version: VersionSpec
 
 
 def switch_version(
+    agent: AgentState,
     proc: InstanceProcess,
     name: str,
     current: VersionSpec | None,
@@ -334,7 +356,7 @@ def switch_version(
     server = proc.server
     if current is None:
         try:
-            _materialize(proc, name, [target])
+            _materialize(agent, proc, name, [target])
             server.load_model(name)
             _wait_model_ready(server, name, target.number)
             smoke_test(server, name, target)
@@ -348,24 +370,26 @@ def switch_version(
             raise
         return
     if not tested:
-        _smoke_test_candidate(proc, name, target)
+        _smoke_test_candidate(agent, proc, name, target)
     if current is not None and current != target:
         try:
-            _materialize(proc, name, [current, target])
+            _materialize(agent, proc, name, [current, target])
             server.load_model(name)
             _wait_model_ready(server, name, target.number)
         except BaseException:
             # Put the repository back as it was so a later reload (e.g. after a restart) serves the old version.
-            _materialize(proc, name, [current])
+            _materialize(agent, proc, name, [current])
             raise
-    _materialize(proc, name, [target])
-    with final_counts_reported(proc, name, [current.number] if current != target else []):
+    _materialize(agent, proc, name, [target])
+    with final_counts_reported(agent, proc, name, [current.number] if current != target else []):
         server.load_model(name)
     _wait_model_ready(server, name, target.number)
 
 
 @contextlib.contextmanager
-def final_counts_reported(proc: InstanceProcess, name: str, versions: list[int | str] | None = None):
+def final_counts_reported(
+    agent: AgentState, proc: InstanceProcess, name: str, versions: list[int | str] | None = None
+):
     """Read what Triton counted for ``versions`` of ``name`` (all loaded ones when None) on entering, and
     report it on leaving: the block is the reload or unload that drops them (a switch's last step, a rollout's
     promote or abort, an undeploy), whose traffic since the last scrape would otherwise never be counted.
@@ -384,14 +408,14 @@ def final_counts_reported(proc: InstanceProcess, name: str, versions: list[int |
     finally:
         if counts is not None:
             try:
-                services.final_counts(proc.instance_id, counts)
+                agent.reports.final_counts(proc.instance_id, counts)
             except (OSError, ValueError, PlatformError) as exc:
                 log.warning("reporting the final counts of %s: %s", name, exc)
 
 
-def _forget_failed_loads(name: str) -> None:
-    for key in [key for key in _failed_loads if key[2] == name]:
-        _failed_loads.pop(key, None)
+def _forget_failed_loads(agent: AgentState, name: str) -> None:
+    for key in [key for key in agent.failed_loads if key[2] == name]:
+        agent.failed_loads.pop(key, None)
 
 
 def _triton_reason(entry: dict | None) -> str:
@@ -401,50 +425,52 @@ def _triton_reason(entry: dict | None) -> str:
     return f"Triton reports it {entry.get('state') or 'not loaded'}" + (f": {reason}" if reason else "")
 
 
-def _verify(proc: InstanceProcess, placement: PlacementSpec, name: str, entry: dict | None) -> None:
+def _verify(
+    agent: AgentState, proc: InstanceProcess, placement: PlacementSpec, name: str, entry: dict | None
+) -> None:
     """Make the placement's state say what Triton says about its served version, reloading it if it is gone."""
     server, version, instance = proc.server, placement.served_version, placement.instance
     generation, canary = placement.generation, placement.canary_version
     served = [version, canary] if canary is not None else [version]
     if entry is not None and entry.get("state") == "READY":
-        if placement.state != PLACEMENT_READY:
-            services.placement_loaded(
+        if placement.state != PlacementState.READY:
+            agent.reports.placement_loaded(
                 placement.pk, generation, version, message=f"{instance} serves {version} again", canary=canary
             )
         return
     key = (instance.pk, server.process.pid, name, version.number)
-    retry_at, last_failure = _failed_loads.get(key, (0.0, ""))
+    retry_at, last_failure = agent.failed_loads.get(key, (0.0, ""))
     if time.monotonic() < retry_at:
-        services.placement_lost(placement.pk, generation, last_failure, reloading=False)
+        agent.reports.placement_lost(placement.pk, generation, last_failure, reloading=False)
         return
-    services.placement_lost(
+    agent.reports.placement_lost(
         placement.pk,
         generation,
         f"{version} was not ready on {instance} ({_triton_reason(entry)}); reloading it",
         reloading=True,
     )
     try:
-        _materialize(proc, name, served)
+        _materialize(agent, proc, name, served)
         server.load_model(name)
         for each in served:
             _wait_model_ready(server, name, each.number)
     except (TritonError, RepositoryError, OSError) as exc:
         failure = f"reloading {version} on {instance} failed: {public_error(exc)}"
-        _failed_loads[key] = (time.monotonic() + LOAD_RETRY_AFTER, failure)
-        services.placement_lost(placement.pk, generation, failure, reloading=False)
+        agent.failed_loads[key] = (time.monotonic() + LOAD_RETRY_AFTER, failure)
+        agent.reports.placement_lost(placement.pk, generation, failure, reloading=False)
         return
-    _failed_loads.pop(key, None)
-    services.placement_loaded(
+    agent.failed_loads.pop(key, None)
+    agent.reports.placement_loaded(
         placement.pk,
         generation,
         version,
-        kind="reloaded",
+        kind=LoadedKind.RELOADED,
         message=f"{instance} reloaded {' and '.join(map(str, served))} (it was not loaded)",
         canary=canary,
     )
 
 
-def reconcile_instance(instance: InstanceSpec, proc: InstanceProcess) -> None:
+def reconcile_instance(agent: AgentState, instance: InstanceSpec, proc: InstanceProcess) -> None:
     """Make Triton match the placements, and the placements say what Triton serves: apply decisions not yet
     applied (e.g. made while the instance was down), check every served version against Triton's repository
     index (reload what is missing, report what cannot be), unload what no live placement wants.
@@ -454,15 +480,15 @@ def reconcile_instance(instance: InstanceSpec, proc: InstanceProcess) -> None:
     if not proc.running():
         return  # stopped while the caller waited for the lock; the next pass reports it down
     server = proc.server
-    desired = current_agent().desired
+    desired = agent.desired
     pending = [p.pk for p in desired.placements_on(instance.pk) if not p.is_applied()]
     # Bounded: with a long queue of deploys the check below must still run about once per interval. What
     # is left stays pending (kept loaded, never unloaded) for its own task or the next pass.
-    stop_applying_at = time.monotonic() + settings.FLEET_RECONCILE_INTERVAL_MS / 1000
+    stop_applying_at = time.monotonic() + agent.config.reconcile_interval_ms / 1000
     for placement_id in list(pending):
         if time.monotonic() >= stop_applying_at:
             break
-        _apply_locked(proc, placement_id)
+        _apply_locked(agent, proc, placement_id)
     try:
         index = server.repository_index()
     except TritonError as exc:
@@ -484,7 +510,7 @@ def reconcile_instance(instance: InstanceSpec, proc: InstanceProcess) -> None:
             canary_entry = entries.get((name, str(placement.canary_version.number)))
             if canary_entry is None or canary_entry.get("state") != "READY":
                 entry = canary_entry  # the canary is gone: reload both
-        _verify(proc, placement, name, entry)
+        _verify(agent, proc, placement, name, entry)
     for name in {entry.get("name") for entry in index if entry.get("state") == "READY"} - keep:
         try:
             server.unload_model(name)
@@ -495,9 +521,9 @@ def reconcile_instance(instance: InstanceSpec, proc: InstanceProcess) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def report_instance_down(instance: InstanceSpec, state: str, last_error: str) -> None:
+def report_instance_down(agent: AgentState, instance: InstanceSpec, state: str, last_error: str) -> None:
     """The instance's server is not running: none of its placements is READY until reconcile reloads them."""
     reason = f"{instance} is {state}" + (f": {last_error}" if last_error else "")
-    placements = current_agent().desired.placements_on(instance.pk)
-    for placement in [p for p in placements if p.state == PLACEMENT_READY and not p.undeploy]:
-        services.placement_lost(placement.pk, placement.generation, reason, reloading=False)
+    placements = agent.desired.placements_on(instance.pk)
+    for placement in [p for p in placements if p.state == PlacementState.READY and not p.undeploy]:
+        agent.reports.placement_lost(placement.pk, placement.generation, reason, reloading=False)

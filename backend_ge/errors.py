@@ -15,7 +15,7 @@ import re
 import traceback
 import uuid
 
-log = logging.getLogger("apps.errors")
+log = logging.getLogger(__name__)
 
 # A summary longer than this is cut (the full text is in the log under its id).
 PUBLIC_ERROR_MAX_CHARS = 600

@@ -1,9 +1,10 @@
 """The host agent's side of the agent API: the platform URL and this host's credential are all it holds.
 
 ``PlatformClient`` makes the calls (join, heartbeat, desired state with ``If-None-Match``, instance and
-placement reports, artifact downloads); ``DesiredState`` is the last answer as plain objects whose attributes
-read like the platform's rows, so ``apps.fleet.placement`` says what it does without knowing where the
-answer came from. Nothing here touches a database or a broker.
+placement reports, artifact downloads), each message checked against ``hostagent.protocol`` both ways: what
+the agent sends before it goes, what the platform answers before the agent acts on it. ``DesiredState`` is
+the last answer as plain objects whose attributes read like the platform's rows, so ``hostagent.placement``
+says what it does without knowing where the answer came from. Nothing here touches a database or a broker.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from pathlib import Path
 
 import requests
 
-from apps.fleet.repository import RepositoryError
+from hostagent import protocol
+from hostagent.protocol import API_PREFIX, PlacementReport
+from hostagent.repository import RepositoryError
 
 log = logging.getLogger(__name__)
 
-API_PREFIX = "/agent/v1"
-PLACEMENT_READY = "READY"
 # A long poll's client timeout is its wait plus this: the platform answers at the end of the wait.
 LONG_POLL_GRACE = 15.0
 
@@ -60,9 +61,21 @@ def join(platform: str, token: str, credential_file: Path, timeout: float = 30) 
         raise PlatformError(f"the platform at {platform} did not answer: {exc}") from None
     if response.status_code != 201:
         raise PlatformError(f"joining {platform} failed (HTTP {response.status_code}): {_reason(response)}")
-    answer = response.json()
+    answer = _checked(protocol.check_join_answer, response)
     save_credential(credential_file, answer["credential"])
     return answer
+
+
+def _checked(check, response: requests.Response):
+    """The answer's JSON through its protocol check: a platform that answers something else is an error the
+    agent reports (and retries like any failed call), never a half-read state."""
+    try:
+        return check(response.json())
+    except ValueError as exc:  # ProtocolError is a ValueError, and so is a body that is not JSON
+        raise PlatformError(
+            f"the platform's answer to {response.request.method} {response.url} does not fit "
+            f"the agent protocol: {exc}"
+        ) from None
 
 
 def save_credential(path: Path, credential: str) -> None:
@@ -123,7 +136,8 @@ class PlatformClient:
 
     # -- calls -------------------------------------------------------------------------------------------
     def heartbeat(self, body: dict) -> dict:
-        return self.call("POST", "/heartbeat", json=body).json()
+        protocol.check_heartbeat(body)
+        return _checked(protocol.check_hello, self.call("POST", "/heartbeat", json=body))
 
     def desired_state(self, etag: str | None, wait: float = 0) -> tuple[str | None, dict | None]:
         """(etag, state), or (etag, None) when nothing changed since ``etag``.
@@ -138,13 +152,18 @@ class PlatformClient:
         response = self.call("GET", "/desired-state", ok=(200, 304), headers=headers, **kwargs)
         if response.status_code == 304:
             return etag, None
-        return response.headers.get("ETag"), response.json()
+        return response.headers.get("ETag"), _checked(protocol.check_desired_state, response)
 
     def report_instance(self, instance_id: int, fields: dict) -> None:
+        protocol.check_instance_report(fields)
         self.call("POST", f"/instances/{instance_id}/state", json=fields)
 
-    def report_placement(self, placement_id: int, body: dict) -> dict:
-        return self.call("POST", f"/placements/{placement_id}/report", json=body).json()
+    def report_placement(self, placement_id: int, report: PlacementReport) -> tuple[bool, dict | None]:
+        """(accepted, the placement as it is now)."""
+        body = report.body()
+        protocol.check_placement_report(body)
+        response = self.call("POST", f"/placements/{placement_id}/report", json=body)
+        return _checked(protocol.check_placement_answer, response)
 
     def report_final_counts(self, instance_id: int, counts: dict) -> None:
         self.call("POST", f"/instances/{instance_id}/final-counts", json=counts)

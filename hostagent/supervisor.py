@@ -1,13 +1,13 @@
 """The host agent's supervisor: runs this host's Triton + GE instances and keeps them as the platform wants.
 
-One ``HostAgent`` per host process (``manage.py hostagent --platform URL``). It holds the platform's URL and this
+One ``HostAgent`` per host process (``python -m hostagent --platform URL``). It holds the platform's URL and this
 host's credential, nothing else: no database, no broker. A poll thread long-polls the desired state over the agent
 API (held by the platform until it changes, then fetched at once); a supervisor thread starts the instances the
 platform wants running, acts on start/stop/restart commands, restarts a crashed ``tritonserver`` with exponential
 backoff and quarantines an instance that crashes too often, reporting each state change; a heartbeat thread
-reports the host's facts and NPU inventory (``apps.fleet.host_facts``) and log tails every 10 s; the reconcile
+reports the host's facts and NPU inventory (``hostagent.host_facts``) and log tails every 10 s; the reconcile
 step (after every start, every few seconds, and when the desired state changed) makes each instance's loaded
-models match the placements (``apps.fleet.placement``).
+models match the placements (``hostagent.placement``, which gets this agent passed in).
 """
 
 from __future__ import annotations
@@ -18,98 +18,21 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from django.conf import settings
-from django.utils import timezone
-
-from apps.core.errors import public_error
-from apps.fleet.agent_client import (
-    CredentialRefused,
-    DesiredState,
-    InstanceSpec,
-    PlatformClient,
-    PlatformError,
-)
-from apps.fleet.host_facts import host_facts, npu_inventory
-from apps.fleet.models import InstanceState
 from backend_ge import sandbox
+from backend_ge.errors import public_error
 from backend_ge.runtime import TritonError, TritonRuntime, TritonServer, assemble_runtime, server_environment
+from hostagent import placement
+from hostagent.client import CredentialRefused, DesiredState, InstanceSpec, PlatformClient, PlatformError
+from hostagent.config import AgentConfig
+from hostagent.host_facts import host_facts, npu_inventory
+from hostagent.instances import InstanceProcess, RestartPolicy
+from hostagent.protocol import DesiredInstanceState, InstanceCommand, InstanceState
+from hostagent.reports import Reports
 
 log = logging.getLogger(__name__)
-
-_current: HostAgent | None = None
-
-
-def current_agent() -> HostAgent:
-    """The agent of this process (placement code reads its desired state and reports through its client)."""
-    if _current is None:
-        raise RuntimeError(
-            "no host agent runs in this process; placements are applied under `manage.py hostagent`"
-        )
-    return _current
-
-
-@dataclass
-class RestartPolicy:
-    """Exponential backoff between restarts; quarantine after ``max_crashes`` within ``window``."""
-
-    base_delay: float = 1.0
-    max_delay: float = 60.0
-    max_crashes: int = 5
-    window: timedelta = timedelta(minutes=10)
-
-    def delay(self, recent_crashes: int) -> float:
-        return min(self.max_delay, self.base_delay * 2 ** max(0, recent_crashes - 1))
-
-
-@dataclass
-class InstanceProcess:
-    """The tritonserver of one instance, owned by this agent, with the state this agent reports for it."""
-
-    instance_id: int
-    root: Path
-    server: TritonServer | None = None
-    next_start_at: float = 0.0
-    # What this agent knows and reports (adopted from the platform's record when the agent starts).
-    state: str = InstanceState.STOPPED
-    crash_times: list[str] = field(default_factory=list)
-    restarts: int = 0
-    last_error: str = ""
-    command_seq: int = 0
-    # Who its tritonserver runs as (None: the agent's own user), and whether that user was checked.
-    user: sandbox.ServerUser | None = None
-    access_checked: bool = False
-    # Loads, unloads and switches on one instance run one at a time; reconcile skips a busy instance.
-    lock: threading.RLock = field(default_factory=threading.RLock)
-
-    @property
-    def repository(self) -> Path:
-        return self.root / "repository"
-
-    @property
-    def run_dir(self) -> Path:
-        return self.root / "run"
-
-    def running(self) -> bool:
-        return (
-            self.server is not None and self.server.process is not None and self.server.process.poll() is None
-        )
-
-    def exit_code(self) -> int | None:
-        if self.server is None or self.server.process is None:
-            return None
-        return self.server.process.poll()
-
-    def restart(self) -> None:
-        """Stop the server now; the supervisor starts it again at once (a requested restart, not a crash)."""
-        with self.lock:
-            if self.server is not None:
-                self.server.stop()
-                self.server = None
-            self.next_start_at = 0.0
 
 
 class HostAgent:
@@ -120,37 +43,32 @@ class HostAgent:
         self,
         client: PlatformClient,
         host_name: str,
+        config: AgentConfig,
         *,
         bind_address: str = "127.0.0.1",
-        root: Path | None = None,
-        policy: RestartPolicy | None = None,
         tick: float = 0.5,
-        reconcile_every: float | None = None,
-        heartbeat_every: float = 10.0,
-        poll_every: float | None = None,
-        long_poll_wait: float | None = None,
         full_fetch_every: float = 30.0,
-        credential_file: Path | None = None,
     ) -> None:
-        self.credential_file = credential_file
+        self.config = config
         self.client = client
         self.host_name = host_name
         self.desired = DesiredState()
+        self.reports = Reports(client, self.desired)
         self.bind_address = bind_address
-        self.root = Path(root or Path(settings.FLEET_ROOT) / host_name)
-        self.policy = policy or RestartPolicy(
-            base_delay=settings.FLEET_RESTART_BASE_DELAY_MS / 1000,
-            max_crashes=settings.FLEET_MAX_CRASHES,
-            window=timedelta(seconds=settings.FLEET_CRASH_WINDOW),
+        self.root = config.host_root(host_name)
+        self.policy = RestartPolicy(
+            base_delay=config.restart_base_delay_ms / 1000,
+            max_crashes=config.max_crashes,
+            window=timedelta(seconds=config.crash_window),
         )
         self.tick = tick
-        self.reconcile_every = (
-            reconcile_every if reconcile_every is not None else settings.FLEET_RECONCILE_INTERVAL_MS / 1000
-        )
-        self.heartbeat_every = heartbeat_every
-        self.poll_every = poll_every if poll_every is not None else settings.FLEET_POLL_INTERVAL_MS / 1000
-        self.long_poll_wait = long_poll_wait if long_poll_wait is not None else settings.FLEET_LONG_POLL_WAIT
+        self.reconcile_every = config.reconcile_interval_ms / 1000
+        self.heartbeat_every = config.heartbeat_interval
+        self.poll_every = config.poll_interval_ms / 1000
+        self.long_poll_wait = config.long_poll_wait
         self.full_fetch_every = full_fetch_every
+        # (instance, server pid, model, version) -> (retry after, last failure) of loads that failed
+        self.failed_loads: dict[tuple[int, int, str, int], tuple[float, str]] = {}
         self._etag: str | None = None
         self._fetched_at = 0.0
         self.revoked = threading.Event()
@@ -162,8 +80,6 @@ class HostAgent:
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def start(self) -> HostAgent:
-        global _current
-        _current = self
         self.fetch_desired_state(force=True)
         self._adopt_recorded_states()
         self._prepare_host()
@@ -183,7 +99,6 @@ class HostAgent:
 
     def stop(self, timeout: float = 60.0) -> None:
         """Stop the loops, then every instance with SIGINT so in-flight requests finish."""
-        global _current
         self._stop.set()
         self._poke.set()
         for thread in self._threads:
@@ -195,8 +110,6 @@ class HostAgent:
                     proc.server.stop()
                     with contextlib.suppress(PlatformError):
                         self._set_state(proc.instance_id, InstanceState.STOPPED, pid=None)
-        if _current is self:
-            _current = None
 
     def poke(self) -> None:
         """Reconcile now instead of at the next interval."""
@@ -211,8 +124,7 @@ class HostAgent:
         """
         self.root.mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o711)
-        # Downloaded versions of every team: the agent's alone (servers read their repository's copies).
-        cache = Path(settings.FLEET_ROOT) / "cache"
+        cache = self.config.cache_dir
         cache.mkdir(parents=True, exist_ok=True)
         cache.chmod(0o700)
         self.runtime = assemble_runtime(self.root / "runtime")
@@ -251,21 +163,10 @@ class HostAgent:
         proc.access_checked = True
 
     def _private_paths(self, proc: InstanceProcess) -> list[Path]:
-        """What a server must not read: the platform's state and secrets, other instances' repositories."""
-        paths = [
-            Path(settings.ARTIFACT_ROOT),
-            Path(settings.FLEET_ROOT) / "cache",
-            *([self.credential_file] if self.credential_file else []),
-            settings.VAR_DIR / "secret_key",
-            settings.VAR_DIR / "demo_password",
-            settings.VAR_DIR / "celery",
-        ]
-        database = settings.DATABASES["default"]
-        if database["ENGINE"].endswith("sqlite3"):
-            paths += [Path(f"{database['NAME']}{suffix}") for suffix in ("", "-wal", "-shm")]
-        # The gateway's configuration and maps name every instance's key and the tokens' hashes.
-        gateway = Path(settings.GATEWAY_DIR)
-        paths += sorted([*gateway.glob("*.cfg"), *gateway.glob("*.map")])
+        """What a server must not read: this agent's credential and download cache, other instances'
+        repositories, and what the host's configuration names private (``--private-path``: on a host that
+        also runs the platform, its state and secrets)."""
+        paths = [self.config.cache_dir, self.config.credential_file, *self.config.private_paths]
         paths += [other.repository for other in self.processes.values() if other is not proc]
         return paths
 
@@ -388,18 +289,18 @@ class HostAgent:
         if instance.command_seq <= proc.command_seq:
             return
         proc.command_seq = instance.command_seq
-        if instance.command in ("start", "restart") and proc.state in (
+        if instance.command in (InstanceCommand.START, InstanceCommand.RESTART) and proc.state in (
             InstanceState.QUARANTINED,
             InstanceState.FAILED,
         ):
             # A start lifts a quarantine: the crash count starts again.
             proc.crash_times = []
             self._set_state(instance.pk, InstanceState.STOPPED, pid=None, crash_times=[])
-        if instance.command == "restart":
+        if instance.command == InstanceCommand.RESTART:
             proc.restart()
 
     def _supervise_instance(self, instance: InstanceSpec, proc: InstanceProcess) -> bool:
-        if instance.desired_state == "STOPPED" or proc.state == InstanceState.QUARANTINED:
+        if instance.desired_state == DesiredInstanceState.STOPPED or proc.state == InstanceState.QUARANTINED:
             if proc.server is not None:
                 proc.server.stop()
                 proc.server = None  # stopped on purpose: not a crash
@@ -417,7 +318,7 @@ class HostAgent:
         code = proc.exit_code()
         tail = proc.server.log_tail(30)
         proc.server = None
-        now = timezone.now()
+        now = datetime.now(UTC)
         recent = [t for t in proc.crash_times if now - datetime.fromisoformat(t) <= self.policy.window]
         recent.append(now.isoformat())
         error = f"tritonserver exited with code {code}"
@@ -481,7 +382,7 @@ class HostAgent:
         self._set_state(instance.pk, InstanceState.STARTING)
         proc.server = self._server_for(instance, proc)
         try:
-            proc.server.start(timeout=settings.FLEET_START_TIMEOUT)
+            proc.server.start(timeout=self.config.start_timeout)
         except TritonError as exc:
             log.error("%s failed to start: %s", instance, exc)
             proc.server.stop(timeout=5)
@@ -542,8 +443,6 @@ class HostAgent:
 
     # -- reconcile ---------------------------------------------------------------------------------------
     def reconcile(self) -> None:
-        from apps.fleet.placement import reconcile_instance, report_instance_down
-
         if self.revoked.is_set():
             return
         pending_before = self._pending()
@@ -554,14 +453,14 @@ class HostAgent:
                 state = proc.state if proc else instance.state
                 if state == InstanceState.READY:
                     state = "not running"  # died since the supervisor's last look: it records the crash next
-                report_instance_down(instance, state, proc.last_error if proc else "")
+                placement.report_instance_down(self, instance, state, proc.last_error if proc else "")
                 continue
             # Wait a little for a running load: with a queue of deploys the lock is rarely free at one instant,
             # and the check of what Triton really serves must not wait for the whole queue.
             if not proc.lock.acquire(timeout=self.reconcile_every):
                 continue
             try:
-                reconcile_instance(instance, proc)
+                placement.reconcile_instance(self, instance, proc)
             finally:
                 proc.lock.release()
         pending = self._pending()

@@ -1,0 +1,5 @@
+import sys
+
+from hostagent.cli import main
+
+sys.exit(main())
