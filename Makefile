@@ -52,6 +52,7 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 ## Production-settings check: what `manage.py check --deploy` says with DEBUG off.
 deploy-check: install

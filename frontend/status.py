@@ -13,9 +13,10 @@ from django.utils import timezone
 
 from apps.alerts.models import Alert, AlertState
 from apps.conversions.models import ConversionJob, JobState
+from apps.core.periods import MINUTE
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet.models import OFFLINE_AFTER, DesiredInstanceState, Host, InstanceState, TritonInstance
-from apps.monitoring.models import MINUTE, ModelMetrics
+from apps.monitoring.models import ModelMetrics
 from apps.registry.models import VersionState
 
 FAILED_CONVERSIONS_SINCE = timedelta(hours=24)

@@ -10,7 +10,7 @@ urlpatterns = [
     path("readyz", health.readyz, name="readyz"),
     path("metrics", platform_metrics.metrics_view, name="platform-metrics"),
     path("metrics/targets.json", platform_metrics.targets_view, name="platform-metrics-targets"),
-    path("api/v1/", include("apps.core.api_urls")),
+    path("api/v1/", include("serving_platform.api_urls")),
     path("agent/v1/", include("serving_platform.agent_urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),

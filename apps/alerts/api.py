@@ -17,9 +17,9 @@ from apps.alerts.models import (
     NotificationDelivery,
     Silence,
 )
-from apps.core.api import TeamScopedViewSet
 from apps.deployments.models import Deployment
 from apps.teams.models import Action, role_allows, team_roles
+from apps.teams.viewsets import TeamScopedViewSet
 
 
 class AlertRuleSerializer(serializers.ModelSerializer):

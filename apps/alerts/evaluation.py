@@ -17,9 +17,10 @@ from django.db.models import F, Max, Q, Sum
 
 from apps.alerts.models import AlertKind, AlertRule
 from apps.conversions.models import ConversionJob, JobState
+from apps.core.periods import MINUTE
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet.models import OFFLINE_AFTER, DesiredInstanceState, Host, InstanceState, TritonInstance
-from apps.monitoring.models import MINUTE, DeviceMetrics, ModelMetrics
+from apps.monitoring.models import DeviceMetrics, ModelMetrics
 from apps.registry.models import VersionState
 
 # Deployments whose traffic and placements are watched (not going away, not gone).

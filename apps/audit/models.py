@@ -3,7 +3,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import models
 
-from apps.teams.models import TeamScopedQuerySet
+from apps.core.scoping import TeamScopedQuerySet
 
 
 class AuditEvent(models.Model):

@@ -12,10 +12,10 @@ from rest_framework.response import Response
 
 from apps.conversions import services
 from apps.conversions.models import ConversionJob, JobState, Toolchain
-from apps.core.api import TeamScopedViewSet
 from apps.core.filters import IdFilter
 from apps.registry.models import ModelVersion
 from apps.teams.models import Action
+from apps.teams.viewsets import TeamScopedViewSet
 
 
 class ConversionJobSerializer(serializers.ModelSerializer):

@@ -8,15 +8,16 @@ from django.db import transaction
 
 from apps.audit.services import record
 from apps.conversions.models import ConversionJob, JobState
+from apps.conversions.tasks import run_conversion
 from apps.registry.models import ModelVersion, VersionState
-from apps.registry.options import check_conversion_options
+from apps.registry.options import TEAM_INSTANCE_LIMIT, check_conversion_options
+from backend_ge import config as gc
 from backend_ge.files import atomic_write
+from backend_ge.served_config import build_served_config
 
 
 def enqueue_conversion(job_id: int) -> None:
     """Send the job to the conversions queue (CELERY_TASK_ROUTES routes it there)."""
-    from apps.conversions.tasks import run_conversion
-
     run_conversion.delay(job_id)
 
 
@@ -95,10 +96,6 @@ def check_config_text(version: ModelVersion, text: str):
     Built from only the fields a tenant may set (backend_ge.served_config): the name is the version's Triton
     model name whatever the text says, and the tensors must match the stored signature.
     """
-    from apps.registry.options import TEAM_INSTANCE_LIMIT
-    from backend_ge import config as gc
-    from backend_ge.served_config import build_served_config
-
     signature = gc.ModelSignature.from_dict(version.signature) if version.signature else None
     return build_served_config(
         text,
@@ -112,8 +109,6 @@ def check_config_text(version: ModelVersion, text: str):
 def update_config(*, actor, version: ModelVersion, text: str) -> ModelVersion:
     """Replace a READY version's config.pbtxt. Raises ValidationError whose dict maps field paths
     (``input[0].dims``) to messages; on success the row and the servable dir's file change together."""
-    from backend_ge import config as gc
-
     if version.state != VersionState.READY:
         raise ValidationError(
             {"state": [f"Version {version.number} is {version.state}; edit its config once it is READY."]}

@@ -7,7 +7,7 @@ summaries (``--metrics-config=summary_latencies=true``, an instance's ``latency_
 per-version p50/p99 of request and queue time. Triton computes those quantiles over a sliding window (the
 last minute), not exactly over the check's window; instances merge weighted by their requests.
 
-The text parser is ``apps.monitoring.parsing``: pure functions without Django, shared with the scraper.
+The text parser is ``backend_ge.triton_metrics``: pure functions without Django, shared with the scraper.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from django.conf import settings
 
 from apps.fleet.models import TritonInstance
-from apps.monitoring import parsing
+from backend_ge import triton_metrics
 
 
 @dataclass
@@ -47,7 +47,7 @@ class VersionFigures:
 class InstanceReading:
     instance_id: int
     server_id: str
-    reading: parsing.Reading | None = None
+    reading: triton_metrics.Reading | None = None
     error: str = ""
 
 
@@ -57,7 +57,7 @@ def _read(instance: TritonInstance) -> InstanceReading:
         with urllib.request.urlopen(
             instance.metrics_url(), timeout=settings.METRICS_SCRAPE_TIMEOUT
         ) as answer:
-            result.reading = parsing.parse_metrics(answer.read().decode("utf-8", errors="replace"))
+            result.reading = triton_metrics.parse_metrics(answer.read().decode("utf-8", errors="replace"))
     except (OSError, urllib.error.URLError, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result
@@ -72,7 +72,7 @@ def read_instances(instances: Iterable[TritonInstance]) -> list[InstanceReading]
         return list(pool.map(_read, instances))
 
 
-def _own_counters(reading: parsing.Reading, name: str) -> dict:
+def _own_counters(reading: triton_metrics.Reading, name: str) -> dict:
     return {key: values for key, values in reading.counters.items() if key[0] == name}
 
 
@@ -81,7 +81,7 @@ def baseline_of(readings: list[InstanceReading], name: str) -> dict:
     return {
         str(item.instance_id): {
             "server": item.server_id,
-            "counters": parsing.flatten(_own_counters(item.reading, name)),
+            "counters": triton_metrics.flatten(_own_counters(item.reading, name)),
         }
         for item in readings
         if item.reading is not None
@@ -108,13 +108,15 @@ def window_figures(
             continue
         before = baseline.get(str(item.instance_id))
         previous = (
-            parsing.Baseline(before["server"], before["counters"]) if before else parsing.Baseline(None, {})
+            triton_metrics.Baseline(before["server"], before["counters"])
+            if before
+            else triton_metrics.Baseline(None, {})
         )
-        deltas = parsing.counter_deltas(previous, item.server_id, _own_counters(item.reading, name))
-        parsing.settle_backend_failures(deltas, {})
+        deltas = triton_metrics.counter_deltas(previous, item.server_id, _own_counters(item.reading, name))
+        triton_metrics.settle_backend_failures(deltas, {})
         for role, number in versions.items():
             values = deltas.get((name, str(number)), {})
-            failed = sum(parsing.failures(values).values())
+            failed = sum(triton_metrics.failures(values).values())
             succeeded = values.get("success", 0.0)
             count = succeeded + failed
             figures = totals[role]

@@ -18,13 +18,13 @@ from rest_framework.exceptions import APIException, ParseError
 from rest_framework.parsers import BaseParser, FormParser, MultiPartParser
 from rest_framework.response import Response
 
-from apps.core.api import TeamScopedViewSet
 from apps.core.body_limits import PLAYGROUND_HINT, RequestTooLarge, limit_body, too_large_message
 from apps.deployments import calling, services
 from apps.deployments.models import Deployment, DeploymentEvent, DeploymentInstance
 from apps.fleet.models import TritonInstance
 from apps.registry.models import ModelVersion, RegisteredModel
 from apps.teams.models import Action
+from apps.teams.viewsets import TeamScopedViewSet
 
 EVENTS_SHOWN = 100
 

@@ -13,12 +13,12 @@ from rest_framework import mixins, serializers, status
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
-from apps.core.api import TeamScopedViewSet
 from apps.deployments import rollouts
 from apps.deployments.api import ERROR
 from apps.deployments.models import Deployment, Rollout, RolloutAnalysis
 from apps.registry.models import ModelVersion
 from apps.teams.models import Action
+from apps.teams.viewsets import TeamScopedViewSet
 
 ANALYSES_SHOWN = 500
 

@@ -27,11 +27,11 @@ from django.db.models import F, QuerySet, Sum
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
+from apps.core.periods import HOUR, MINUTE
 from apps.deployments.models import Deployment
 from apps.gateway.haproxy import COUNT_STAGES, COUNTS_TABLE, AdminSocket
 from apps.gateway.models import GatewayMetrics, GatewayScrapeState
 from apps.gateway.state import options
-from apps.monitoring.models import HOUR, MINUTE
 
 _LINE = re.compile(r'^haproxy_(frontend|backend)_(\w+)\{proxy="([^"]+)"(?:,code="(\w+)")?\} ([0-9.e+-]+)$')
 _FRONTENDS = ("inference", "grpc")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.db import models
 
-from apps.monitoring.models import MINUTE, PERIOD_CHOICES
+from apps.core.periods import MINUTE, PERIOD_CHOICES
 
 
 class GatewayMetrics(models.Model):

@@ -9,11 +9,11 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers, viewsets
 from rest_framework.response import Response
 
-from apps.core.api import TeamScopedViewSet
 from apps.fleet.models import TritonInstance
 from apps.monitoring import rollups, services
 from apps.registry.models import RegisteredModel
 from apps.teams.models import Action
+from apps.teams.viewsets import TeamScopedViewSet
 
 RANGE_PARAMETER = OpenApiParameter(
     "range",

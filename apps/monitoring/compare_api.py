@@ -10,10 +10,10 @@ from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
-from apps.core.api import TeamScopedViewSet
 from apps.monitoring import rollups
 from apps.monitoring.comparison import CompareError, check_numbers, compare_versions
 from apps.registry.models import ModelVersion, RegisteredModel
+from apps.teams.viewsets import TeamScopedViewSet
 
 
 class CompareQuerySerializer(serializers.Serializer):

@@ -28,8 +28,8 @@ from datetime import datetime, timedelta
 
 from django.utils.dateparse import parse_datetime
 
-from apps.monitoring import parsing
 from apps.monitoring.models import ScrapeState
+from backend_ge import triton_metrics
 
 KEEP = timedelta(hours=1)
 MAX_METRICS_CHARS = 512 * 1024
@@ -39,7 +39,7 @@ VERSION = re.compile(r"^[1-9][0-9]{0,8}$")
 SERVER_ID = re.compile(r"^[0-9]{1,20}$")
 
 
-def check_report(report) -> tuple[str, set[str] | None, str, datetime, parsing.Reading]:
+def check_report(report) -> tuple[str, set[str] | None, str, datetime, triton_metrics.Reading]:
     """Validate a host's report (it comes from an inference host: hostile until checked) and parse it with
     the scraper's parser. Returns ``(model, versions, server_id, read_at, reading)``; ValueError says what
     is wrong."""
@@ -67,7 +67,9 @@ def check_report(report) -> tuple[str, set[str] | None, str, datetime, parsing.R
     if not isinstance(statistics, list) or len(statistics) > MAX_STATISTICS:
         raise ValueError(f"statistics must be a list of at most {MAX_STATISTICS} model_stats entries")
     try:
-        reading = parsing.parse_statistics({"model_stats": statistics}, parsing.parse_metrics(metrics))
+        reading = triton_metrics.parse_statistics(
+            {"model_stats": statistics}, triton_metrics.parse_metrics(metrics)
+        )
     except (ValueError, TypeError, AttributeError, KeyError, IndexError) as exc:
         raise ValueError(f"the metrics or statistics do not parse: {exc}") from None
     return model, versions, server_id, read_at, reading
@@ -80,15 +82,15 @@ def _series(flat: Mapping[str, float], key: str) -> dict[str, float]:
 
 def fold(
     state: ScrapeState,
-    series: Mapping[parsing.SeriesKey, Mapping[str, float]],
+    series: Mapping[triton_metrics.SeriesKey, Mapping[str, float]],
     server_id: str,
     stamp: str,
     now: datetime,
-) -> dict[parsing.SeriesKey, dict[str, float]]:
+) -> dict[triton_metrics.SeriesKey, dict[str, float]]:
     """Apply one report's final readings to ``state`` (the caller holds its row lock and saves it); returns
     what the scrapes have not counted yet, per version, with the backend's failures settled."""
     same_server = state.has_baseline and state.server_id == server_id
-    deltas: dict[parsing.SeriesKey, dict[str, float]] = {}
+    deltas: dict[triton_metrics.SeriesKey, dict[str, float]] = {}
     for (name, version), values in series.items():
         key = f"{name}|{version}"
         previous = state.finals.get(key)
@@ -117,7 +119,7 @@ def fold(
             "counters": dict(values),
             "at": now.isoformat(),
         }
-    owed = parsing.settle_backend_failures(deltas, state.owed if same_server else {})
+    owed = triton_metrics.settle_backend_failures(deltas, state.owed if same_server else {})
     if same_server:
         state.owed = owed
     return deltas
@@ -143,7 +145,7 @@ def retire(state: ScrapeState, new_server_id: str, new_counters: Mapping[str, fl
             del table[key]
 
 
-def restart_baseline(state: ScrapeState, server_id: str) -> parsing.Baseline | None:
+def restart_baseline(state: ScrapeState, server_id: str) -> triton_metrics.Baseline | None:
     """The baseline of a server process the scraper reads for the first time: the final counts already
     folded for it (reported between its start and this scrape), so they are not counted again."""
     folded = {
@@ -152,4 +154,4 @@ def restart_baseline(state: ScrapeState, server_id: str) -> parsing.Baseline | N
         if entry.get("server") == server_id
         for name, value in entry.get("counters", {}).items()
     }
-    return parsing.Baseline(server_id, folded) if folded else None
+    return triton_metrics.Baseline(server_id, folded) if folded else None

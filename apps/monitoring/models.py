@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from django.db import models
 
+from apps.core.periods import MINUTE, PERIOD_CHOICES
 from apps.teams.models import TeamScopedQuerySet
-
-MINUTE = 60
-HOUR = 3600
-PERIOD_CHOICES = [(MINUTE, "minute"), (HOUR, "hour")]
 
 
 class ModelMetrics(models.Model):
@@ -121,7 +118,7 @@ class ScrapeState(models.Model):
 
     ``server_id`` identifies the tritonserver process (its pid): when it changes, every counter restarted
     at zero. ``counters`` is ``{"model|version|counter": value}``; ``owed`` holds backend failures not yet
-    matched by a success count (``parsing.settle_backend_failures``).
+    matched by a success count (``backend_ge.triton_metrics.settle_backend_failures``).
     """
 
     instance = models.OneToOneField("fleet.TritonInstance", on_delete=models.CASCADE, related_name="+")

@@ -23,6 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from apps.conversions.models import ConversionJob, JobState
+from apps.fleet.models import InstanceState, TritonInstance
+from apps.monitoring.models import ScrapeState
+
 # No auto-describe: it would run the database collector at import time.
 REGISTRY = CollectorRegistry(auto_describe=False)
 
@@ -73,10 +77,6 @@ class DatabaseCollector(Collector):
     """State gauges read from the database at scrape time."""
 
     def collect(self) -> Iterator:
-        from apps.conversions.models import ConversionJob, JobState
-        from apps.fleet.models import InstanceState, TritonInstance
-        from apps.monitoring.models import ScrapeState
-
         jobs = GaugeMetricFamily("platform_conversion_jobs", "Conversion jobs by state", labels=["state"])
         counts = dict(ConversionJob.objects.values_list("state").annotate(n=Count("pk")).order_by())
         for state in JobState.values:
@@ -172,8 +172,6 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
 
 def targets_view(request: HttpRequest) -> HttpResponse:
     """Prometheus ``file_sd_configs`` JSON: one target group per Triton instance with host/instance labels."""
-    from apps.fleet.models import TritonInstance
-
     try:
         check_metrics_access(request)
     except PermissionError as exc:

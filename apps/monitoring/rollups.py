@@ -12,8 +12,9 @@ from django.db.models import F, QuerySet, Sum
 from django.db.models.functions import TruncHour
 from django.utils import timezone
 
+from apps.core.periods import HOUR, MINUTE
 from apps.gateway.models import GatewayMetrics
-from apps.monitoring.models import HOUR, MINUTE, DeviceMetrics, InstanceMetrics, ModelMetrics
+from apps.monitoring.models import DeviceMetrics, InstanceMetrics, ModelMetrics
 
 SUMMED = (
     "success",

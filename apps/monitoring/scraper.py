@@ -21,10 +21,12 @@ from django.db import connections, router, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from apps.core.periods import MINUTE
 from apps.fleet.models import Device, InstanceState, TritonInstance
-from apps.monitoring import final_counts, parsing
-from apps.monitoring.models import MINUTE, DeviceMetrics, InstanceMetrics, ModelMetrics, ScrapeState
+from apps.monitoring import final_counts
+from apps.monitoring.models import DeviceMetrics, InstanceMetrics, ModelMetrics, ScrapeState
 from apps.registry.models import ModelVersion, RegisteredModel
+from backend_ge import triton_metrics
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ class Fetched:
     instance: TritonInstance
     started_at: datetime
     server_id: str
-    reading: parsing.Reading | None = None
+    reading: triton_metrics.Reading | None = None
     error: str = ""
 
 
@@ -68,8 +70,8 @@ def fetch_instance(instance: TritonInstance, timeout: float | None = None) -> Fe
         stats = json.loads(
             _get(f"{instance.endpoint_url()}/v2/models/stats", timeout, instance.key_headers())
         )
-        reading = parsing.parse_metrics(text)
-        fetched.reading = parsing.parse_statistics(stats, reading)
+        reading = triton_metrics.parse_metrics(text)
+        fetched.reading = triton_metrics.parse_statistics(stats, reading)
     except (OSError, urllib.error.URLError, ValueError) as exc:  # timeouts and refusals are OSErrors
         fetched.error = f"{type(exc).__name__}: {exc}"
     return fetched
@@ -165,16 +167,18 @@ def record_scrape(fetched: Fetched, names: ModelNames, now: datetime | None = No
         if state.fetched_at is not None and fetched.started_at <= state.fetched_at:
             return 0  # an overlapping cycle already applied a newer reading: this one would count twice
         reading = fetched.reading
-        previous = parsing.Baseline(state.server_id or None, state.counters) if state.has_baseline else None
+        previous = (
+            triton_metrics.Baseline(state.server_id or None, state.counters) if state.has_baseline else None
+        )
         restarted = previous is not None and fetched.server_id and fetched.server_id != state.server_id
         if restarted:
             # Versions unloaded on the new process before this first read of it were counted by their report.
             previous = final_counts.restart_baseline(state, fetched.server_id) or previous
-        deltas = parsing.counter_deltas(previous, fetched.server_id or None, reading.counters)
-        owed = parsing.settle_backend_failures(deltas, {} if restarted else state.owed)
+        deltas = triton_metrics.counter_deltas(previous, fetched.server_id or None, reading.counters)
+        owed = triton_metrics.settle_backend_failures(deltas, {} if restarted else state.owed)
         rows = write_model_rows(instance, bucket, deltas, reading.quantiles, names)
         _write_instance_row(instance, bucket, reading)
-        counters = parsing.flatten(reading.counters)
+        counters = triton_metrics.flatten(reading.counters)
         final_counts.retire(state, fetched.server_id, counters, fetched.started_at)
         state.server_id = fetched.server_id
         state.counters = counters
@@ -201,7 +205,7 @@ def _count_failure(state: ScrapeState, instance: TritonInstance, bucket: datetim
     )
 
 
-def _write_instance_row(instance: TritonInstance, bucket: datetime, reading: parsing.Reading) -> None:
+def _write_instance_row(instance: TritonInstance, bucket: datetime, reading: triton_metrics.Reading) -> None:
     row, _ = InstanceMetrics.objects.get_or_create(period_seconds=MINUTE, bucket=bucket, instance=instance)
     row.scrapes += 1
     if reading.cpu_utilization is not None:
@@ -215,8 +219,8 @@ def _write_instance_row(instance: TritonInstance, bucket: datetime, reading: par
 def write_model_rows(
     instance: TritonInstance,
     bucket: datetime,
-    deltas: dict[parsing.SeriesKey, dict[str, float]],
-    quantiles: dict[parsing.SeriesKey, dict[str, float]],
+    deltas: dict[triton_metrics.SeriesKey, dict[str, float]],
+    quantiles: dict[triton_metrics.SeriesKey, dict[str, float]],
     names: ModelNames,
 ) -> int:
     names.prepare(deltas)
@@ -299,15 +303,15 @@ def _add(row: ModelMetrics, values: dict[str, float], quantiles: dict[str, float
     for name in DURATIONS:
         setattr(row, name, getattr(row, name) + values.get(name, 0.0))
     reasons = dict(row.failure_reasons)
-    for reason, count in parsing.failures(values).items():
+    for reason, count in triton_metrics.failures(values).items():
         reasons[reason] = reasons.get(reason, 0) + int(count)
         row.failure += int(count)
     row.failure_reasons = reasons
     batches = dict(row.batch_executions)
-    for size, count in parsing.batch_executions(values).items():
+    for size, count in triton_metrics.batch_executions(values).items():
         batches[size] = batches.get(size, 0) + int(count)
     row.batch_executions = batches
-    requests = int(values.get("success", 0)) + sum(int(c) for c in parsing.failures(values).values())
+    requests = int(values.get("success", 0)) + sum(int(c) for c in triton_metrics.failures(values).values())
     if quantiles and requests:
         # Triton's quantiles cover its recent window; weight each scrape's by the requests it saw.
         weight = row.quantile_requests

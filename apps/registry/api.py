@@ -22,11 +22,11 @@ from rest_framework.decorators import action
 from rest_framework.exceptions import APIException
 from rest_framework.response import Response
 
-from apps.core.api import TeamScopedViewSet
 from apps.registry import services, versions
 from apps.registry.downloads import zip_stream
 from apps.registry.models import ModelVersion, RegisteredModel, SourceFormat, TaskType, UploadSession
 from apps.teams.models import Action
+from apps.teams.viewsets import TeamScopedViewSet
 
 UUID_REGEX = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 OFFSET_HEADER = "Upload-Offset"

@@ -8,9 +8,9 @@ from rest_framework.decorators import action, api_view
 from rest_framework.exceptions import NotFound, PermissionDenied
 from rest_framework.response import Response
 
-from apps.core.api import TeamScopedViewSet, check_team_action
 from apps.teams import services
 from apps.teams.models import Action, ApiToken, Membership, Team, TeamInvitation, team_roles
+from apps.teams.viewsets import TeamScopedViewSet, check_team_action
 
 User = get_user_model()
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from apps.deployments.analysis import InstanceReading, baseline_of, failed_gates, window_figures
-from apps.monitoring.parsing import Reading, parse_metrics
+from backend_ge.triton_metrics import Reading, parse_metrics
 
 NAME = "vision__scaler"
 VERSIONS = {"stable": 1, "canary": 2}

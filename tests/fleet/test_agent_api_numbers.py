@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from hostagent.protocol import MAX_INT
 from apps.fleet.models import Device, TritonInstance
+from hostagent.protocol import MAX_INT
 from tests.fleet.test_agent_identity import joined
 
 pytestmark = pytest.mark.django_db

@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from django.urls import reverse
 
+from apps.core.periods import HOUR, MINUTE
 from apps.deployments.models import Deployment, DeploymentState
 from apps.gateway.metrics import (
     _counted_refusals,
@@ -21,7 +22,6 @@ from apps.gateway.metrics import (
 )
 from apps.gateway.models import GatewayMetrics
 from apps.monitoring import rollups
-from apps.monitoring.models import HOUR, MINUTE
 from tests.conftest import client_for
 from tests.deployments.conftest import make_version, model  # noqa: F401 - the shared fixture
 from tests.factories import UserFactory

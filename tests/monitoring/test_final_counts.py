@@ -13,11 +13,11 @@ from django.db.models import Sum
 
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState
 from apps.fleet.models import Host, TritonInstance
-from apps.monitoring import parsing
 from apps.monitoring.models import ModelMetrics, ScrapeState
 from apps.monitoring.scraper import Fetched, ModelNames, record_scrape
 from apps.monitoring.services import record_final_counts
 from apps.registry.models import ModelVersion, RegisteredModel
+from backend_ge import triton_metrics
 
 pytestmark = pytest.mark.django_db
 T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -56,7 +56,7 @@ def setup(team, owner):
 
 
 def scrape(instance, counts: dict[str, int], at: datetime, server: str = "100") -> None:
-    reading = parsing.parse_metrics(text(counts))
+    reading = triton_metrics.parse_metrics(text(counts))
     record_scrape(Fetched(instance, at, server, reading), ModelNames.load(), now=at)
 
 

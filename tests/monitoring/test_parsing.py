@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from apps.monitoring import parsing
+from backend_ge import triton_metrics
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MLP = ("vision__mlp", "1")
@@ -15,9 +15,9 @@ RESHAPER = ("vision__reshaper", "1")
 
 
 @pytest.fixture(scope="module")
-def reading() -> parsing.Reading:
-    result = parsing.parse_metrics((FIXTURES / "triton_metrics.txt").read_text())
-    return parsing.parse_statistics(json.loads((FIXTURES / "triton_stats.json").read_text()), result)
+def reading() -> triton_metrics.Reading:
+    result = triton_metrics.parse_metrics((FIXTURES / "triton_metrics.txt").read_text())
+    return triton_metrics.parse_statistics(json.loads((FIXTURES / "triton_stats.json").read_text()), result)
 
 
 def test_counters_per_model_version_from_the_recorded_metrics(reading):
@@ -47,54 +47,54 @@ def test_quantiles_and_cpu_from_the_recorded_summaries(reading):
 
 
 def test_without_summaries_there_are_no_quantiles():
-    plain = parsing.parse_metrics((FIXTURES / "triton_metrics_no_summaries.txt").read_text())
+    plain = triton_metrics.parse_metrics((FIXTURES / "triton_metrics_no_summaries.txt").read_text())
     assert plain.quantiles == {} and plain.counters[MLP]["success"] == 20
 
 
-def _scaled(reading: parsing.Reading, factor: float) -> dict:
+def _scaled(reading: triton_metrics.Reading, factor: float) -> dict:
     return {k: {n: v * factor for n, v in values.items()} for k, values in reading.counters.items()}
 
 
 def test_first_reading_is_only_a_baseline(reading):
-    assert parsing.counter_deltas(None, "100", reading.counters) == {}
+    assert triton_metrics.counter_deltas(None, "100", reading.counters) == {}
 
 
 def test_deltas_between_two_readings_of_one_server(reading):
-    before = parsing.Baseline("100", parsing.flatten(reading.counters))
-    deltas = parsing.counter_deltas(before, "100", _scaled(reading, 3))
+    before = triton_metrics.Baseline("100", triton_metrics.flatten(reading.counters))
+    deltas = triton_metrics.counter_deltas(before, "100", _scaled(reading, 3))
     assert deltas[MLP]["success"] == 40 and deltas[MLP]["request_us"] == pytest.approx(
         reading.counters[MLP]["request_us"] * 2
     )
     assert "failure:BACKEND" not in deltas[MLP]  # zero deltas are left out
-    assert parsing.counter_deltas(before, "100", reading.counters) == {}
+    assert triton_metrics.counter_deltas(before, "100", reading.counters) == {}
 
 
 def test_a_restart_counts_the_new_values_even_when_they_exceed_the_old_ones(reading):
-    before = parsing.Baseline("100", parsing.flatten(_scaled(reading, 2)))
+    before = triton_metrics.Baseline("100", triton_metrics.flatten(_scaled(reading, 2)))
     # Same values as before would be "nothing happened" on the same server; on a new one it is new traffic.
-    deltas = parsing.counter_deltas(before, "200", _scaled(reading, 3))
+    deltas = triton_metrics.counter_deltas(before, "200", _scaled(reading, 3))
     assert deltas[MLP]["success"] == 60
 
 
 def test_a_counter_going_down_without_a_new_pid_is_a_reset_never_negative(reading):
-    before = parsing.Baseline(None, parsing.flatten(_scaled(reading, 5)))
-    deltas = parsing.counter_deltas(before, None, reading.counters)
+    before = triton_metrics.Baseline(None, triton_metrics.flatten(_scaled(reading, 5)))
+    deltas = triton_metrics.counter_deltas(before, None, reading.counters)
     assert deltas[MLP]["success"] == 20  # not -80, not 100
     assert all(v > 0 for values in deltas.values() for v in values.values())
 
 
 def test_a_model_loaded_since_the_last_reading_counts_from_zero(reading):
     only_mlp = {MLP: reading.counters[MLP]}
-    before = parsing.Baseline("100", parsing.flatten(only_mlp))
-    deltas = parsing.counter_deltas(before, "100", reading.counters)
+    before = triton_metrics.Baseline("100", triton_metrics.flatten(only_mlp))
+    deltas = triton_metrics.counter_deltas(before, "100", reading.counters)
     assert MLP not in deltas and deltas[RESHAPER]["success"] == 7
 
 
 def test_backend_failures_move_out_of_the_successes(reading):
     deltas = {RESHAPER: {"success": 7.0, "gefail:BACKEND": 3.0, "gefail:INVALID_REQUEST": 0.0}}
-    owed = parsing.settle_backend_failures(deltas, {})
+    owed = triton_metrics.settle_backend_failures(deltas, {})
     assert owed == {}
-    assert deltas[RESHAPER]["success"] == 4 and parsing.failures(deltas[RESHAPER]) == {
+    assert deltas[RESHAPER]["success"] == 4 and triton_metrics.failures(deltas[RESHAPER]) == {
         "BACKEND": 3,
         "INVALID_REQUEST": 0,
     }
@@ -102,9 +102,9 @@ def test_backend_failures_move_out_of_the_successes(reading):
 
 def test_a_failure_published_before_its_success_is_owed_not_counted_twice():
     first = {RESHAPER: {"gefail:BACKEND": 1.0}}
-    owed = parsing.settle_backend_failures(first, {})
+    owed = triton_metrics.settle_backend_failures(first, {})
     assert first[RESHAPER]["success"] == 0 and owed == {"vision__reshaper|1": 1.0}
     # The success count catches up in the next interval: it was that failure, not a success.
     second = {RESHAPER: {"success": 1.0}}
-    assert parsing.settle_backend_failures(second, owed) == {}
+    assert triton_metrics.settle_backend_failures(second, owed) == {}
     assert second[RESHAPER]["success"] == 0

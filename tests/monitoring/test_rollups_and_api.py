@@ -7,9 +7,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from django.test import Client
 
+from apps.core.periods import HOUR, MINUTE
 from apps.fleet.models import Host, TritonInstance
 from apps.monitoring import rollups
-from apps.monitoring.models import HOUR, MINUTE, InstanceMetrics, ModelMetrics, ScrapeState
+from apps.monitoring.models import InstanceMetrics, ModelMetrics, ScrapeState
 
 NOW = datetime(2025, 3, 20, 12, 30, 10, tzinfo=UTC)
 

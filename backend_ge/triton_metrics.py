@@ -2,6 +2,8 @@
 
 Pure functions without Django, so the parser tests run on recorded payloads and the benchmark measures only
 this work. A reading is flat: ``{(model, version): {counter: value}}`` plus a few instance-wide gauges.
+The platform's scraper (``apps.monitoring``) and its rollout checks (``apps.deployments``, below monitoring)
+both read Triton through it, so it lives below both, with the backend whose failure metric it reads.
 """
 
 from __future__ import annotations

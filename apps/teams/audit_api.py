@@ -1,9 +1,12 @@
+"""A team's audit log over the API. The audit app records events for every app (the teams' services
+among them), so it sits below ``apps.teams``; the team-scoped view of its rows is served from here."""
+
 from django_filters import rest_framework as filters
 from rest_framework import mixins, serializers
 
 from apps.audit.models import AuditEvent
-from apps.core.api import TeamScopedViewSet
 from apps.core.filters import UTCIsoDateTimeFilter
+from apps.teams.viewsets import TeamScopedViewSet
 
 
 class AuditEventSerializer(serializers.ModelSerializer):

@@ -3,7 +3,8 @@
 Tenant resources live under ``/api/v1/teams/<team_slug>/...``. The team is looked up through
 ``Team.objects.for_user(user, "view")``: a team the user is not in is a 404 (never a 403 that confirms it
 exists). Within a visible team, the action's least role is checked and a lower role gets a 403 that says
-which role is needed.
+which role is needed. It lives with ``Team``, which it looks up; the rule it applies (roles, ``for_user``)
+is ``apps.core.scoping``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import viewsets
 from rest_framework.exceptions import PermissionDenied
 
-from apps.teams.models import ACTION_MIN_ROLE, Action, Team, role_allows, team_roles
+from apps.core.scoping import ACTION_MIN_ROLE, Action, role_allows, team_roles
+from apps.teams.models import Team
 
 # DRF action -> what it does to the team's data.
 DEFAULT_ACTIONS = {

@@ -4,7 +4,6 @@ from django.urls import include, path
 
 urlpatterns = [
     path("", include("apps.teams.urls")),
-    path("", include("apps.audit.urls")),
     path("", include("apps.conversions.urls")),
     path("", include("apps.registry.urls")),
     path("", include("apps.fleet.urls")),
