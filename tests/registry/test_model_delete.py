@@ -151,3 +151,12 @@ def test_a_failed_delete_keeps_the_history_rows_and_files(owner, v1, instance, m
     assert Deployment.objects.filter(pk=deployment.pk).exists()
     assert DeploymentEvent.objects.filter(deployment=deployment).exists()
     assert_kept(v1.model, v1)
+
+
+def test_the_delete_confirmation_quotes_the_model_name_for_javascript(client, owner, model):
+    model.name = "O'Brien');alert(1);('"
+    model.save()
+    client.force_login(owner)
+    page = client.get(PAGE).content.decode()
+    # The quote cannot end the string: the name stays text inside the confirm's JavaScript.
+    assert "confirm('Delete O\\u0027Brien\\u0027)\\u003Balert(1)\\u003B(\\u0027 and all its versions" in page
