@@ -530,11 +530,11 @@ def record_event(
     deployment.events.create(kind=kind, message=message, version=version, details=details or {})
 
 
-def redecide(deployment: Deployment, **fields) -> list[DeploymentInstance]:
+def redecide(deployment: Deployment) -> list[DeploymentInstance]:
     """A new decision on the deployment's placements but the unloaded ones, states unchanged (a rollout
     started: load the canary beside the stable version). The caller holds the deployment's row lock and
     hands the result to ``_enqueue`` once committed."""
-    return _decide(list(deployment.placements.exclude(state=PlacementState.UNLOADED)), **fields)
+    return _decide(list(deployment.placements.exclude(state=PlacementState.UNLOADED)))
 
 
 def promote(deployment: Deployment, version: ModelVersion) -> list[DeploymentInstance]:
