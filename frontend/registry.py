@@ -12,9 +12,11 @@ from django.core.exceptions import ValidationError
 from django.db.models import Count, Prefetch, Q
 from django.http import HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, redirect
+from django.urls import reverse
+from django.utils.html import format_html, format_html_join
 
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
-from apps.registry import services
+from apps.registry import services, versions
 from apps.registry.formats import EXTENSIONS
 from apps.registry.models import ModelVersion, RegisteredModel, TaskType
 from apps.registry.options import INPUT_FORMATS, MAX_INSTANCES, PRECISION_MODES, SERVING_DEFAULTS
@@ -32,6 +34,20 @@ class ModelForm(forms.Form):
     )
     task_type = forms.ChoiceField(choices=TaskType.choices, initial=TaskType.OTHER, label="Task")
     description = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), required=False)
+
+
+def in_use_message(team_slug: str, error: services.ModelInUse | versions.VersionInUse):
+    """A refusal to archive or delete (a version or a model) with each deployment it names linked."""
+    links = format_html_join(
+        " · ",
+        '<a href="{}">{}</a>',
+        (
+            (reverse("deployment-detail", args=[team_slug, use.target_id]), use.message)
+            for use in error.uses
+            if use.target_type == "deployment"
+        ),
+    )
+    return format_html("{} {}", str(error), links) if links else str(error)
 
 
 def serving_by_model(user, team) -> dict[int, Deployment]:
@@ -160,7 +176,11 @@ class ModelDetailView(ModelPageView):
         model = self.get_model()
         operation = request.POST.get("op", "")
         if operation == "delete":
-            services.delete_model(actor=request.user, model=model)
+            try:
+                services.delete_model(actor=request.user, model=model)
+            except services.ModelInUse as error:
+                messages.error(request, in_use_message(self.team.slug, error))
+                return redirect("model-detail", team_slug=self.team.slug, model_slug=model.slug)
             messages.success(request, f"Model {model.name} and its versions deleted.")
             return redirect("models", team_slug=self.team.slug)
         if operation == "edit":

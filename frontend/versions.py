@@ -14,14 +14,13 @@ from django.http import HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, redirect
 from django.urls import reverse
 from django.utils import timezone
-from django.utils.html import format_html, format_html_join
 
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.monitoring.models import ModelMetrics
 from apps.registry import versions
 from apps.registry.models import MAX_NOTE_LENGTH, ModelVersion
 from apps.teams.models import Action
-from frontend.registry import ModelPageView
+from frontend.registry import ModelPageView, in_use_message
 
 FIGURES_WINDOW = timedelta(hours=24)
 
@@ -42,20 +41,6 @@ def directory_size(path) -> int | None:
     if not path.is_dir():
         return None
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
-
-
-def in_use_message(team_slug: str, error: versions.VersionInUse):
-    """The refusal with each deployment it names linked."""
-    links = format_html_join(
-        " · ",
-        '<a href="{}">{}</a>',
-        (
-            (reverse("deployment-detail", args=[team_slug, use.target_id]), use.message)
-            for use in error.uses
-            if use.target_type == "deployment"
-        ),
-    )
-    return format_html("{} {}", str(error), links) if links else str(error)
 
 
 class VersionDetailView(ModelPageView):

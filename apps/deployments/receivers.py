@@ -1,12 +1,25 @@
-"""What deployments say when a version is about to be archived or deleted (apps.registry.signals)."""
+"""What deployments say to the registry when a version or a model is about to go (apps.registry.signals), and
+how the rollout state machine hears what ends a rollout (apps.deployments.signals).
+
+Receivers only read, lock and answer; the rows they change are changed by their owners
+(``apps.deployments.services`` for deployments and placements, ``apps.deployments.rollouts`` for rollouts).
+"""
 
 from __future__ import annotations
 
 from django.db.models import Q
 from django.dispatch import receiver
 
-from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState, Rollout
-from apps.registry.signals import VersionUse, version_deleting, version_retiring
+from apps.deployments import rollouts, services
+from apps.deployments.models import Deployment, DeploymentState, PlacementState, Rollout
+from apps.deployments.signals import canary_failed, deployment_undeploying
+from apps.registry.signals import (
+    VersionUse,
+    model_deleting,
+    model_retiring,
+    version_deleting,
+    version_retiring,
+)
 
 
 @receiver(version_retiring, dispatch_uid="deployments-version-in-use")
@@ -63,17 +76,35 @@ def deployments_using_version(sender, version, action, **kwargs) -> list[Version
 
 @receiver(version_deleting, dispatch_uid="deployments-release-deleted-version")
 def release_deleted_version(sender, version, **kwargs) -> None:
-    """Undeployed deployments and unloaded placements keep their last version for display only; they let go
-    of a version being deleted (their events and the audit log still name it)."""
-    done = Deployment.objects.filter(model_id=version.model_id, state=DeploymentState.UNDEPLOYED)
-    done.filter(active_version_id=version.pk).update(active_version=None)
-    done.filter(target_version_id=version.pk).update(target_version=None)
-    DeploymentInstance.objects.filter(served_version_id=version.pk).filter(
-        state=PlacementState.UNLOADED
-    ).update(served_version=None)
-    DeploymentInstance.objects.filter(
-        served_version_id=version.pk, deployment__state=DeploymentState.UNDEPLOYED
-    ).update(served_version=None)
-    DeploymentInstance.objects.filter(canary_version_id=version.pk).filter(
-        Q(state=PlacementState.UNLOADED) | Q(deployment__state=DeploymentState.UNDEPLOYED)
-    ).update(canary_version=None)
+    services.release_version(version)
+
+
+@receiver(model_retiring, dispatch_uid="deployments-model-in-use")
+def deployments_of_model(sender, model, **kwargs) -> list[VersionUse]:
+    """A model with a live deployment (anything but UNDEPLOYED: an undeploy in flight still has instances
+    serving it) cannot be deleted; each one is named, to be undeployed first. They are locked, so none
+    changes state while the model goes."""
+    live = (
+        Deployment.objects.select_for_update()
+        .filter(model_id=model.pk)
+        .exclude(state=DeploymentState.UNDEPLOYED)
+        .order_by("pk")
+    )
+    return [
+        VersionUse(f"deployment #{d.pk} ({d.get_state_display().lower()})", "deployment", d.pk) for d in live
+    ]
+
+
+@receiver(model_deleting, dispatch_uid="deployments-delete-model-history")
+def delete_model_history(sender, model, **kwargs) -> dict:
+    return {"deployments": services.delete_history(model)}
+
+
+@receiver(deployment_undeploying, dispatch_uid="rollouts-end-with-deployment")
+def end_rollout_of_undeployed(sender, deployment, actor, **kwargs) -> None:
+    rollouts.end_with_deployment(deployment, actor=actor)
+
+
+@receiver(canary_failed, dispatch_uid="rollouts-roll-back-failed-canary")
+def roll_back_failed_canary(sender, deployment, canary, error, **kwargs) -> None:
+    rollouts.roll_back_failed_canary(deployment, canary, error)

@@ -15,6 +15,11 @@ and reports it (``services.placement_canary_loaded``). The beat task ``check_rol
 
 Everything is in the database, so a restarted platform carries on where it was. Locks are taken deployment
 first, then rollout, as the placement reports do.
+
+The only writer of ``Rollout`` and ``RolloutAnalysis`` rows. What a rollout does to its deployment (a new
+decision on the placements, the promotion's switch, a step in the deployment's history) it asks of the
+deployments' owner, ``apps.deployments.services``; what ends a rollout there (an undeploy, a canary that
+fails to load) comes back as a signal that ``apps.deployments.receivers`` hands to ``end_rollout``.
 """
 
 from __future__ import annotations
@@ -166,10 +171,11 @@ def start_rollout(
             **options,
         )
         # A new decision, states unchanged: the stable version keeps serving while the canary loads.
-        placements = services._decide(list(deployment.placements.exclude(state=PlacementState.UNLOADED)))
-        deployment.events.create(
-            kind="rollout_started",
-            message=f"rollout of {canary} beside {deployment.active_version}: steps {steps} %, "
+        placements = services.redecide(deployment)
+        services.record_event(
+            deployment,
+            "rollout_started",
+            f"rollout of {canary} beside {deployment.active_version}: steps {steps} %, "
             f"a check every {step_interval_s} s",
             version=canary,
             details={"rollout": rollout.pk, "weight": 0},
@@ -253,17 +259,91 @@ def abort(*, actor, rollout: Rollout) -> Rollout:
         if not rollout.is_live():
             raise _not_live(rollout)
         reason = f"aborted by {getattr(actor, 'username', None) or 'the platform'}"
-        services.end_rollout(rollout, RolloutState.ABORTED, reason=reason, actor=actor)
+        end_rollout(rollout, RolloutState.ABORTED, reason=reason, actor=actor)
     return rollout
 
 
 def _event(rollout: Rollout, kind: str, message: str, **details) -> None:
-    rollout.deployment.events.create(
-        kind=kind,
-        message=f"rollout of {rollout.canary_version}: {message}",
+    services.record_event(
+        rollout.deployment,
+        kind,
+        f"rollout of {rollout.canary_version}: {message}",
         version=rollout.canary_version,
         details={"rollout": rollout.pk, "weight": rollout.current_weight, **details},
     )
+
+
+def end_rollout(
+    rollout: Rollout, state: RolloutState, *, reason: str, actor=None, figures: dict | None = None
+) -> None:
+    """End a live rollout without promoting it: weight 0 at once (the gateway stops sending the canary
+    traffic), the canary unloaded ``ROLLOUT_UNLOAD_DELAY_S`` later (by the beat task, ``unload_canary``), the
+    stable version serving throughout. The caller holds the rollout's row lock inside a transaction."""
+    now = timezone.now()
+    rollout.state, rollout.reason, rollout.current_weight = state, reason, 0
+    rollout.finished_at, rollout.next_check_at = now, None
+    rollout.canary_unload_at = now + timedelta(seconds=settings.ROLLOUT_UNLOAD_DELAY_S)
+    rollout.save(
+        update_fields=[
+            "state",
+            "reason",
+            "current_weight",
+            "finished_at",
+            "next_check_at",
+            "canary_unload_at",
+            "updated_at",
+        ]
+    )
+    rolled_back = state == RolloutState.ROLLED_BACK
+    deployment = rollout.deployment
+    services.record_event(
+        deployment,
+        "rollout_rolled_back" if rolled_back else "rollout_aborted",
+        f"{rollout.canary_version} {'rolled back' if rolled_back else 'aborted'}: {reason}; "
+        f"{rollout.stable_version} keeps serving",
+        version=rollout.canary_version,
+        details={"weight": 0, "rollout": rollout.pk, "figures": figures or {}},
+    )
+    record(
+        actor=actor,
+        team=deployment.team,
+        action="rollout.rolled_back" if rolled_back else "rollout.aborted",
+        target=deployment,
+        details={
+            "rollout": rollout.pk,
+            "canary": rollout.canary_version.number,
+            "stable": rollout.stable_version.number,
+            "reason": reason,
+            "figures": figures or {},
+        },
+    )
+
+
+def end_with_deployment(deployment: Deployment, *, actor) -> None:
+    """The deployment is being undeployed (its row locked): its live rollout is aborted."""
+    for rollout in Rollout.objects.live().select_for_update().filter(deployment=deployment):
+        end_rollout(rollout, RolloutState.ABORTED, reason="the deployment was undeployed", actor=actor)
+
+
+def roll_back_failed_canary(deployment: Deployment, canary: ModelVersion, error: str) -> None:
+    """The canary failed to load on one of the deployment's instances (its row locked): a canary that does
+    not load everywhere gets no traffic."""
+    live = Rollout.objects.live().select_for_update().filter(deployment=deployment, canary_version=canary)
+    for rollout in live:
+        end_rollout(rollout, RolloutState.ROLLED_BACK, reason=f"the canary failed to load: {error}")
+
+
+def unload_canary(rollout_id: int) -> int:
+    """Once the gateway sends an ended rollout's canary nothing: a new decision on the placements, so their
+    agents serve the stable version alone. Returns the placements decided (0: another beat did it)."""
+    with transaction.atomic():
+        claimed = Rollout.objects.filter(pk=rollout_id, canary_unload_at__isnull=False).update(
+            canary_unload_at=None
+        )
+        if claimed != 1:
+            return 0
+        deployment_id = Rollout.objects.filter(pk=rollout_id).values_list("deployment_id", flat=True)[0]
+        return services.serve_stable_alone(deployment_id)
 
 
 def _promote(deployment: Deployment, rollout: Rollout, *, actor, reason: str) -> None:
@@ -279,15 +359,7 @@ def _promote(deployment: Deployment, rollout: Rollout, *, actor, reason: str) ->
     rollout.save(
         update_fields=["state", "current_weight", "reason", "finished_at", "next_check_at", "updated_at"]
     )
-    deployment.target_version, deployment.state, deployment.last_error = (
-        rollout.canary_version,
-        DeploymentState.SWITCHING,
-        "",
-    )
-    deployment.save(update_fields=["target_version", "state", "last_error", "updated_at"])
-    placements = services._decide(
-        list(deployment.placements.all()), state=PlacementState.PENDING, last_error=""
-    )
+    placements = services.promote(deployment, rollout.canary_version)
     _event(rollout, "rollout_promoted", f"promoted ({reason}); {rollout.stable_version} is unloaded")
     record(actor=actor, team=deployment.team, action="rollout.promoted", target=deployment,
            details={"rollout": rollout.pk, "canary": rollout.canary_version.number,
@@ -304,7 +376,7 @@ def check_rollouts(now=None) -> dict[str, int]:
     now = now or timezone.now()
     done = {"unloaded": 0, "begun": 0, "checked": 0}
     for pk in Rollout.objects.filter(canary_unload_at__lte=now).values_list("pk", flat=True):
-        done["unloaded"] += bool(services.unload_canary(pk))
+        done["unloaded"] += bool(unload_canary(pk))
     waiting = Rollout.objects.filter(state=RolloutState.RUNNING, step_started_at__isnull=True)
     for rollout in waiting.select_related("deployment__model__team", "stable_version", "canary_version"):
         done["begun"] += begin_if_loaded(rollout, now)
@@ -354,7 +426,7 @@ def begin_if_loaded(rollout: Rollout, now=None) -> bool:
                         for p in placements
                         if p.canary_version_id != rollout.canary_version_id
                     ]
-                    services.end_rollout(
+                    end_rollout(
                         rollout,
                         RolloutState.ROLLED_BACK,
                         reason=f"the canary was not loaded on every instance within {rollout.traffic_deadline_s} s"
@@ -438,7 +510,7 @@ def run_check(rollout_id: int) -> RolloutAnalysis | None:
                     f"{rollout.consecutive_failures} failed checks in a row at {rollout.current_weight} %: "
                     + "; ".join(describe_gate(gate) for gate in failed)
                 )
-                services.end_rollout(
+                end_rollout(
                     rollout,
                     RolloutState.ROLLED_BACK,
                     reason=reason,

@@ -1,15 +1,21 @@
 """Deploy, switch and undeploy. The platform decides; each host's agent applies the placements on its
-instances (``hostagent.placement``) and reports back through ``placement_finished``."""
+instances (``hostagent.placement``) and reports back through ``placement_finished``.
+
+The only writer of ``Deployment``, ``DeploymentInstance`` (placements) and ``DeploymentEvent`` rows: signal
+receivers, the rollout state machine and other apps call the functions here. ``Rollout`` and
+``RolloutAnalysis`` rows are written by the rollout state machine's owner, ``apps.deployments.rollouts``,
+which builds on this module; what this module decides that ends a rollout (an undeploy, a canary that fails
+to load) it announces with a signal (``apps.deployments.signals``) that the rollouts answer. Checked by
+``tests/deployments/test_one_writer.py``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import F, Q
-from django.utils import timezone
 
 from apps.audit.services import record
 from apps.deployments.models import (
@@ -19,9 +25,8 @@ from apps.deployments.models import (
     DeploymentState,
     PlacementState,
     Rollout,
-    RolloutState,
 )
-from apps.deployments.signals import deployment_created
+from apps.deployments.signals import canary_failed, deployment_created, deployment_undeploying
 from apps.fleet.models import TritonInstance
 from apps.fleet.services import notify_hosts
 from apps.registry.models import ModelVersion, RegisteredModel
@@ -177,8 +182,8 @@ def undeploy(*, actor, deployment: Deployment) -> Deployment:
             return deployment
         deployment.state = DeploymentState.UNDEPLOYING
         deployment.save(update_fields=["state", "updated_at"])
-        for rollout in Rollout.objects.live().select_for_update().filter(deployment=deployment):
-            end_rollout(rollout, RolloutState.ABORTED, reason="the deployment was undeployed", actor=actor)
+        # Its live rollout is aborted (apps.deployments.rollouts answers, inside this transaction).
+        deployment_undeploying.send(sender=Deployment, deployment=deployment, actor=actor)
         placements = _decide(list(deployment.placements.all()))
         deployment.events.create(kind="undeploy_requested", message="undeploy")
         record(actor=actor, team=deployment.team, action="deployment.undeploy", target=deployment)
@@ -497,17 +502,13 @@ def placement_canary_failed(
             return False
         deployment, instance_id = reported
         _placement_event(deployment, instance_id, "canary_failed", error, version=canary)
-        rollout = (
-            Rollout.objects.live().select_for_update().filter(deployment=deployment, canary_version=canary)
-        )
-        for each in rollout:
-            end_rollout(each, RolloutState.ROLLED_BACK, reason=f"the canary failed to load: {error}")
+        # Its rollout is rolled back (apps.deployments.rollouts answers, inside this transaction).
+        canary_failed.send(sender=Deployment, deployment=deployment, canary=canary, error=error)
         _settle(deployment)
         return True
 
 
-# --- Rollouts: the state agents and the gateway act on. apps.deployments.rollouts starts, checks and advances
-# them; ending one lives here because a placement's report can end it too.
+# --- For the rollout state machine (apps.deployments.rollouts): what a rollout does to its deployment.
 
 
 def check_no_live_rollout(deployment: Deployment) -> None:
@@ -522,68 +523,75 @@ def check_no_live_rollout(deployment: Deployment) -> None:
         )
 
 
-def end_rollout(
-    rollout: Rollout, state: RolloutState, *, reason: str, actor=None, figures: dict | None = None
+def record_event(
+    deployment: Deployment, kind: str, message: str, *, version=None, details: dict | None = None
 ) -> None:
-    """End a live rollout without promoting it: weight 0 at once (the gateway stops sending the canary
-    traffic), the canary unloaded ``ROLLOUT_UNLOAD_DELAY_S`` later (by the beat task, ``unload_canary``), the
-    stable version serving throughout. The caller holds the rollout's row lock inside a transaction."""
-    now = timezone.now()
-    rollout.state, rollout.reason, rollout.current_weight = state, reason, 0
-    rollout.finished_at, rollout.next_check_at = now, None
-    rollout.canary_unload_at = now + timezone.timedelta(seconds=settings.ROLLOUT_UNLOAD_DELAY_S)
-    rollout.save(
-        update_fields=[
-            "state",
-            "reason",
-            "current_weight",
-            "finished_at",
-            "next_check_at",
-            "canary_unload_at",
-            "updated_at",
-        ]
-    )
-    rolled_back = state == RolloutState.ROLLED_BACK
-    deployment = rollout.deployment
-    deployment.events.create(
-        kind="rollout_rolled_back" if rolled_back else "rollout_aborted",
-        message=f"{rollout.canary_version} {'rolled back' if rolled_back else 'aborted'}: {reason}; "
-        f"{rollout.stable_version} keeps serving",
-        version=rollout.canary_version,
-        details={"weight": 0, "rollout": rollout.pk, "figures": figures or {}},
-    )
-    record(
-        actor=actor,
-        team=deployment.team,
-        action="rollout.rolled_back" if rolled_back else "rollout.aborted",
-        target=deployment,
-        details={
-            "rollout": rollout.pk,
-            "canary": rollout.canary_version.number,
-            "stable": rollout.stable_version.number,
-            "reason": reason,
-            "figures": figures or {},
-        },
-    )
+    """One step of the deployment's history, for a step that is not this module's own (a rollout's)."""
+    deployment.events.create(kind=kind, message=message, version=version, details=details or {})
 
 
-def unload_canary(rollout_id: int) -> int:
-    """Once the gateway sends an ended rollout's canary nothing: a new decision on the placements, so their
-    agents serve the stable version alone. Returns the placements decided (0: another beat did it)."""
-    with transaction.atomic():
-        claimed = Rollout.objects.filter(pk=rollout_id, canary_unload_at__isnull=False).update(
-            canary_unload_at=None
-        )
-        if claimed != 1:
-            return 0
-        deployment_id = Rollout.objects.filter(pk=rollout_id).values_list("deployment_id", flat=True)[0]
-        deployment = Deployment.objects.select_for_update().get(pk=deployment_id)
-        if deployment.state in (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED):
-            return 0
-        if Rollout.objects.live().filter(deployment=deployment).exists():
-            return 0  # a new rollout started meanwhile: its own decision placed what it needs
-        # Every placement, not only those reporting the canary: one may be loading it right now (its report
-        # then comes for an older generation and is dropped; the new decision takes the canary out).
-        placements = _decide(list(deployment.placements.exclude(state=PlacementState.UNLOADED)))
-        transaction.on_commit(lambda: _enqueue(placements))
-        return len(placements)
+def redecide(deployment: Deployment) -> list[DeploymentInstance]:
+    """A new decision on the deployment's placements but the unloaded ones, states unchanged (a rollout
+    started: load the canary beside the stable version). The caller holds the deployment's row lock and
+    hands the result to ``_enqueue`` once committed."""
+    return _decide(list(deployment.placements.exclude(state=PlacementState.UNLOADED)))
+
+
+def promote(deployment: Deployment, version: ModelVersion) -> list[DeploymentInstance]:
+    """A rollout's canary becomes the served version: the switch, every placement told to serve ``version``
+    alone. The caller holds the deployment's row lock, has checked it SERVING, and hands the result to
+    ``_enqueue`` once committed."""
+    deployment.target_version, deployment.state, deployment.last_error = (
+        version,
+        DeploymentState.SWITCHING,
+        "",
+    )
+    deployment.save(update_fields=["target_version", "state", "last_error", "updated_at"])
+    return _decide(list(deployment.placements.all()), state=PlacementState.PENDING, last_error="")
+
+
+def serve_stable_alone(deployment_id: int) -> int:
+    """An ended rollout's canary gets no traffic any more: a new decision on the placements, so their agents
+    serve the stable version alone. Returns the placements decided (0: undeployed, or a new rollout started
+    meanwhile and its own decision placed what it needs). Inside the caller's transaction."""
+    deployment = Deployment.objects.select_for_update().get(pk=deployment_id)
+    if deployment.state in (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED):
+        return 0
+    if Rollout.objects.live().filter(deployment=deployment).exists():
+        return 0
+    # Every placement, not only those reporting the canary: one may be loading it right now (its report
+    # then comes for an older generation and is dropped; the new decision takes the canary out).
+    placements = redecide(deployment)
+    transaction.on_commit(lambda: _enqueue(placements))
+    return len(placements)
+
+
+# --- For the registry (apps.deployments.receivers answers its signals): versions and models that go.
+
+
+def release_version(version: ModelVersion) -> None:
+    """Undeployed deployments and unloaded placements keep their last version for display only; they let go
+    of a version being deleted (their events and the audit log still name it)."""
+    done = Deployment.objects.filter(model_id=version.model_id, state=DeploymentState.UNDEPLOYED)
+    done.filter(active_version_id=version.pk).update(active_version=None)
+    done.filter(target_version_id=version.pk).update(target_version=None)
+    DeploymentInstance.objects.filter(served_version_id=version.pk).filter(
+        state=PlacementState.UNLOADED
+    ).update(served_version=None)
+    DeploymentInstance.objects.filter(
+        served_version_id=version.pk, deployment__state=DeploymentState.UNDEPLOYED
+    ).update(served_version=None)
+    DeploymentInstance.objects.filter(canary_version_id=version.pk).filter(
+        Q(state=PlacementState.UNLOADED) | Q(deployment__state=DeploymentState.UNDEPLOYED)
+    ).update(canary_version=None)
+
+
+def delete_history(model: RegisteredModel) -> list[int]:
+    """A model being deleted takes its ended deployments with it: their placements, events, rollouts and
+    analyses (the audit log keeps what they did). The registry has checked, with the model's versions and
+    live deployments locked, that none is live; one that is would keep its versions and fail the delete.
+    Returns the ids of the deployments removed."""
+    ended = Deployment.objects.filter(model_id=model.pk, state=DeploymentState.UNDEPLOYED).order_by("pk")
+    removed = list(ended.values_list("pk", flat=True))
+    ended.delete()
+    return removed

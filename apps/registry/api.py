@@ -153,6 +153,12 @@ class VersionInUseError(APIException):
     default_detail = "The version is in use."
 
 
+class ModelInUseError(APIException):
+    status_code = status.HTTP_409_CONFLICT
+    default_code = "in_use"
+    default_detail = "The model is deployed."
+
+
 class UploadCreateSerializer(serializers.Serializer):
     filename = serializers.CharField(
         max_length=255, help_text="The file's name; its ending tells the format."
@@ -277,8 +283,18 @@ class RegisteredModelViewSet(
         services.update_model(actor=request.user, model=model, **serializer.validated_data)
         return Response(RegisteredModelSerializer(self.get_queryset().get(pk=model.pk)).data)
 
+    @extend_schema(
+        responses={204: None, 409: ERROR},
+        summary="Delete a model, its versions and files (409 while a deployment of it is live)",
+    )
+    def destroy(self, request, *args, **kwargs):
+        return super().destroy(request, *args, **kwargs)
+
     def perform_destroy(self, instance):
-        services.delete_model(actor=self.request.user, model=instance)
+        try:
+            services.delete_model(actor=self.request.user, model=instance)
+        except services.ModelInUse as exc:
+            raise ModelInUseError(str(exc)) from None
 
     @extend_schema(
         request=UploadCreateSerializer,

@@ -35,6 +35,7 @@ from apps.audit.services import record
 from apps.registry.archives import ArchiveRejected, Limits
 from apps.registry.formats import claimed_format, install_source
 from apps.registry.models import (
+    ModelVersion,
     RegisteredModel,
     SourceFormat,
     TaskType,
@@ -44,7 +45,7 @@ from apps.registry.models import (
     artifact_root,
 )
 from apps.registry.options import check_conversion_options, check_om_config, check_serving_options
-from apps.registry.signals import version_uploaded
+from apps.registry.signals import VersionUse, model_deleting, model_retiring, version_uploaded
 
 logger = logging.getLogger(__name__)
 
@@ -151,17 +152,41 @@ def model_storage_dir(model: RegisteredModel) -> Path:
     return artifact_root() / "teams" / str(model.team_id) / "models" / str(model.pk)
 
 
+class ModelInUse(Exception):
+    """Deleting a model something still uses (HTTP 409); ``uses`` names each user (a live deployment)."""
+
+    def __init__(self, message: str, uses: list[VersionUse]) -> None:
+        self.uses = uses
+        super().__init__(message)
+
+
 def delete_model(*, actor, model: RegisteredModel) -> None:
-    """Delete the model, its versions and their files (the files once the rows are gone for good)."""
+    """Delete the model, its versions and their files (the files once the rows are gone for good). Refused
+    while a deployment of it is live (undeploy first); the history of its ended deployments goes with it,
+    removed by the deployments app (``signals.model_deleting``), and the audit log keeps what was deleted."""
     storage = model_storage_dir(model)
     parts = [s.part_path() for s in UploadSession.objects.filter(version__model=model)]
     with transaction.atomic():
+        # The versions first, then (in the receivers) the deployments, as deploying and deleting a version
+        # lock them: a deploy cannot start while the model goes, and one that started is seen here.
+        list(ModelVersion.objects.select_for_update().filter(model=model).order_by("pk").values_list("pk"))
+        uses = [use for _, found in model_retiring.send(RegisteredModel, model=model) for use in found]
+        if uses:
+            them = "it" if len(uses) == 1 else "them"
+            raise ModelInUse(
+                f"{model.name} cannot be deleted while it is deployed: "
+                f"{', '.join(use.message for use in uses)}. Undeploy {them} first.",
+                uses,
+            )
+        removed: dict = {}
+        for _, answer in model_deleting.send(RegisteredModel, model=model):
+            removed.update(answer or {})
         record(
             actor=actor,
             team=model.team,
             action="model.deleted",
             target=model,
-            details={"slug": model.slug, "versions": model.versions.count()},
+            details={"slug": model.slug, "versions": model.versions.count(), **removed},
         )
         model.delete()
 

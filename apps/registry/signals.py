@@ -10,7 +10,8 @@ from django.dispatch import Signal
 
 @dataclass(frozen=True)
 class VersionUse:
-    """Something that keeps a version in use, as a receiver of ``version_retiring`` describes it."""
+    """Something that keeps a version (or a model) in use, as a receiver of ``version_retiring`` (or
+    ``model_retiring``) describes it."""
 
     message: str  # "deployment #3 serves it (Serving)"
     target_type: str  # the object it names, so a page can link to it: "deployment"
@@ -26,6 +27,15 @@ version_retiring = Signal()
 # release the references their history rows keep to it (an undeployed deployment's last version) before the
 # row goes.
 version_deleting = Signal()
+
+# Sent inside delete_model's transaction with the model's versions locked (kwargs ``model``): each receiver
+# returns a list of VersionUse naming what keeps the model (a live deployment); any use refuses the delete.
+model_retiring = Signal()
+
+# Sent inside delete_model's transaction once nothing uses the model (kwargs ``model``): receivers remove the
+# rows they own about it (an ended deployment's history) before the model's row goes, and return a dict of
+# what they removed for the audit event's details.
+model_deleting = Signal()
 
 # Sent inside complete_upload's transaction once a version's source is in place and checked (kwargs ``actor``,
 # ``version``, ``options``: the upload's conversion options). The conversions app starts the version's
