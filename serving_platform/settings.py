@@ -16,7 +16,8 @@ from urllib.parse import urlsplit
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from serving_platform.env import env_bool, env_int, env_list, env_str
+from backend_ge.served_config import MAX_INSTANCE_COUNT
+from serving_platform.env import address_of_bind, env_bool, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("VAR_DIR") or BASE_DIR / "var").resolve()
@@ -215,8 +216,8 @@ FLEET_RESTART_BASE_DELAY_MS = env_int("FLEET_RESTART_BASE_DELAY_MS", 1000, minim
 FLEET_MAX_CRASHES = env_int("FLEET_MAX_CRASHES", 5, minimum=1)
 FLEET_CRASH_WINDOW = env_int("FLEET_CRASH_WINDOW", 600, minimum=1)
 # Model instances (python stub processes) one served model may run on this host (capped by the team's quota
-# and the platform's limit, 8): the agent refuses a placement whose config asks for more.
-FLEET_MAX_MODEL_INSTANCES = env_int("FLEET_MAX_MODEL_INSTANCES", 8, minimum=1)
+# and the platform's limit, MAX_INSTANCE_COUNT): the agent refuses a placement whose config asks for more.
+FLEET_MAX_MODEL_INSTANCES = env_int("FLEET_MAX_MODEL_INSTANCES", MAX_INSTANCE_COUNT, minimum=1)
 # How often each agent compares Triton with the placements (and reports models that are not ready).
 FLEET_RECONCILE_INTERVAL_MS = env_int("FLEET_RECONCILE_INTERVAL_MS", 5000, minimum=50)
 # How often each agent polls its desired state (a 304 while nothing changed): a deploy reaches it within this.
@@ -395,10 +396,18 @@ GATEWAY_BIND = env_str("GATEWAY_BIND") or "127.0.0.1:8080"
 GATEWAY_GRPC_BIND = env_str("GATEWAY_GRPC_BIND") or "127.0.0.1:8081"
 # HAProxy's Prometheus exporter; the platform scrapes it (keep it private).
 GATEWAY_STATS_BIND = env_str("GATEWAY_STATS_BIND") or "127.0.0.1:8404"
-GATEWAY_METRICS_URL = env_str("GATEWAY_METRICS_URL") or f"http://{GATEWAY_STATS_BIND}/metrics"
-# What users copy into their clients (snippets, playground, README); TLS terminates here in production.
-GATEWAY_PUBLIC_URL = env_str("GATEWAY_PUBLIC_URL") or "http://127.0.0.1:8080"
-GATEWAY_PUBLIC_GRPC = env_str("GATEWAY_PUBLIC_GRPC") or "127.0.0.1:8081"
+GATEWAY_METRICS_URL = (
+    env_str("GATEWAY_METRICS_URL")
+    or f"http://{address_of_bind('GATEWAY_STATS_BIND', GATEWAY_STATS_BIND)}/metrics"
+)
+# What users copy into their clients (snippets, deployment API, README); TLS terminates here in production.
+# Each follows its bind unless set (a wildcard bind gives localhost: set these for clients on other machines).
+GATEWAY_PUBLIC_URL = (
+    env_str("GATEWAY_PUBLIC_URL") or f"http://{address_of_bind('GATEWAY_BIND', GATEWAY_BIND)}"
+)
+GATEWAY_PUBLIC_GRPC = env_str("GATEWAY_PUBLIC_GRPC") or address_of_bind(
+    "GATEWAY_GRPC_BIND", GATEWAY_GRPC_BIND
+)
 GATEWAY_DIR = Path(env_str("GATEWAY_DIR") or VAR_DIR / "gateway").resolve()
 GATEWAY_HAPROXY = env_str("GATEWAY_HAPROXY") or "haproxy"
 GATEWAY_THREADS = env_int("GATEWAY_THREADS", 1, minimum=1)
@@ -425,8 +434,10 @@ CELERY_BEAT_SCHEDULE["check-rollouts"] = {
 }
 
 # --- Alerts and notifications (apps.alerts) -------------------------------------------------------
-# Links in notifications (generatorURL, the email's page link) start with this.
-PLATFORM_PUBLIC_URL = env_str("PLATFORM_PUBLIC_URL") or "http://127.0.0.1:8000"
+# Links in notifications (generatorURL, the email's page link) start with this; it follows the web process's
+# bind (WEB_BIND, as the Procfile reads it) unless set.
+WEB_BIND = env_str("WEB_BIND") or "127.0.0.1:8000"
+PLATFORM_PUBLIC_URL = env_str("PLATFORM_PUBLIC_URL") or f"http://{address_of_bind('WEB_BIND', WEB_BIND)}"
 # Webhook URLs are tenant input: loopback/private/link-local destinations only when this is on (DEBUG, tests).
 ALERT_WEBHOOK_ALLOW_PRIVATE = env_bool("ALERT_WEBHOOK_ALLOW_PRIVATE", DEBUG)
 ALERT_WEBHOOK_TIMEOUT = env_int("ALERT_WEBHOOK_TIMEOUT", 10, minimum=1)

@@ -95,9 +95,8 @@ def check_config_text(version: ModelVersion, text: str):
     Built from only the fields a tenant may set (backend_ge.served_config): the name is the version's Triton
     model name whatever the text says, and the tensors must match the stored signature.
     """
-    from apps.registry.options import TEAM_INSTANCE_LIMIT
     from backend_ge import config as gc
-    from backend_ge.served_config import build_served_config
+    from backend_ge.served_config import TEAM_INSTANCE_LIMIT, build_served_config
 
     signature = gc.ModelSignature.from_dict(version.signature) if version.signature else None
     return build_served_config(

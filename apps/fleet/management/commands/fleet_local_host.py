@@ -1,15 +1,16 @@
 """``manage.py fleet_local_host``: the host of ``make run``, on the platform's own machine.
 
 Run on the platform side (it opens the database): it adds the host and its CPU instances when they are missing,
-as staff would, and when ``--credential-file`` does not hold the host's current credential it joins the host
-and writes a new one there (mode 0600). ``manage.py hostagent --platform http://127.0.0.1:8000
---credential-file FILE`` then runs the local agent over loopback, through the same agent API as any other host.
+as staff would, and when ``--credential-file`` (default ``AGENT_CREDENTIAL_FILE``, the file the agent reads)
+does not hold the host's current credential it joins the host and writes a new one there (mode 0600). The
+local agent then runs over loopback, through the same agent API as any other host.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
@@ -31,7 +32,11 @@ class Command(BaseCommand):
             default=[],
             help="A CPU instance to create if the host has none by that name, e.g. cpu-0:8100:8101:8102.",
         )
-        parser.add_argument("--credential-file", required=True)
+        parser.add_argument(
+            "--credential-file",
+            default=None,
+            help="Where the local agent's credential is kept (default AGENT_CREDENTIAL_FILE, as the agent reads it).",
+        )
 
     def handle(self, *args, **options):
         host = Host.objects.filter(name=options["name"]).first()
@@ -42,7 +47,7 @@ class Command(BaseCommand):
                 self._ensure_instance(host, spec)
         except ValidationError as exc:
             raise CommandError("; ".join(exc.messages)) from None
-        path = Path(options["credential_file"])
+        path = Path(options["credential_file"] or settings.AGENT_CREDENTIAL_FILE)
         current = path.read_text().strip() if path.is_file() else ""
         if current and host.revoked_at is None and hash_host_secret(current) == host.credential_hash:
             self.stdout.write(f"host {host.name}: credential in {path} is current")
