@@ -28,9 +28,12 @@ haproxy:
 migrate: install
 	$(PY) manage.py migrate --noinput
 
+## The local host's credential: written by fleet_local_host, read by the local agent (both read this variable).
+demo run: export AGENT_CREDENTIAL_FILE ?= var/agent/local.credential
+
 demo: migrate
 	$(PY) manage.py bootstrap_demo
-	$(PY) manage.py fleet_local_host --name local --address 127.0.0.1 --credential-file var/agent/local.credential \
+	$(PY) manage.py fleet_local_host --name local --address 127.0.0.1 \
 		--instance cpu-0:$${TRITON_HTTP_PORT:-8100}:$${TRITON_GRPC_PORT:-8101}:$${TRITON_METRICS_PORT:-8102}
 
 ## Start web (http://127.0.0.1:8000), Celery worker and beat, the local host agent and the inference gateway
