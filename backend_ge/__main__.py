@@ -11,6 +11,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from backend_ge.runtime import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORT
+
 
 def _serve(args: argparse.Namespace) -> int:
     from backend_ge import runtime
@@ -104,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run tritonserver with the GE backend on a model repository")
     serve.add_argument("--model-repository", required=True)
     serve.add_argument("--address", default="127.0.0.1", help="bind address (default: loopback only)")
-    serve.add_argument("--http-port", type=int, default=8000, help="0 picks a free port")
-    serve.add_argument("--grpc-port", type=int, default=8001)
-    serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT, help="0 picks a free port")
+    serve.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT)
+    serve.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT)
     serve.add_argument("--workdir", default="", help="where the backends, repository copy and log go")
     serve.add_argument("--start-timeout", type=float, default=60.0)
     serve.set_defaults(func=_serve)

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from backend_ge.runtime import DEFAULT_HTTP_PORT
+
 _NUMPY: dict[str, type] = {
     "FP32": np.float32,
     "FP16": np.float16,
@@ -320,7 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--requests", type=int, default=100)
-    parser.add_argument("--url", default="127.0.0.1:8000", help="HTTP host:port of the server")
+    parser.add_argument(
+        "--url",
+        default=f"127.0.0.1:{DEFAULT_HTTP_PORT}",
+        help="HTTP host:port of the server (`serve`'s default)",
+    )
     parser.add_argument("--grpc-url", default="", help="send inferences over gRPC to this host:port")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)

@@ -29,6 +29,7 @@ from pathlib import Path
 from backend_ge import config as gc
 from backend_ge import dtypes
 from backend_ge.files import atomic_write
+from backend_ge.serving import DEFAULT_MAX_BATCH_SIZE
 
 FRAMEWORKS = {"caffe": 0, "mindspore": 1, "tensorflow": 3, "onnx": 5}
 FRAMEWORK_BY_SUFFIX = {".prototxt": 0, ".air": 1, ".pb": 3, ".onnx": 5}
@@ -330,7 +331,7 @@ def prepare_onnx(
     version_dir: str | os.PathLike,
     *,
     name: str | None = None,
-    max_batch_size: int = 8,
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
     write_config: bool = True,
     **config_options,
 ) -> PreparedModel:
@@ -373,7 +374,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dynamic_batch_size", help="gears, e.g. 1,2,4,8 (sets the batch dimension to -1)")
     p.add_argument("--input_format", default="")
     p.add_argument("--precision_mode", default="")
-    p.add_argument("--max_batch_size", type=int, default=8, help="config.pbtxt max_batch_size (ONNX path)")
+    p.add_argument(
+        "--max_batch_size",
+        type=int,
+        default=DEFAULT_MAX_BATCH_SIZE,
+        help=f"config.pbtxt max_batch_size (ONNX path; default {DEFAULT_MAX_BATCH_SIZE})",
+    )
     p.add_argument("--timeout", type=float, default=3600)
     return p
 

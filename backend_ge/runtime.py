@@ -70,6 +70,8 @@ DEFAULT_OPEN_APIS = ("health", "inference", "metadata", "statistics")
 API_KEY_HEADER = "x-ge-instance-key"
 GRPC_API_KEY_HEADER = f"triton-grpc-protocol-{API_KEY_HEADER}"
 REPOSITORY_KEY_HEADER = API_KEY_HEADER  # the name it had when only the repository API was restricted
+# tritonserver's own default ports (HTTP, gRPC, metrics): `python -m backend_ge serve` and `bench` use them.
+DEFAULT_HTTP_PORT, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT = 8000, 8001, 8002
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
 # Environment variables a server (and so every python stub) inherits; anything else - database URLs,

@@ -43,6 +43,10 @@ MAX_QUEUE_SIZE = 100_000
 MAX_PRIORITY_LEVELS = 16
 MAX_PREFERRED_BATCH_SIZES = 16
 MAX_INSTANCE_COUNT = 8  # every instance is a python stub process (~90 MiB) on the host
+# How a refusal names the bound a config's instance count met (build_served_config's ``instance_limit``).
+PLATFORM_INSTANCE_LIMIT = "the platform's limit"
+TEAM_INSTANCE_LIMIT = "the team's limit (quota_model_instances)"
+HOST_INSTANCE_LIMIT = "this host's limit (FLEET_MAX_MODEL_INSTANCES)"
 MAX_TENSORS = 64
 MAX_RANK = 8
 MAX_DIM = 1 << 24
@@ -368,7 +372,7 @@ def build_served_config(
     *,
     name: str,
     max_instance_count: int = MAX_INSTANCE_COUNT,
-    instance_limit: str = "the platform's limit",
+    instance_limit: str = PLATFORM_INSTANCE_LIMIT,
     allowed_models: AllowedModels = None,
     signature: ModelSignature | None = None,
     require_io: bool = True,
@@ -418,11 +422,24 @@ def build_served_config(
     return served
 
 
+def host_instance_limit(team_limit: int, host_limit: int) -> tuple[int, str]:
+    """How many model instances a config may run on a host, and how a refusal names the bound: the team's
+    quota (which the platform caps at MAX_INSTANCE_COUNT) or the host's own limit, whichever is lower."""
+    host_limit = max(1, int(host_limit))
+    if host_limit < team_limit:
+        return host_limit, HOST_INSTANCE_LIMIT
+    return team_limit, TEAM_INSTANCE_LIMIT
+
+
 __all__ = [
     "GE_PARAMETERS",
+    "HOST_INSTANCE_LIMIT",
     "MAX_BATCH_SIZE",
     "MAX_INSTANCE_COUNT",
     "MAX_QUEUE_DELAY_US",
+    "PLATFORM_INSTANCE_LIMIT",
+    "TEAM_INSTANCE_LIMIT",
     "TENANT_FIELDS",
     "build_served_config",
+    "host_instance_limit",
 ]

@@ -26,7 +26,9 @@ from backend_ge.executors import Executor, create_executor
 from backend_ge.executors.base import TensorSpec
 
 # Triton's onnxruntime backend fills max_batch_size with a small default when a model can batch; the seed
-# configs use 16-32, so 8 is a middle that keeps per-call memory small on 2-core CPU hosts.
+# configs use 16-32, so 8 is a middle that keeps per-call memory small on 2-core CPU hosts. The one default:
+# the backend's auto-complete, the platform's generated configs, upload forms and `convert` all read it here
+# (this module imports no tritonclient, so the python stubs stay small).
 DEFAULT_MAX_BATCH_SIZE = 8
 # Triton 2.51's python backend counts a request answered with an error response as a *success*
 # (nv_inference_request_success); only an exception out of execute() counts as a failure, and that would

@@ -101,9 +101,7 @@ def make_versions(team, owner, count: int, prefix: str, scratch: Path) -> list:
         )
         source = scratch / f"{prefix}-{i}.onnx"
         source.write_bytes(small_model_bytes(i))
-        prepared = prepare_onnx(
-            source, version.servable_dir() / "1", name=model.triton_model_name(), max_batch_size=8
-        )
+        prepared = prepare_onnx(source, version.servable_dir() / "1", name=model.triton_model_name())
         version.signature = prepared.signature.to_dict()
         version.config_text = (version.servable_dir() / "config.pbtxt").read_text()
         version.state = VersionState.READY

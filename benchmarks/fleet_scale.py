@@ -215,9 +215,7 @@ def make_version(scratch_model: Path):
         created_by=owner,
     )
     version.servable_dir().parent.mkdir(parents=True, exist_ok=True)
-    prepared = prepare_onnx(
-        scratch_model, version.servable_dir() / "1", name=model.triton_model_name(), max_batch_size=8
-    )
+    prepared = prepare_onnx(scratch_model, version.servable_dir() / "1", name=model.triton_model_name())
     version.signature = prepared.signature.to_dict()
     version.config_text = (version.servable_dir() / "config.pbtxt").read_text()
     version.state = VersionState.READY

@@ -19,8 +19,9 @@ from apps.deployments.models import Deployment, DeploymentInstance, DeploymentSt
 from apps.registry import services, versions
 from apps.registry.formats import EXTENSIONS
 from apps.registry.models import ModelVersion, RegisteredModel, TaskType
-from apps.registry.options import INPUT_FORMATS, MAX_INSTANCES, PRECISION_MODES, SERVING_DEFAULTS
+from apps.registry.options import INPUT_FORMATS, PRECISION_MODES, SERVING_DEFAULTS
 from apps.teams.models import Action
+from backend_ge.served_config import MAX_BATCH_SIZE, MAX_INSTANCE_COUNT
 from frontend.pages import TeamPageView
 from frontend.views import add_service_errors
 
@@ -211,7 +212,8 @@ class ModelUploadView(ModelPageView):
         context = super().get_context_data(**kwargs)
         context.update(
             serving=SERVING_DEFAULTS,
-            max_instances=MAX_INSTANCES,
+            max_instances=MAX_INSTANCE_COUNT,
+            max_batch_size=MAX_BATCH_SIZE,
             precision_modes=PRECISION_MODES,
             input_formats=INPUT_FORMATS,
             extensions=", ".join(EXTENSIONS),

@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from backend_ge.served_config import MAX_INSTANCE_COUNT
+
 
 class ConfigError(ValueError):
     """An option's value cannot be used; the message names the option and what it must be."""
@@ -161,7 +163,7 @@ class AgentConfig:
     restart_base_delay_ms: int = 1000
     max_crashes: int = 5
     crash_window: int = 600
-    max_model_instances: int = 8
+    max_model_instances: int = MAX_INSTANCE_COUNT
     reconcile_interval_ms: int = 5000
     poll_interval_ms: int = 1000
     long_poll_wait: int = 25

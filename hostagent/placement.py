@@ -20,11 +20,12 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from backend_ge import samples
+from backend_ge import naming, samples
 from backend_ge.config import ModelSignature
 from backend_ge.errors import public_error
 from backend_ge.final_counts import read_final_counts
 from backend_ge.runtime import TritonError, TritonServer
+from backend_ge.served_config import host_instance_limit
 from hostagent.client import (
     DeploymentSpec,
     DesiredState,
@@ -45,7 +46,6 @@ log = logging.getLogger(__name__)
 # A model that failed to load is retried by reconcile after this long, not every few seconds - unless the
 # server restarted meanwhile (the key holds its pid): a fresh server gets one attempt at every model.
 LOAD_RETRY_AFTER = 60.0
-CANDIDATE_SUFFIX = "__candidate"
 
 
 class AgentState(Protocol):
@@ -69,22 +69,12 @@ def servable_dir(agent: AgentState, version: VersionSpec) -> Path:
     return agent.client.download_version(version, agent.config.cache_dir)
 
 
-def model_instance_limit(team_limit: int, host_limit: int) -> tuple[int, str]:
-    """How many model instances a config may run on this host, and how a refusal names the bound: the team's
-    quota (capped by the platform's limit; the desired state carries it) and this host's
-    ``--max-model-instances`` (FLEET_MAX_MODEL_INSTANCES)."""
-    host_limit = max(1, int(host_limit))
-    if host_limit < team_limit:
-        return host_limit, "this host's limit (FLEET_MAX_MODEL_INSTANCES)"
-    return team_limit, "the team's limit (quota_model_instances)"
-
-
 def _materialize(agent: AgentState, proc: InstanceProcess, name: str, versions: list[VersionSpec]) -> None:
     newest = max(versions, key=lambda v: v.number)
     # The devices are the placing instance's, never the tenant's config.
     instance = agent.desired.instance(proc.instance_id)
     device_ids = instance.device_ids if instance is not None else []
-    limit, limit_name = model_instance_limit(newest.instance_limit, agent.config.max_model_instances)
+    limit, limit_name = host_instance_limit(newest.instance_limit, agent.config.max_model_instances)
     materialize_model(
         proc.repository,
         name,
@@ -323,7 +313,7 @@ def _undeploy(agent: AgentState, proc: InstanceProcess, placement: PlacementSpec
 
 def _smoke_test_candidate(agent: AgentState, proc: InstanceProcess, name: str, version: VersionSpec) -> None:
     server = proc.server
-    candidate = name + CANDIDATE_SUFFIX
+    candidate = naming.candidate_name(name)
     try:
         _materialize(agent, proc, candidate, [version])
         server.load_model(candidate)

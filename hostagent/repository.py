@@ -24,7 +24,7 @@ from pathlib import Path
 
 from backend_ge import config as ge_config
 from backend_ge.executors import MODEL_FILES
-from backend_ge.served_config import MAX_INSTANCE_COUNT, build_served_config
+from backend_ge.served_config import HOST_INSTANCE_LIMIT, MAX_INSTANCE_COUNT, build_served_config
 
 
 class RepositoryError(RuntimeError):
@@ -82,7 +82,7 @@ def served_config_text(
     *,
     device_ids: Sequence[int] = (),
     max_instance_count: int = MAX_INSTANCE_COUNT,
-    instance_limit: str = "the host's limit",
+    instance_limit: str = HOST_INSTANCE_LIMIT,
 ) -> str:
     """The config Triton reads: rebuilt from the fields a tenant may set, renamed for Triton, pinned to exactly
     the served versions, and given the placing instance's devices. Raises RepositoryError for a config with a
@@ -125,7 +125,7 @@ def materialize_model(
     *,
     device_ids: Sequence[int] = (),
     max_instance_count: int = MAX_INSTANCE_COUNT,
-    instance_limit: str = "the host's limit",
+    instance_limit: str = HOST_INSTANCE_LIMIT,
 ) -> Path:
     """Write ``<repository>/<triton_name>`` serving ``versions`` ({number: servable dir}) atomically.
 

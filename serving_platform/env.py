@@ -48,3 +48,36 @@ def env_list(name: str, default: list[str]) -> list[str]:
     if raw is None:
         return list(default)
     return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+# A listener bound to one of these answers on every address of the machine, loopback included; none of them
+# is an address a client can call.
+WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
+
+
+def address_of_bind(name: str, bind: str) -> str:
+    """The ``host:port`` a client calls to reach a listener bound to ``bind`` (the value of setting ``name``).
+
+    A specific address is kept (a bare IPv6 address gets its brackets); a wildcard bind (``0.0.0.0``, ``::``,
+    ``*`` or no host) becomes ``localhost``, which reaches it from the same machine - anything else needs the
+    public setting that derives from it. A bind that is not one ``host:port`` (a list, a port range, a unix
+    socket) stops the process: say the public address instead.
+    """
+    host, sep, port = bind.strip().rpartition(":")
+    if (
+        not sep
+        or not port.isdigit()
+        or not 0 < int(port) < 65536
+        or "," in host
+        or "@" in host
+        or "/" in host
+    ):
+        raise ImproperlyConfigured(
+            f"{name}={bind!r}: cannot derive a client address from it (expected one host:port); "
+            "set the public address explicitly"
+        )
+    if host in WILDCARD_HOSTS:
+        host = "localhost"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from serving_platform.env import env_bool, env_int, env_list, env_str
+from serving_platform.env import address_of_bind, env_bool, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("VAR_DIR") or BASE_DIR / "var").resolve()
@@ -378,10 +378,18 @@ GATEWAY_BIND = env_str("GATEWAY_BIND") or "127.0.0.1:8080"
 GATEWAY_GRPC_BIND = env_str("GATEWAY_GRPC_BIND") or "127.0.0.1:8081"
 # HAProxy's Prometheus exporter; the platform scrapes it (keep it private).
 GATEWAY_STATS_BIND = env_str("GATEWAY_STATS_BIND") or "127.0.0.1:8404"
-GATEWAY_METRICS_URL = env_str("GATEWAY_METRICS_URL") or f"http://{GATEWAY_STATS_BIND}/metrics"
-# What users copy into their clients (snippets, playground, README); TLS terminates here in production.
-GATEWAY_PUBLIC_URL = env_str("GATEWAY_PUBLIC_URL") or "http://127.0.0.1:8080"
-GATEWAY_PUBLIC_GRPC = env_str("GATEWAY_PUBLIC_GRPC") or "127.0.0.1:8081"
+GATEWAY_METRICS_URL = (
+    env_str("GATEWAY_METRICS_URL")
+    or f"http://{address_of_bind('GATEWAY_STATS_BIND', GATEWAY_STATS_BIND)}/metrics"
+)
+# What users copy into their clients (snippets, deployment API, README); TLS terminates here in production.
+# Each follows its bind unless set (a wildcard bind gives localhost: set these for clients on other machines).
+GATEWAY_PUBLIC_URL = (
+    env_str("GATEWAY_PUBLIC_URL") or f"http://{address_of_bind('GATEWAY_BIND', GATEWAY_BIND)}"
+)
+GATEWAY_PUBLIC_GRPC = env_str("GATEWAY_PUBLIC_GRPC") or address_of_bind(
+    "GATEWAY_GRPC_BIND", GATEWAY_GRPC_BIND
+)
 GATEWAY_DIR = Path(env_str("GATEWAY_DIR") or VAR_DIR / "gateway").resolve()
 GATEWAY_HAPROXY = env_str("GATEWAY_HAPROXY") or "haproxy"
 GATEWAY_THREADS = env_int("GATEWAY_THREADS", 1, minimum=1)
@@ -408,8 +416,10 @@ CELERY_BEAT_SCHEDULE["check-rollouts"] = {
 }
 
 # --- Alerts and notifications (apps.alerts) -------------------------------------------------------
-# Links in notifications (generatorURL, the email's page link) start with this.
-PLATFORM_PUBLIC_URL = env_str("PLATFORM_PUBLIC_URL") or "http://127.0.0.1:8000"
+# Links in notifications (generatorURL, the email's page link) start with this; it follows the web process's
+# bind (WEB_BIND, as the Procfile reads it) unless set.
+WEB_BIND = env_str("WEB_BIND") or "127.0.0.1:8000"
+PLATFORM_PUBLIC_URL = env_str("PLATFORM_PUBLIC_URL") or f"http://{address_of_bind('WEB_BIND', WEB_BIND)}"
 # Webhook URLs are tenant input: loopback/private/link-local destinations only when this is on (DEBUG, tests).
 ALERT_WEBHOOK_ALLOW_PRIVATE = env_bool("ALERT_WEBHOOK_ALLOW_PRIVATE", DEBUG)
 ALERT_WEBHOOK_TIMEOUT = env_int("ALERT_WEBHOOK_TIMEOUT", 10, minimum=1)

@@ -10,10 +10,10 @@ from apps.audit.services import record
 from apps.conversions.models import ConversionJob, JobState
 from apps.conversions.tasks import run_conversion
 from apps.registry.models import ModelVersion, VersionState
-from apps.registry.options import TEAM_INSTANCE_LIMIT, check_conversion_options
+from apps.registry.options import check_conversion_options
 from backend_ge import config as gc
 from backend_ge.files import atomic_write
-from backend_ge.served_config import build_served_config
+from backend_ge.served_config import TEAM_INSTANCE_LIMIT, build_served_config
 
 
 def enqueue_conversion(job_id: int) -> None:

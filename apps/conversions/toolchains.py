@@ -17,14 +17,13 @@ from pathlib import Path
 
 from apps.conversions.models import Toolchain
 from apps.registry.models import ModelVersion, SourceFormat
-from apps.registry.options import TEAM_INSTANCE_LIMIT
 from backend_ge import config as gc
 from backend_ge import convert
 from backend_ge.convert import ConversionError
-from backend_ge.served_config import build_served_config
+from backend_ge.served_config import TEAM_INSTANCE_LIMIT, build_served_config
+from backend_ge.serving import DEFAULT_MAX_BATCH_SIZE
 
 MODEL_VERSION_DIR = "1"
-DEFAULT_MAX_BATCH_SIZE = 8
 ONNX_FORMATS = (SourceFormat.ONNX, SourceFormat.ONNX_ARCHIVE)
 
 

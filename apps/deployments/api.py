@@ -21,7 +21,7 @@ from rest_framework.response import Response
 from apps.core.body_limits import PLAYGROUND_HINT, RequestTooLarge, limit_body, too_large_message
 from apps.deployments import calling, services
 from apps.deployments.models import Deployment, DeploymentEvent, DeploymentInstance
-from apps.fleet.models import TritonInstance
+from apps.fleet.models import TritonInstance, is_platform_staff
 from apps.registry.models import ModelVersion, RegisteredModel
 from apps.teams.models import Action
 from apps.teams.viewsets import TeamScopedViewSet
@@ -29,11 +29,18 @@ from apps.teams.viewsets import TeamScopedViewSet
 EVENTS_SHOWN = 100
 
 
+def _shows_instance_addresses(serializer: serializers.Serializer) -> bool:
+    """Instance addresses are for platform staff: a tenant's client calls the gateway, and an instance
+    answers it 403."""
+    request = serializer.context.get("request")
+    return request is not None and is_platform_staff(request.user)
+
+
 class PlacementSerializer(serializers.ModelSerializer):
     instance = serializers.IntegerField(source="instance_id")
     instance_name = serializers.CharField(source="instance", help_text="host/instance")
     instance_state = serializers.CharField(source="instance.state")
-    endpoint = serializers.CharField(source="instance.endpoint_url")
+    endpoint = serializers.SerializerMethodField()
     served_version = serializers.IntegerField(source="served_version.number", allow_null=True, default=None)
     canary_version = serializers.IntegerField(
         source="canary_version.number",
@@ -57,6 +64,11 @@ class PlacementSerializer(serializers.ModelSerializer):
         ]
         read_only_fields = fields
 
+    @extend_schema_field(serializers.CharField(allow_null=True))
+    def get_endpoint(self, placement: DeploymentInstance) -> str | None:
+        """The instance's HTTP address, for platform staff; null for everyone else."""
+        return placement.instance.endpoint_url() if _shows_instance_addresses(self) else None
+
 
 class EventSerializer(serializers.ModelSerializer):
     # A CharField renders the instance as str(instance) ("host/instance"); an event of the whole deployment
@@ -70,6 +82,19 @@ class EventSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+class GatewayEndpointsSerializer(serializers.Serializer):
+    http = serializers.CharField(
+        help_text="The inference gateway's KServe v2 HTTP/REST address (GATEWAY_PUBLIC_URL): tritonclient.http, curl."
+    )
+    grpc = serializers.CharField(
+        help_text="The gateway's KServe v2 gRPC address (GATEWAY_PUBLIC_GRPC); it reaches only instances "
+        "dedicated to the team."
+    )
+    infer_url = serializers.CharField(
+        help_text="POST a KServe v2 inference request here with the header Authorization: Bearer <API token>."
+    )
+
+
 class DeploymentSerializer(serializers.ModelSerializer):
     model = serializers.CharField(source="model.slug")
     model_name = serializers.CharField(source="model.name")
@@ -77,6 +102,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
     active_version = serializers.IntegerField(source="active_version.number", allow_null=True, default=None)
     target_version = serializers.IntegerField(source="target_version.number", allow_null=True, default=None)
     endpoints = serializers.SerializerMethodField()
+    instance_endpoints = serializers.SerializerMethodField()
     placements = PlacementSerializer(many=True)
     created_by = serializers.CharField(source="created_by.username", allow_null=True, default=None)
 
@@ -92,6 +118,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "target_version",
             "last_error",
             "endpoints",
+            "instance_endpoints",
             "placements",
             "created_by",
             "created_at",
@@ -99,10 +126,18 @@ class DeploymentSerializer(serializers.ModelSerializer):
         ]
         read_only_fields = fields
 
-    @extend_schema_field(serializers.ListField(child=serializers.CharField()))
-    def get_endpoints(self, deployment: Deployment) -> list[str]:
-        """HTTP endpoint of each instance the model is placed on (KServe v2: <endpoint>/v2/models/<name>/infer)."""
-        return calling.endpoints(deployment)
+    @extend_schema_field(GatewayEndpointsSerializer(allow_null=True))
+    def get_endpoints(self, deployment: Deployment) -> dict | None:
+        """Where clients call the model: the inference gateway (HTTP and gRPC) and the model's inference URL;
+        null once the deployment is undeployed."""
+        return calling.gateway_endpoints(deployment) if deployment.is_live() else None
+
+    @extend_schema_field(serializers.ListField(child=serializers.CharField(), allow_null=True))
+    def get_instance_endpoints(self, deployment: Deployment) -> list[str] | None:
+        """For platform staff: the HTTP address of each instance the model is placed on, READY ones first
+        (the gateway forwards there; instances answer only the gateway and the platform). Null for everyone
+        else."""
+        return calling.instance_endpoints(deployment) if _shows_instance_addresses(self) else None
 
 
 class DeploymentDetailSerializer(DeploymentSerializer):
@@ -271,7 +306,10 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamSc
 
     def _detail(self, deployment: Deployment, code: int = status.HTTP_200_OK) -> Response:
         return Response(
-            DeploymentDetailSerializer(self.get_queryset().get(pk=deployment.pk)).data, status=code
+            DeploymentDetailSerializer(
+                self.get_queryset().get(pk=deployment.pk), context=self.get_serializer_context()
+            ).data,
+            status=code,
         )
 
     @extend_schema(

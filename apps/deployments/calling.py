@@ -1,5 +1,5 @@
-"""How to call a deployment: its endpoints, client snippets generated from the signature, and the playground
-that runs one inference against a READY placement.
+"""How to call a deployment: its endpoints (the gateway's), client snippets generated from the signature, and
+the playground that runs one inference against a READY placement.
 
 The snippets are the seed's examples filled in for the model (``backend_ge.samples``), so what a user copies
 is exactly what the tests run. The playground builds each input from one of three sources - random data of
@@ -54,10 +54,23 @@ def ready_placement(deployment: Deployment) -> DeploymentInstance | None:
     )
 
 
-def endpoints(deployment: Deployment) -> list[str]:
-    """The HTTP endpoint of every instance the deployment is placed on, READY ones first."""
+def gateway_endpoints(deployment: Deployment) -> dict[str, str]:
+    """Where clients call the deployment: the gateway's HTTP and gRPC addresses (GATEWAY_PUBLIC_URL,
+    GATEWAY_PUBLIC_GRPC) and the model's KServe v2 inference URL. Clients never call an instance: instances
+    answer only the gateway and the platform."""
+    url = settings.GATEWAY_PUBLIC_URL.rstrip("/")
+    return {
+        "http": url,
+        "grpc": settings.GATEWAY_PUBLIC_GRPC,
+        "infer_url": f"{url}/v2/models/{deployment.triton_model_name()}/infer",
+    }
+
+
+def instance_endpoints(deployment: Deployment) -> list[str]:
+    """The HTTP endpoint of every instance the deployment is placed on, READY ones first (for staff: the
+    addresses the gateway forwards to)."""
     placements = sorted(
-        deployment.placements.select_related("instance__host"),
+        deployment.placements.all(),  # prefetched with their instances' hosts by the API's queryset
         key=lambda p: (p.state != PlacementState.READY, p.instance.host.name, p.instance.name),
     )
     return [p.instance.endpoint_url() for p in placements]
@@ -75,21 +88,21 @@ def snippets(deployment: Deployment) -> dict:
         raise ValidationError(
             {"non_field_errors": ["This deployment has no version with a signature to describe."]}
         )
-    if not endpoints(deployment):
+    if not deployment.placements.exists():
         raise ValidationError({"non_field_errors": ["This deployment is not placed on any instance."]})
     signature = ModelSignature.from_dict(version.signature)
     name = deployment.triton_model_name()
-    # Clients call the gateway (token checked, balanced over the placements), never an instance: instances
-    # answer only the gateway and the platform.
-    url = settings.GATEWAY_PUBLIC_URL.rstrip("/")
+    # Clients call the gateway (token checked, balanced over the placements), never an instance.
+    gateway = gateway_endpoints(deployment)
+    url = gateway["http"]
     return {
         "endpoint": url,
         "endpoints": [url],
-        "grpc_endpoint": settings.GATEWAY_PUBLIC_GRPC,
+        "grpc_endpoint": gateway["grpc"],
         "token_env": samples.TOKEN_ENV,
         "triton_model_name": name,
         "version": version.number,
-        "infer_url": f"{url}/v2/models/{name}/infer",
+        "infer_url": gateway["infer_url"],
         "signature": version.signature,
         "tritonclient": samples.tritonclient_example(url, name, signature, auth=True),
         "curl": samples.curl_example(url, name, signature, auth=True),

@@ -36,10 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from backend_ge.files import atomic_write
+from backend_ge.naming import TRITON_MODEL_NAME_PATTERN
 
 NEVER_EXPIRES = 32503680000  # 3000-01-01: a token without expiry
-MODEL_NAME = r"[a-z0-9](?:[a-z0-9-]*[a-z0-9])?__[a-z0-9](?:[a-z0-9-]*[a-z0-9])?"
-# The only inference paths a tenant may call. Slugs are [a-z0-9-], so `_`, `.`, `%` and `//` cannot match.
+MODEL_NAME = TRITON_MODEL_NAME_PATTERN
+# The only inference paths a tenant may call. Slugs are [a-z0-9-], so `_`, `.`, `%` and `//` cannot match
+# (and a candidate name, `<name>__candidate`, is no model name).
 ALLOWED_PATH = rf"^/v2/models/{MODEL_NAME}(/versions/[1-9][0-9]{{0,8}})?(/infer|/ready|/config)?$"
 GRPC_METHODS = (
     "ServerLive",

@@ -29,12 +29,11 @@ from datetime import datetime, timedelta
 from django.utils.dateparse import parse_datetime
 
 from apps.monitoring.models import ScrapeState
-from backend_ge import triton_metrics
+from backend_ge import naming, triton_metrics
 
 KEEP = timedelta(hours=1)
 MAX_METRICS_CHARS = 512 * 1024
 MAX_STATISTICS = 64
-TRITON_NAME = re.compile(r"^[a-z0-9-]{1,100}__[a-z0-9-]{1,100}$")
 VERSION = re.compile(r"^[1-9][0-9]{0,8}$")
 SERVER_ID = re.compile(r"^[0-9]{1,20}$")
 
@@ -46,8 +45,10 @@ def check_report(report) -> tuple[str, set[str] | None, str, datetime, triton_me
     if not isinstance(report, Mapping):
         raise ValueError("the final counts must be an object")
     model = report.get("model")
-    if not isinstance(model, str) or not TRITON_NAME.match(model):
-        raise ValueError("model must be a Triton model name the platform made (<team>__<model>)")
+    if not naming.is_triton_model_name(model):
+        raise ValueError(
+            f"model must be a Triton model name the platform made (<team>{naming.SEPARATOR}<model>)"
+        )
     versions = report.get("versions")
     if versions is not None:
         if not isinstance(versions, list) or not all(

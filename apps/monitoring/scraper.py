@@ -26,7 +26,7 @@ from apps.fleet.models import Device, InstanceState, TritonInstance
 from apps.monitoring import final_counts
 from apps.monitoring.models import DeviceMetrics, InstanceMetrics, ModelMetrics, ScrapeState
 from apps.registry.models import ModelVersion, RegisteredModel
-from backend_ge import triton_metrics
+from backend_ge import naming, triton_metrics
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +91,12 @@ class ModelNames:
         names = cls()
         models = RegisteredModel.objects.all()
         if triton_name is not None:
-            team_slug, _, slug = triton_name.partition("__")
+            if not naming.is_triton_model_name(triton_name):
+                return names  # a candidate, or a name the platform did not make
+            team_slug, slug = naming.parse_triton_model_name(triton_name)
             models = models.filter(team__slug=team_slug, slug=slug)
         for model_id, team_id, team_slug, slug in models.values_list("pk", "team_id", "team__slug", "slug"):
-            names._models[f"{team_slug}__{slug}"] = (model_id, team_id)
+            names._models[naming.triton_model_name(team_slug, slug)] = (model_id, team_id)
         return names
 
     def prepare(self, keys) -> None:
@@ -110,8 +112,8 @@ class ModelNames:
     def resolve(self, triton_name: str, version: str) -> tuple[int, int, int] | None:
         """``(team_id, model_id, version_id)``, or None for candidates and names the platform did not make.
 
-        A switch's smoke test runs under ``<name>__candidate``, which is no model's name (slugs have no
-        underscore), so it is not client traffic here."""
+        A switch's smoke test runs under a candidate name (``naming.CANDIDATE_SUFFIX``), which is no model's
+        name, so it is not client traffic here."""
         found = self._models.get(triton_name)
         if found is None or not version.isdigit():
             return None

@@ -28,9 +28,9 @@ from pathlib import Path, PurePosixPath
 from apps.registry.archives import ArchiveRejected, Limits, extract_archive, unwrap_single_directory
 from apps.registry.models import SourceFormat
 from apps.registry.onnx_check import OnnxRejected, check_onnx, check_onnx_in_child
-from apps.registry.options import MAX_INSTANCES, TEAM_INSTANCE_LIMIT, UPLOADED_CONFIG_NAME
+from apps.registry.options import UPLOADED_CONFIG_NAME
 from backend_ge import config as gc
-from backend_ge.served_config import build_served_config
+from backend_ge.served_config import MAX_INSTANCE_COUNT, TEAM_INSTANCE_LIMIT, build_served_config
 
 ARCHIVE = "archive"
 # Name ending -> what the upload claims to be; archives are resolved after extraction.
@@ -173,7 +173,7 @@ def check_model_file(fmt: str, path: Path, root: Path, shown: str) -> None:
         check_om(path, shown)
 
 
-def _check_triton_dir(source: Path, max_instances: int = MAX_INSTANCES) -> None:
+def _check_triton_dir(source: Path, max_instances: int = MAX_INSTANCE_COUNT) -> None:
     candidates = (
         sorted(p for p in (source / "1").glob("model.*") if p.is_file()) if (source / "1").is_dir() else []
     )
@@ -252,7 +252,12 @@ def _resolve_archive(source: Path, max_instances: int) -> str:
 
 
 def install_source(
-    upload: Path, claimed: str, source: Path, shown: str, limits: Limits, max_instances: int = MAX_INSTANCES
+    upload: Path,
+    claimed: str,
+    source: Path,
+    shown: str,
+    limits: Limits,
+    max_instances: int = MAX_INSTANCE_COUNT,
 ) -> str:
     """Move (or extract) the finished upload into ``source`` and validate it; returns the SourceFormat.
 

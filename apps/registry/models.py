@@ -11,6 +11,7 @@ from django.conf import settings
 from django.db import models
 
 from apps.teams.models import TeamScopedQuerySet, slug_validator
+from backend_ge import naming
 
 
 def artifact_root() -> Path:
@@ -47,7 +48,7 @@ class RegisteredModel(models.Model):
     team = models.ForeignKey("teams.Team", on_delete=models.CASCADE, related_name="models")
     name = models.CharField(max_length=100)
     # Part of the Triton model name and of artifact paths, so restricted to a safe alphabet.
-    slug = models.CharField(max_length=50, validators=[slug_validator])
+    slug = models.CharField(max_length=naming.SLUG_MAX_LENGTH, validators=[slug_validator])
     task_type = models.CharField(max_length=20, choices=TaskType.choices, default=TaskType.OTHER)
     description = models.TextField(blank=True)
     created_by = models.ForeignKey(
@@ -66,12 +67,9 @@ class RegisteredModel(models.Model):
         return self.name
 
     def triton_model_name(self) -> str:
-        """The model's name inside Triton: unique across teams, derived only from validated slugs.
-
-        Slugs never contain an underscore, so the double underscore cannot be produced by two other slugs
-        (with a hyphen, team "a" + model "b-c" and team "a-b" + model "c" would collide).
-        """
-        return f"{self.team.slug}__{self.slug}"
+        """The model's name inside Triton: unique across teams, derived only from validated slugs
+        (backend_ge.naming)."""
+        return naming.triton_model_name(self.team.slug, self.slug)
 
     def latest_version(self) -> ModelVersion | None:
         """The latest READY version: what "latest" means wherever it is shown (a failed or still converting

@@ -12,20 +12,19 @@ from backend_ge.served_config import (
     MAX_BATCH_SIZE,
     MAX_INSTANCE_COUNT,
     MAX_QUEUE_DELAY_US,
+    TEAM_INSTANCE_LIMIT,
     build_served_config,
 )
+from backend_ge.serving import DEFAULT_MAX_BATCH_SIZE
 
 # What the conversion job hands to backend_ge.config.generate_config. Defaults match the seed's models.
 # Devices are not among them: the platform assigns an instance's devices at placement.
 SERVING_DEFAULTS: dict = {
-    "max_batch_size": 8,
+    "max_batch_size": DEFAULT_MAX_BATCH_SIZE,
     "preferred_batch_sizes": [],
     "max_queue_delay_us": 100,
     "instance_count": 1,
 }
-MAX_INSTANCES = MAX_INSTANCE_COUNT
-# How a refusal names the bound an upload's instance counts meet (Team.model_instance_limit()).
-TEAM_INSTANCE_LIMIT = "the team's limit (quota_model_instances)"
 # The name an uploaded config carries until the conversion job gives it the model's Triton name.
 UPLOADED_CONFIG_NAME = "model"
 
@@ -56,7 +55,7 @@ def _int_list(value, field: str, low: int, high: int, errors: dict) -> list[int]
     return sorted({v for v in out if v is not None})
 
 
-def check_serving_options(options: dict | None, max_instances: int = MAX_INSTANCES) -> dict:
+def check_serving_options(options: dict | None, max_instances: int = MAX_INSTANCE_COUNT) -> dict:
     """Serving options with defaults filled in; ValidationError maps each bad option to its message."""
     options = dict(options or {})
     unknown = sorted(set(options) - set(SERVING_DEFAULTS))
@@ -87,7 +86,7 @@ def check_serving_options(options: dict | None, max_instances: int = MAX_INSTANC
     return out
 
 
-def check_om_config(text: str, max_instances: int = MAX_INSTANCES) -> str:
+def check_om_config(text: str, max_instances: int = MAX_INSTANCE_COUNT) -> str:
     """The config.pbtxt sent with a lone .om, as the platform will serve it: only the fields a tenant may set
     (seed style accepted), inputs and outputs required (an .om's signature comes from here on a host without
     the NPU). Returns the rendered text; ValidationError lists each refused field path."""

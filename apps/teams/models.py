@@ -23,6 +23,7 @@ from apps.core.scoping import (  # noqa: F401 - importable with the models they 
     team_ids_for,
     team_roles,
 )
+from backend_ge import naming
 from backend_ge.served_config import MAX_INSTANCE_COUNT
 
 
@@ -30,10 +31,8 @@ class TeamQuerySet(TeamScopedQuerySet):
     team_lookup = "pk"
 
 
-slug_validator = RegexValidator(
-    r"^[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?$",
-    "Use 1-50 lowercase letters, digits and hyphens, starting and ending with a letter or digit.",
-)
+# Slugs are part of Triton model names (backend_ge.naming), so their alphabet is defined there.
+slug_validator = RegexValidator(rf"^{naming.SLUG_PATTERN}$", f"Use {naming.SLUG_RULE}.")
 
 
 def default_requests_per_second() -> int:
@@ -45,7 +44,7 @@ class Team(models.Model):
 
     name = models.CharField(max_length=100)
     # Part of Triton model names and artifact paths, so restricted to a safe alphabet.
-    slug = models.CharField(max_length=50, unique=True, validators=[slug_validator])
+    slug = models.CharField(max_length=naming.SLUG_MAX_LENGTH, unique=True, validators=[slug_validator])
     # The chip ATC compiles for unless a conversion says otherwise (`npu-smi info` Name with "Ascend" prefixed).
     default_soc_version = models.CharField(max_length=32, default="Ascend310P3")
     quota_deployed_models = models.PositiveIntegerField(default=50, help_text="Models deployed at once.")

@@ -243,3 +243,12 @@ def test_malformed_text_is_a_field_error_not_a_crash(text):
     with pytest.raises(gc.ConfigError) as exc:
         sc.build_served_config(text, name="m", allowed_models={"resnet50"})
     assert exc.value.errors and all(e.field and e.message for e in exc.value.errors)
+
+
+def test_host_instance_limit_is_the_smaller_of_the_teams_and_the_hosts_and_names_it():
+    assert sc.host_instance_limit(4, 2) == (2, sc.HOST_INSTANCE_LIMIT)
+    assert sc.host_instance_limit(4, 8) == (4, sc.TEAM_INSTANCE_LIMIT)
+    assert sc.host_instance_limit(4, 4) == (4, sc.TEAM_INSTANCE_LIMIT)
+    assert sc.host_instance_limit(4, 0) == (1, sc.HOST_INSTANCE_LIMIT)  # a host always runs one
+    assert sc.TEAM_INSTANCE_LIMIT == "the team's limit (quota_model_instances)"
+    assert sc.HOST_INSTANCE_LIMIT == "this host's limit (FLEET_MAX_MODEL_INSTANCES)"

@@ -8,7 +8,10 @@ from apps.deployments import services
 from apps.deployments.models import Deployment, DeploymentState, PlacementState
 from apps.fleet.models import Host
 from apps.registry.models import VersionState
+from apps.teams.models import Role
+from tests.conftest import bearer_client, client_for
 from tests.deployments.conftest import add_instance, make_version
+from tests.factories import MembershipFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -30,12 +33,18 @@ def test_maintainer_deploys_and_sees_placements_and_events(maintainer_client, ve
     body = response.json()
     assert body["state"] == "DEPLOYING" and body["target_version"] == 1 and body["active_version"] is None
     assert body["triton_model_name"] == "vision__classifier"
-    assert body["endpoints"] == ["http://127.0.0.1:18100"]
+    # Clients call the gateway; an instance would answer them 403, so its address is for staff only.
+    assert body["endpoints"] == {
+        "http": "http://127.0.0.1:8080",
+        "grpc": "127.0.0.1:8081",
+        "infer_url": "http://127.0.0.1:8080/v2/models/vision__classifier/infer",
+    }
+    assert body["instance_endpoints"] is None
     assert body["placements"][0] | {"updated_at": None} == {
         "instance": instance.pk,
         "instance_name": "local/cpu-0",
         "instance_state": "READY",
-        "endpoint": "http://127.0.0.1:18100",
+        "endpoint": None,
         "served_version": None,
         "canary_version": None,
         "state": "PENDING",
@@ -45,6 +54,44 @@ def test_maintainer_deploys_and_sees_placements_and_events(maintainer_client, ve
     assert [e["kind"] for e in body["events"]] == ["deploy_requested"]
     listed = maintainer_client.get(BASE).json()
     assert [d["id"] for d in listed["results"]] == [body["id"]]
+
+
+def test_endpoints_follow_the_gateways_public_addresses(viewer_client, deployment, settings):
+    settings.GATEWAY_PUBLIC_URL = "https://infer.example.com/"
+    settings.GATEWAY_PUBLIC_GRPC = "grpc.example.com:443"
+    body = viewer_client.get(f"{BASE}{deployment.pk}/").json()
+    assert body["endpoints"] == {
+        "http": "https://infer.example.com",
+        "grpc": "grpc.example.com:443",
+        "infer_url": "https://infer.example.com/v2/models/vision__classifier/infer",
+    }
+    listed = viewer_client.get(BASE).json()["results"][0]
+    assert listed["endpoints"] == body["endpoints"] and listed["instance_endpoints"] is None
+
+
+def test_platform_staff_also_see_the_instance_addresses(team, deployment, shared_host, make_token):
+    second = add_instance(shared_host, "cpu-1", 18200)
+    deployment.placements.create(instance=second, state=PlacementState.READY)
+    ops = UserFactory(username="ops", is_staff=True)
+    MembershipFactory(team=team, user=ops, role=Role.VIEWER)
+    body = client_for(ops).get(f"{BASE}{deployment.pk}/").json()
+    assert body["endpoints"]["http"] == "http://127.0.0.1:8080"
+    assert body["instance_endpoints"] == ["http://127.0.0.1:18200", "http://127.0.0.1:18100"]  # READY first
+    assert sorted(p["endpoint"] for p in body["placements"]) == [
+        "http://127.0.0.1:18100",
+        "http://127.0.0.1:18200",
+    ]
+    # A token acts for its team only, never with its creator's platform powers.
+    _, secret = make_token(user=ops)
+    by_token = bearer_client(secret).get(f"{BASE}{deployment.pk}/").json()
+    assert by_token["instance_endpoints"] is None and {p["endpoint"] for p in by_token["placements"]} == {
+        None
+    }
+
+
+def test_an_undeployed_deployment_has_no_endpoints(owner_client, deployment):
+    Deployment.objects.filter(pk=deployment.pk).update(state=DeploymentState.UNDEPLOYED)
+    assert owner_client.get(f"{BASE}{deployment.pk}/").json()["endpoints"] is None
 
 
 def test_viewer_reads_but_cannot_deploy_switch_or_undeploy(viewer_client, deployment, model, instance):

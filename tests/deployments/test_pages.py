@@ -7,7 +7,9 @@ import pytest
 
 from apps.deployments import services
 from apps.deployments.models import Deployment, DeploymentState, PlacementState
+from apps.teams.models import Role
 from tests.deployments.conftest import make_version
+from tests.factories import MembershipFactory, UserFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -99,6 +101,8 @@ def test_detail_shows_how_to_call_it_and_a_playground_form_from_the_signature(we
     html = web.get(f"/teams/vision/deployments/{serving.pk}/").content.decode()
     assert '<code id="triton-model-name">vision__classifier</code>' in html
     assert '<code id="endpoint">http://127.0.0.1:8080</code>' in html  # the gateway, never an instance
+    assert '<code id="grpc-endpoint">127.0.0.1:8081</code>' in html
+    assert "http://127.0.0.1:18100" not in html  # an instance's address is for staff
     assert "client.infer(model_name=&quot;vision__classifier&quot;" in html
     assert "curl -X POST http://127.0.0.1:8080/v2/models/vision__classifier/infer" in html
     assert "Authorization: Bearer $TGP_TOKEN" in html
@@ -138,3 +142,11 @@ def test_playground_without_a_ready_instance_explains_why(web, owner, version, i
     response = web.post(f"/teams/vision/deployments/{deployment.pk}/playground/", HTTP_HX_REQUEST="true")
     assert response.status_code == 200  # htmx swaps only 2xx answers
     assert "has no READY instance yet" in response.content.decode()
+
+
+def test_staff_see_each_placements_instance_address(client, team, serving):
+    ops = UserFactory(username="ops", is_staff=True)
+    MembershipFactory(team=team, user=ops, role=Role.VIEWER)
+    client.force_login(ops)
+    html = client.get(f"/teams/vision/deployments/{serving.pk}/status/").content.decode()
+    assert '<small class="muted">http://127.0.0.1:18100</small>' in html

@@ -94,7 +94,7 @@ def test_materialize_refuses_more_instances_than_the_host_allows_and_writes_noth
 @pytest.mark.django_db
 def test_model_instance_limit_is_the_smaller_of_the_teams_quota_and_the_hosts():
     from apps.teams.models import Team
-    from hostagent.placement import model_instance_limit
+    from backend_ge.served_config import host_instance_limit as model_instance_limit
 
     team = Team.objects.create(name="T", slug="t", quota_model_instances=4)
     assert model_instance_limit(team.model_instance_limit(), host_limit=2) == (

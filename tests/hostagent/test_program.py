@@ -62,7 +62,11 @@ def test_help_lists_every_option_with_its_environment_variable():
 
 
 def test_flags_win_over_the_environment_and_paths_are_made_absolute(tmp_path):
-    env = {"PLATFORM_URL": "http://platform.example:8000", "FLEET_MAX_CRASHES": "7", "FLEET_ROOT": str(tmp_path)}
+    env = {
+        "PLATFORM_URL": "http://platform.example:8000",
+        "FLEET_MAX_CRASHES": "7",
+        "FLEET_ROOT": str(tmp_path),
+    }
     config = agent_config.load(["--max-crashes", "3", "--private-path", "a", "--private-path", "/b"], env)
     assert config.platform == "http://platform.example:8000" and config.max_crashes == 3
     assert config.root == tmp_path and config.credential_file == tmp_path / "host-credential"
@@ -77,11 +81,23 @@ def test_flags_win_over_the_environment_and_paths_are_made_absolute(tmp_path):
     [
         ([], {}, "Give the platform's URL"),
         (["--platform", "platform.example"], {}, "is not an http(s) URL"),
-        (["--platform", "http://p"], {"FLEET_MAX_CRASHES": "many"}, "FLEET_MAX_CRASHES = 'many' is not an integer"),
-        (["--platform", "http://p", "--max-crashes", "0"], {}, "--max-crashes (FLEET_MAX_CRASHES) = 0 is below"),
+        (
+            ["--platform", "http://p"],
+            {"FLEET_MAX_CRASHES": "many"},
+            "FLEET_MAX_CRASHES = 'many' is not an integer",
+        ),
+        (
+            ["--platform", "http://p", "--max-crashes", "0"],
+            {},
+            "--max-crashes (FLEET_MAX_CRASHES) = 0 is below",
+        ),
         (["--platform", "http://p"], {"FLEET_RECONCILE_INTERVAL_MS": "10"}, "is below the minimum 50"),
         (["--platform", "http://p", "--wait", "soon"], {}, "--wait = 'soon' is not a number"),
-        (["--platform", "http://p", "--log-level", "LOUD"], {}, "--log-level (AGENT_LOG_LEVEL) must be one of"),
+        (
+            ["--platform", "http://p", "--log-level", "LOUD"],
+            {},
+            "--log-level (AGENT_LOG_LEVEL) must be one of",
+        ),
     ],
 )
 def test_a_bad_value_stops_the_agent_naming_the_option(argv, env, message):
@@ -102,4 +118,6 @@ def test_without_a_credential_or_join_token_the_agent_says_what_to_do(tmp_path):
         FLEET_ROOT=str(tmp_path),
     )
     assert result.returncode == 1
-    assert f"No host credential in {tmp_path / 'host-credential'}: start once with --join-token" in result.stderr
+    assert (
+        f"No host credential in {tmp_path / 'host-credential'}: start once with --join-token" in result.stderr
+    )

@@ -77,6 +77,9 @@ def test_upload_page_has_dropzone_progress_and_options(owner_web, model):
     ):
         assert f'name="{name}"' in html
     assert 'value="Ascend310P3"' in html
+    # The form's defaults and bounds are the platform's (backend_ge), not numbers of its own.
+    assert 'name="max_batch_size" min="0" max="1024" value="8"' in html
+    assert 'name="instance_count" min="1" max="8" value="1"' in html
 
 
 def test_viewer_sees_models_but_cannot_upload_or_create(viewer_web, model):

@@ -15,6 +15,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from apps.fleet import services
 from apps.fleet.models import Host, TritonInstance, hash_host_secret
+from hostagent import config as agent_config
 from hostagent.client import save_credential
 
 
@@ -31,7 +32,12 @@ class Command(BaseCommand):
             default=[],
             help="A CPU instance to create if the host has none by that name, e.g. cpu-0:8100:8101:8102.",
         )
-        parser.add_argument("--credential-file", required=True)
+        parser.add_argument(
+            "--credential-file",
+            default=None,
+            help="Where the local agent's credential is kept (default: where `python -m hostagent` reads it with "
+            "this environment, AGENT_CREDENTIAL_FILE or FLEET_ROOT/host-credential).",
+        )
 
     def handle(self, *args, **options):
         host = Host.objects.filter(name=options["name"]).first()
@@ -42,7 +48,7 @@ class Command(BaseCommand):
                 self._ensure_instance(host, spec)
         except ValidationError as exc:
             raise CommandError("; ".join(exc.messages)) from None
-        path = Path(options["credential_file"])
+        path = Path(options["credential_file"] or self._agents_credential_file())
         current = path.read_text().strip() if path.is_file() else ""
         if current and host.revoked_at is None and hash_host_secret(current) == host.credential_hash:
             self.stdout.write(f"host {host.name}: credential in {path} is current")
@@ -50,6 +56,14 @@ class Command(BaseCommand):
         host, credential = services.join_host(services.issue_join_token(actor=None, host=host))
         save_credential(path, credential)
         self.stdout.write(f"host {host.name}: new credential written to {path}")
+
+    @staticmethod
+    def _agents_credential_file() -> Path:
+        """The file the local agent reads, by the agent's own rules for this environment."""
+        try:
+            return agent_config.load(["--platform", "http://127.0.0.1"]).credential_file
+        except agent_config.ConfigError as exc:
+            raise CommandError(f"the host agent's configuration: {exc}") from None
 
     def _ensure_instance(self, host: Host, spec: str) -> None:
         try:
