@@ -38,13 +38,14 @@ def test_the_platforms_desired_state_passes_the_agents_validator(deployed):
 def test_a_placement_report_that_does_not_fit_is_a_400_naming_the_field_and_changes_nothing(deployed):
     _, agent, placement = deployed
     body = {"generation": placement.generation, "result": "loaded"}
+    before = placement.state
     answer = agent.post(
         f"/agent/v1/placements/{placement.pk}/report", json.dumps(body), content_type="application/json"
     )
     assert answer.status_code == 400
     assert answer.json()["message"] == "'version' is required for a 'loaded' report."
     placement.refresh_from_db()
-    assert placement.state == protocol.PlacementState.LOADING
+    assert placement.state == before and placement.applied_generation < placement.generation
 
 
 def test_an_instance_report_with_an_unknown_field_is_a_400(deployed):
