@@ -9,7 +9,7 @@
    a load shows. Exits 1 when a check differs.
 
 Everything runs here: a scratch database and Celery's filesystem broker under a temp directory (or
-``--database-url``), a platform web process, a real ``manage.py hostagent`` process talking to it over the agent
+``--database-url``), a platform web process, a real ``python -m hostagent`` process talking to it over the agent
 API, real tritonservers. Bounded by ``--timeout``.
 
     .venv/bin/python benchmarks/deploy.py [--models 100] [--database-url postgres://...]

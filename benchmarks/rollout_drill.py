@@ -1,7 +1,7 @@
 """Rollout drill: a bad canary under steady load is rolled back by its gates; then a good one goes to 100 %.
 
 Everything real and local: a scratch database (or ``--database-url``), the platform's web server for the agent
-API (``manage.py runserver``), a ``manage.py hostagent`` with one CPU tritonserver, the HAProxy gateway
+API (``manage.py runserver``), a ``python -m hostagent`` with one CPU tritonserver, the HAProxy gateway
 (``manage.py gateway``), and the rollout beat task ticking in this process (``rollouts.check_rollouts`` every
 0.25 s, as celery beat runs it). A bounded client sends ``--rate`` unversioned requests per second through the
 gateway on keep-alive connections without retries, and records which version answered each one.

@@ -69,7 +69,7 @@ class HostQuerySet(TeamScopedQuerySet):
 
 
 class Host(models.Model):
-    """A machine that runs a host agent (``manage.py hostagent --platform URL``).
+    """A machine that runs a host agent (``python -m hostagent --platform URL``).
 
     Identity: staff create the host and get a one-time join token; the agent exchanges it for a per-host
     credential (only its sha256 is kept here) and calls the agent API (``/agent/v1/``) with it.

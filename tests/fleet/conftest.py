@@ -1,5 +1,5 @@
 """Fixtures for fleet tests: READY versions made by the real ONNX preparation path, and host agents run as
-real `manage.py hostagent` processes with real tritonservers, talking to the test's live server over the
+real `python -m hostagent` processes with real tritonservers, talking to the test's live server over the
 agent API."""
 
 from __future__ import annotations
