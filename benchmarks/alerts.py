@@ -1,13 +1,14 @@
 """How long one alert evaluation takes for 1,000 rules over seeded rollups (target: < 1 s).
 
-Seeds a throwaway database: 50 teams (``--teams``), each with 10 models deployed on a shared host (10 instances, 8 NPUs),
-an hour of minute rows per model (30,000 ModelMetrics rows; every fifth model fails 8% of its requests, every
-seventh has gone quiet for 20 minutes), an hour of NPU rows, some failed placements, a quarantined instance
-and failed conversions; then 20 rules per team (1,000 rules) over every kind, windows of 5, 10 and 15 minutes,
-some narrowed to one deployment. It times ``evaluate_rules()``: the first run (opens the alerts) and the
-steady state after it (``--runs``), with the number of SQL queries of each. The figure judged is the CPU time
-of this process on SQLite (``time.process_time``; the database work runs in it too), because the wall time
-on a shared machine measures the neighbours; on PostgreSQL it is the wall time. Both are printed.
+Seeds a throwaway database: 50 teams (``--teams``), each with 10 models deployed on a shared host (10
+instances, 8 NPUs), an hour of minute rows per model (30,000 ModelMetrics rows; every fifth model fails 8% of
+its requests, every seventh has gone quiet for 20 minutes), an hour of NPU rows, some failed placements, a
+quarantined instance and failed conversions; then 20 rules per team (1,000 rules) over every kind, windows of
+5, 10 and 15 minutes, some narrowed to one deployment. It times ``evaluate_rules()``: the first run (opens the
+alerts) and the steady state after it (``--runs``), with the number of SQL queries of each. The figure judged
+is the CPU time of this process on SQLite (``time.process_time``; the database work runs in it too), because
+the wall time on a shared machine measures the neighbours; on PostgreSQL it is the wall time. Both are
+printed.
 
 The database is a throwaway SQLite file, or with ``--postgres URL`` a scratch database on that server.
 Usage: ``python benchmarks/alerts.py [--runs 5] [--teams 50] [--postgres URL] [--smoke]``

@@ -1,11 +1,12 @@
 """What one scrape cycle costs, and how fast the 7-day chart answers.
 
 1. Scrape: four local HTTP servers (``http.server`` subprocesses on 127.0.0.1) play four Triton instances
-   (``--instances``) that each serve 100 models (``--models``). Their ``/metrics`` and ``/v2/models/stats`` are the payloads recorded from a
-   real tritonserver 2.51 (``tests/monitoring/fixtures``) with the ``vision__mlp`` series repeated for 100
-   platform models, every counter growing between cycles so every model gets a row. The figure is the CPU
-   time of this process per ``scrape_all()`` cycle (``time.process_time``: all its threads, the parsing and
-   the database client; the database server's own CPU is not in it). Target: < 1 s.
+   (``--instances``) that each serve 100 models (``--models``). Their ``/metrics`` and ``/v2/models/stats``
+   are the payloads recorded from a real tritonserver 2.51 (``tests/monitoring/fixtures``) with the
+   ``vision__mlp`` series repeated for 100 platform models, every counter growing between cycles so every
+   model gets a row. The figure is the CPU time of this process per ``scrape_all()`` cycle
+   (``time.process_time``: all its threads, the parsing and the database client; the database server's own CPU
+   is not in it). Target: < 1 s.
 2. Chart: a week of minute rows for one model (one row per minute on one instance; 10,080 rows), then the
    7-day chart JSON through the whole Django stack (middleware, session auth, the DRF view). Target: < 200 ms.
 

@@ -29,12 +29,12 @@ requires_haproxy = pytest.mark.skipif(
 )
 
 
-def postgres_server() -> str:
-    """The PostgreSQL server the suite uses (DATABASE_URL), else the one CI and the README name."""
+def postgres_database(name: str) -> str:
+    """A database ``name`` on the PostgreSQL server the suite uses (DATABASE_URL), else on the one CI names."""
     url = os.environ.get("DATABASE_URL", "")
     if not url.startswith(("postgres://", "postgresql://")):
         url = "postgres://postgres@127.0.0.1:5432/postgres"
-    return urlunsplit(urlsplit(url)._replace(path=""))
+    return urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
 
 
 def fleet_scale_arguments() -> list[str]:
@@ -42,10 +42,10 @@ def fleet_scale_arguments() -> list[str]:
     import psycopg
 
     try:
-        psycopg.connect(f"{postgres_server()}/postgres", connect_timeout=3).close()
+        psycopg.connect(postgres_database("postgres"), connect_timeout=3).close()
     except psycopg.Error as exc:
-        pytest.skip(f"fleet_scale.py needs PostgreSQL and {postgres_server()} is not reachable: {exc}")
-    return ["--database-url", f"{postgres_server()}/fleet_scale_smoke_{os.getpid()}"]
+        pytest.skip(f"fleet_scale.py needs PostgreSQL and {postgres_database('')} is not reachable: {exc}")
+    return ["--database-url", postgres_database(f"fleet_scale_smoke_{os.getpid()}")]
 
 
 def run_smoke(script: str, *extra: str, timeout: float) -> str:
