@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -48,9 +49,10 @@ def fleet_scale_arguments() -> list[str]:
     return ["--database-url", postgres_database(f"fleet_scale_smoke_{os.getpid()}")]
 
 
-def run_smoke(script: str, *extra: str, timeout: float) -> str:
+def run_smoke(script: str, *extra: str, timeout: float, tmpdir: Path) -> str:
     """Run one benchmark with ``--smoke``; its stdout, or a failure with its last output."""
     env = {k: v for k, v in os.environ.items() if k not in SUITE_ONLY_ENV}
+    env["TMPDIR"] = str(tmpdir)  # most benchmarks leave their scratch directory (a model repository) behind
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("DEBUG", "1")
     process = subprocess.Popen(
@@ -195,5 +197,10 @@ def test_every_benchmark_has_a_smoke_run():
 @pytest.mark.parametrize(("script", "figures"), SMOKES)
 def test_benchmark_runs_to_the_end_and_prints_its_figures(script, figures):
     extra = fleet_scale_arguments() if script == "fleet_scale.py" else []
-    out = run_smoke(script, *extra, timeout=300)
+    # Short, under /tmp: the gateway's admin socket lives in it (a socket path holds at most 107 bytes).
+    tmpdir = Path(tempfile.mkdtemp(prefix="bench-smoke-"))
+    try:
+        out = run_smoke(script, *extra, timeout=300, tmpdir=tmpdir)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
     assert_figures(out, figures)
