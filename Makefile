@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PYTHON ?= python3
 export DEBUG ?= 1
 
-.PHONY: run test install migrate demo lint deploy-check npu-check clean haproxy
+.PHONY: run test test-fast install migrate demo lint deploy-check npu-check clean haproxy
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,12 @@ run: demo
 ## Run the whole test suite (set DATABASE_URL / CELERY_BROKER_URL to test on PostgreSQL + Redis).
 test: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
+
+## The developer's loop: no real servers, no browser - what a change to a view or a service needs.
+## tests.no_servers fails a test there that starts a server without its mark; no test collected fails too.
+FAST_MARKERS := not triton and not servers and not browser and not fuzz
+test-fast: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -p tests.no_servers -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -2,7 +2,7 @@
 
 One run, side by side on the same machine and model files:
 
-- ``mlp`` at concurrency 1 and 16, with and without dynamic batching;
+- ``mlp`` at concurrency 1 and 16 (``--high-concurrency``), with and without dynamic batching;
 - ``resnet50`` at concurrency 4, against raw onnxruntime at the batch size Triton actually formed;
 - memory: PSS (``/proc/<pid>/smaps_rollup``) per served model with 1, 10 and 50 copies of the MLP loaded
   on one instance (each model instance is one python stub process).
@@ -18,7 +18,7 @@ dynamic batching at concurrency 16 >= 3.6x without, and >= 15% of raw onnxruntim
 added p50 latency at concurrency 1 <= 0.25 ms; PSS per served small model <= 30 MiB.
 
 Usage: ``python benchmarks/backend_overhead.py [--quick] [--json FILE] [--protocol http|grpc]
-[--memory-models 1,10,50] [--skip-speed] [--stub-timing]``
+[--memory-models 1,10,50] [--skip-speed] [--stub-timing] [--smoke]``
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from backend_ge import bench, examples, profiling  # noqa: E402
 from backend_ge import config as ge_config  # noqa: E402
 from backend_ge.runtime import TritonServer, load_all  # noqa: E402
+from benchmarks import smoke  # noqa: E402
 
 # The floor: Triton's python backend answering from memory. It reads its input (so its batch size) like
 # any model, and builds one response tensor per request like the GE backend does.
@@ -252,8 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--stub-timing", action="store_true", help="also time execute() and the executor inside the stubs"
     )
-    args = parser.parse_args(argv)
-    scale = 0.2 if args.quick else 1.0
+    parser.add_argument(
+        "--high-concurrency", type=int, default=16, help="client streams of the c=16 cases (one process each)"
+    )
+    # A smoke run: every case at the fewest requests (16), 2 streams instead of 16 and the shortest raw
+    # loops (1-2 s): client processes and loops are what take the time.
+    args = smoke.parse_args(parser, argv, rounds=1, memory_models="1", high_concurrency=2)
+    scale = 0.0 if args.smoke else 0.2 if args.quick else 1.0
+    hi = args.high_concurrency
     n = lambda count: max(16, int(count * scale))  # noqa: E731
 
     work = Path(tempfile.mkdtemp(prefix="ge-bench-"))
@@ -311,9 +318,9 @@ def main(argv: list[str] | None = None) -> int:
                 ("floor_c1_nobatch", "floor_nobatch", 1, 2000),
                 ("mlp_c1_batching", "mlp", 1, 2000),
                 ("mlp_c1_nobatch", "mlp_nobatch", 1, 2000),
-                ("floor_c16_batching", "floor", 16, 8000),
-                ("mlp_c16_batching", "mlp", 16, 8000),
-                ("mlp_c16_nobatch", "mlp_nobatch", 16, 8000),
+                ("floor_c16_batching", "floor", hi, 8000),
+                ("mlp_c16_batching", "mlp", hi, 8000),
+                ("mlp_c16_nobatch", "mlp_nobatch", hi, 8000),
             ):
                 rounds.setdefault(key, []).append(served(server, model, conc, n(count), p, mlp_x, timing_dir))
             rounds.setdefault("raw_mlp_b1", []).append(raw_onnxruntime(mlp_path, mlp_x, 3 * scale + 1, 20000))
@@ -353,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_report(r: dict) -> None:
+    hi = r["mlp_c16_batching"]["concurrency"]  # 16 unless --high-concurrency (the keys keep "c16")
     header = (
         f"{'case':<34}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'batch':>7}{'queue':>8}{'in':>6}{'infer':>8}{'out':>6}"
         f"{'cpu:client':>11}{'triton':>7}{'stub':>7}{'execute':>8}{'model':>7}"
@@ -367,9 +375,9 @@ def print_report(r: dict) -> None:
         ("floor_c1_nobatch", "floor (no model) c=1 no batching"),
         ("mlp_c1_batching", "served mlp c=1 dynamic batching"),
         ("mlp_c1_nobatch", "served mlp c=1 no batching"),
-        ("floor_c16_batching", "floor (no model) c=16 batching"),
-        ("mlp_c16_batching", "served mlp c=16 dynamic batching"),
-        ("mlp_c16_nobatch", "served mlp c=16 no batching"),
+        ("floor_c16_batching", f"floor (no model) c={hi} batching"),
+        ("mlp_c16_batching", f"served mlp c={hi} dynamic batching"),
+        ("mlp_c16_nobatch", f"served mlp c={hi} no batching"),
         ("resnet50_c4", "served resnet50 c=4"),
     ):
         x, s = r[key], r[key]["server"]
@@ -411,8 +419,8 @@ def print_report(r: dict) -> None:
     print()
     for label, value, unit, target, ok in (
         ("resnet50 served / raw (same batch)", resnet_ratio, "x ", ">= 0.95x", resnet_ratio >= 0.95),
-        ("mlp c=16 batching / no batching", batching_ratio, "x ", ">= 3.60x", batching_ratio >= 3.6),
-        ("mlp c=16 batching / raw b=16 rows/s", of_raw * 100, "% ", ">= 15 %", of_raw >= 0.15),
+        (f"mlp c={hi} batching / no batching", batching_ratio, "x ", ">= 3.60x", batching_ratio >= 3.6),
+        (f"mlp c={hi} batching / raw b=16 rows/s", of_raw * 100, "% ", ">= 15 %", of_raw >= 0.15),
         ("added p50 latency, mlp c=1", added_p50, " ms", "<= 0.25 ms", added_p50 <= 0.25),
     ):
         print(f"{label + ':':<38}{value:6.2f}{unit:<4}target {target:<11}{'ok' if ok else 'MISSED'}")
@@ -426,7 +434,7 @@ def print_report(r: dict) -> None:
     )
     print(f"  GE p50 above floor + raw 1-thread compute:    {above_floor_p50:6.2f} ms")
     print(
-        f"  ceiling of the batching gain (floor c=16 / mlp c=16 no batching): {gain_ceiling:.2f}x (target 3.6x)"
+        f"  ceiling of the batching gain (floor c={hi} / mlp c={hi} no batching): {gain_ceiling:.2f}x (target 3.6x)"
     )
     x = r["mlp_c1_nobatch"]
     if "executor_cpu_us" in x:
@@ -441,10 +449,10 @@ def print_report(r: dict) -> None:
             f" + model {x['executor_cpu_us']:.0f}; the floor's stub: {r['floor_c1_nobatch']['stub_cpu_us']:.0f} us"
         )
     print(
-        f"  floor c=16 rate / raw onnxruntime b=16 rows/s:{floor_of_raw * 100:6.1f} %   (ceiling of the 15 % target)"
+        f"  floor c={hi} rate / raw onnxruntime b=16 rows/s:{floor_of_raw * 100:6.1f} %   (ceiling of the 15 % target)"
     )
-    print(f"  GE mlp c=16 rate / floor c=16 rate:           {of_floor * 100:6.1f} %")
-    print(f"  client's share of all CPU per request at floor c=16: {client_share * 100:.0f} %")
+    print(f"  GE mlp c={hi} rate / floor c={hi} rate:           {of_floor * 100:6.1f} %")
+    print(f"  client's share of all CPU per request at floor c={hi}: {client_share * 100:.0f} %")
     print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{v:.1f}' for v in r['load_averages'])}")
     print("req/s of every round (median reported above):")
     for key in ("floor_c16_batching", "mlp_c16_batching", "mlp_c16_nobatch", "resnet50_c4", "raw_resnet50"):

@@ -12,7 +12,7 @@ Everything runs here: a scratch database and Celery's filesystem broker under a 
 ``--database-url``), a platform web process, a real ``python -m hostagent`` process talking to it over the agent
 API, real tritonservers. Bounded by ``--timeout``.
 
-    .venv/bin/python benchmarks/deploy.py [--models 100] [--database-url postgres://...]
+    .venv/bin/python benchmarks/deploy.py [--models 100] [--database-url postgres://...] [--smoke]
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import smoke  # noqa: E402
 
-def parse_args() -> argparse.Namespace:
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", type=int, default=100, help="models deployed to one instance")
     parser.add_argument("--latency-runs", type=int, default=3)
@@ -41,7 +43,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--recheck-after", type=float, default=30, help="check readiness again after this many seconds"
     )
-    return parser.parse_args()
+    return smoke.parse_args(parser, argv, models=2, latency_runs=1, recheck_after=1, timeout=240)
 
 
 def setup_environment(args: argparse.Namespace) -> Path:
@@ -212,7 +214,7 @@ def main() -> int:
         actor=None, host=host, name="cpu-0", http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2]
     )
     # The agent talks to a platform web process over the agent API, with neither database nor broker.
-    web, platform_url = start_web(argparse.Namespace(threads=8), scratch)
+    web, platform_url = start_web(scratch, threads=8)
     agent_env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
     log_path = scratch / "agent.log"
     agent = subprocess.Popen(

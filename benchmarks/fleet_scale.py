@@ -39,10 +39,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks import smoke  # noqa: E402
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hosts", type=int, default=200)
     parser.add_argument("--instances", type=int, default=4, help="instances per host")
@@ -70,7 +73,11 @@ def parse_args() -> argparse.Namespace:
         "--database-url", default=f"postgres://postgres@127.0.0.1:5432/fleet_scale_{os.getpid()}"
     )
     parser.add_argument("--timeout", type=float, default=900)
-    return parser.parse_args()
+    # A handful of hosts, 2-second phases, heartbeats and long polls short enough to happen in them.
+    return smoke.parse_args(
+        parser, argv, hosts=3, instances=1, heartbeat_every=1.0, long_poll_wait=2.0, deploy_hosts=2,
+        phase=2.0, threads=24, timeout=120,
+    )  # fmt: skip
 
 
 # -- the platform ------------------------------------------------------------------------------------------
@@ -126,7 +133,9 @@ def group_cpu_seconds(pgid: int) -> float:
     return total / CLOCK_TICKS
 
 
-def start_web(args, scratch: Path) -> tuple[subprocess.Popen, str]:
+def start_web(scratch: Path, *, threads: int, workers: int = 1) -> tuple[subprocess.Popen, str]:
+    """A platform web server as production runs it (gunicorn, gthread), logging to ``scratch/web.log``;
+    returns it with its URL once ``/healthz`` answers. Also used by ``deploy.py``."""
     from backend_ge.runtime import free_port
 
     port = free_port()
@@ -140,11 +149,11 @@ def start_web(args, scratch: Path) -> tuple[subprocess.Popen, str]:
         "SESSION_COOKIE_SECURE": "0",
         "CSRF_COOKIE_SECURE": "0",
         # The platform holds at most WEB_THREADS - 16 polls per process (AGENT_LONG_POLL_MAX_WAITERS).
-        "WEB_THREADS": str(args.threads),
+        "WEB_THREADS": str(threads),
     }
     web = subprocess.Popen(
         [sys.executable, "-m", "gunicorn", "serving_platform.wsgi", "--config", "python:serving_platform.gunicorn_hooks", "--bind", f"127.0.0.1:{port}",
-         "--workers", str(args.workers), "--threads", str(args.threads), "--worker-class", "gthread", "--timeout", "120"],
+         "--workers", str(workers), "--threads", str(threads), "--worker-class", "gthread", "--timeout", "120"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -403,7 +412,7 @@ def main() -> int:
         print(
             f"fleet: {args.hosts} hosts x {args.instances} instances created in {time.perf_counter() - started:.1f} s"
         )
-        web, url = start_web(args, scratch)
+        web, url = start_web(scratch, threads=args.threads, workers=args.workers)
         latencies = Latencies()
         agents = [SimulatedAgent(url, credential, args, latencies, stop) for _, credential in credentials]
         for agent in agents:

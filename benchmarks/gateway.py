@@ -1,5 +1,5 @@
 """What the inference gateway (HAProxy) adds: the MLP example called directly on Triton and through the
-gateway, with the same client in the same run, at concurrency 1 and 16.
+gateway, with the same client in the same run, at concurrency 1 and 16 (``--concurrency``).
 
 The gateway runs the platform's real configuration (``apps.gateway.haproxy``: allow-list, token hash and map
 lookup, team check, rate-limit table, version pinning, the instance-key header) with 10,000 tokens in its
@@ -15,7 +15,7 @@ latency and throughput per path, the added p50 and the throughput ratio, the gat
 vs 10,000 tokens in the map). Targets (issue 10): added p50 <= 0.2 ms at concurrency 1;
 throughput >= 0.85x direct at concurrency 1 and >= 0.8x at 16.
 
-Usage: ``python benchmarks/gateway.py [--requests 3000] [--rounds 5] [--threads 1] [--json FILE]``
+Usage: ``python benchmarks/gateway.py [--requests 3000] [--rounds 5] [--threads 1] [--json FILE] [--smoke]``
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from apps.gateway.haproxy import GatewayState, Options, Route, Server, Slots, wr
 from apps.gateway.process import HAProxyProcess  # noqa: E402
 from backend_ge import examples  # noqa: E402
 from backend_ge.runtime import API_KEY_HEADER, GRPC_API_KEY_HEADER, TritonServer, free_port  # noqa: E402
+from benchmarks import smoke  # noqa: E402
 
 MODEL = "bench__mlp"
 
@@ -184,6 +185,17 @@ def compare(
     return summary
 
 
+def concurrencies(text: str) -> list[int]:
+    """``--concurrency`` as a list: "1,16" -> [1, 16]."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
 def start_gateway(directory: Path, state: GatewayState, threads: int) -> tuple[HAProxyProcess, int]:
     port = free_port()
     options = Options(
@@ -203,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians)")
     parser.add_argument("--threads", type=int, default=1, help="HAProxy threads (GATEWAY_THREADS)")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
+    parser.add_argument("--concurrency", type=concurrencies, default="1,16", help="client streams, e.g. 1,16")
+    args = smoke.parse_args(parser, argv, requests=100, rounds=1, concurrency="1,2")
 
     work = Path(tempfile.mkdtemp(prefix="gateway-bench-"))
     src = work / "src"
@@ -237,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         direct = request_bytes(server.http_port, f"{API_KEY_HEADER}: {key}")
         through = request_bytes(port, f"Authorization: Bearer tgp_{token[0]}_{token[1]}")
         time.sleep(1.5)  # the health check marks the server UP
-        for concurrency in (1, 16):
+        for concurrency in args.concurrency:
             paths = {
                 "direct": (server.http_port, direct, None),
                 "gateway": (port, through, gateway.admin.worker_pid),

@@ -6,7 +6,8 @@ Reported per concurrency: throughput and p50/p99 of each server (medians of the 
 the added p50, and tritonserver's CPU per request (``/proc/<pid>/stat``). Bounded: ``--requests`` per
 measurement, ``--rounds`` rounds.
 
-Usage: ``python benchmarks/latency_summaries.py [--requests 3000] [--rounds 3] [--json FILE]``
+Usage: ``python benchmarks/latency_summaries.py [--requests 3000] [--rounds 3] [--concurrency 1,8] [--json FILE]
+[--smoke]``
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gateway import MODEL, measure, request_bytes  # noqa: E402
+from gateway import MODEL, concurrencies, measure, request_bytes  # noqa: E402
 
 from backend_ge import examples  # noqa: E402
 from backend_ge.runtime import API_KEY_HEADER, TritonServer, prepare_repository  # noqa: E402
+from benchmarks import smoke  # noqa: E402
 
 
 def start_server(work: Path, name: str, models: list[str], summaries: bool) -> TritonServer:
@@ -43,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=3000, help="requests per measurement")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (median)")
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
+    parser.add_argument("--concurrency", type=concurrencies, default="1,8", help="client streams, e.g. 1,8")
+    args = smoke.parse_args(parser, argv, requests=100, rounds=1, concurrency="1,2")
 
     work = Path(tempfile.mkdtemp(prefix="summaries-bench-"))
     src = work / "src"
@@ -59,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     report: dict = {"requests": args.requests, "rounds": args.rounds, "runs": {}}
     try:
-        for concurrency in (1, 8):
+        for concurrency in args.concurrency:
             rows: dict[str, list[dict]] = {"without": [], "with": []}
             for _ in range(args.rounds):
                 for label, server in servers.items():

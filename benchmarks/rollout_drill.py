@@ -14,7 +14,7 @@ gateway on keep-alive connections without retries, and records which version ans
 2. v3, a good canary, rolled out with steps 10/25/50/100 %: time to 100 % and to promoted (serving alone),
    failed requests (target 0).
 
-    .venv/bin/python benchmarks/rollout_drill.py [--rate 60] [--interval 2] [--database-url postgres://...]
+    .venv/bin/python benchmarks/rollout_drill.py [--rate 60] [--interval 2] [--database-url postgres://...] [--smoke]
 """
 
 from __future__ import annotations
@@ -35,18 +35,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import smoke  # noqa: E402
+
 BODY = json.dumps(
     {"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [1.0, 2.0, 3.0, 4.0]}]}
 ).encode()
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rate", type=float, default=60, help="client requests per second (steady)")
     parser.add_argument("--interval", type=int, default=2, help="the rollouts' check interval (s)")
     parser.add_argument("--database-url", default="", help="default: a scratch SQLite file")
     parser.add_argument("--timeout", type=float, default=600, help="give up after this many seconds")
-    return parser.parse_args()
+    # The drill's length is set by the rollouts' steps and the shortest interval they allow, not by counts.
+    return smoke.parse_args(parser, argv, timeout=240)
 
 
 def free_port() -> int:

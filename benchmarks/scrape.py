@@ -1,17 +1,18 @@
 """What one scrape cycle costs, and how fast the 7-day chart answers.
 
 1. Scrape: four local HTTP servers (``http.server`` subprocesses on 127.0.0.1) play four Triton instances
-   that each serve 100 models. Their ``/metrics`` and ``/v2/models/stats`` are the payloads recorded from a
-   real tritonserver 2.51 (``tests/monitoring/fixtures``) with the ``vision__mlp`` series repeated for 100
-   platform models, every counter growing between cycles so every model gets a row. The figure is the CPU
-   time of this process per ``scrape_all()`` cycle (``time.process_time``: all its threads, the parsing and
-   the database client; the database server's own CPU is not in it). Target: < 1 s.
+   (``--instances``) that each serve 100 models (``--models``). Their ``/metrics`` and ``/v2/models/stats``
+   are the payloads recorded from a real tritonserver 2.51 (``tests/monitoring/fixtures``) with the
+   ``vision__mlp`` series repeated for 100 platform models, every counter growing between cycles so every
+   model gets a row. The figure is the CPU time of this process per ``scrape_all()`` cycle
+   (``time.process_time``: all its threads, the parsing and the database client; the database server's own CPU
+   is not in it). Target: < 1 s.
 2. Chart: a week of minute rows for one model (one row per minute on one instance; 10,080 rows), then the
    7-day chart JSON through the whole Django stack (middleware, session auth, the DRF view). Target: < 200 ms.
 
 The database is a throwaway SQLite file, or with ``--postgres URL`` (a server URL such as
 ``postgres://postgres@127.0.0.1:5432``) a throwaway database created on that server and dropped at the end.
-Usage: ``python benchmarks/scrape.py [--cycles 5] [--postgres URL] [--timeout 300]``
+Usage: ``python benchmarks/scrape.py [--cycles 5] [--postgres URL] [--timeout 300] [--smoke]``
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import smoke  # noqa: E402
+
 FIXTURES = ROOT / "tests" / "monitoring" / "fixtures"
-MODELS = 100
-INSTANCES = 4
 SOURCE_MODEL = "vision__mlp"
 
 
-def scaled_metrics(factor: int) -> str:
-    """The recorded /metrics text with the source model's series repeated for MODELS models, every sample
+def scaled_metrics(factor: int, models: int) -> str:
+    """The recorded /metrics text with the source model's series repeated for ``models`` models, every sample
     of those series multiplied by ``factor`` (counters grow, gauges stay plausible)."""
     out = []
     for line in (FIXTURES / "triton_metrics.txt").read_text().splitlines():
@@ -44,14 +47,14 @@ def scaled_metrics(factor: int) -> str:
             name_part, value = line.rsplit(" ", 1)
             scaled = float(value) * factor
             out.extend(
-                f"{name_part.replace(SOURCE_MODEL, f'bench__m{i:03d}')} {scaled:g}" for i in range(MODELS)
+                f"{name_part.replace(SOURCE_MODEL, f'bench__m{i:03d}')} {scaled:g}" for i in range(models)
             )
         elif "model=" not in line:
             out.append(line)
     return "\n".join(out) + "\n"
 
 
-def scaled_stats(factor: int) -> str:
+def scaled_stats(factor: int, models: int) -> str:
     stats = json.loads((FIXTURES / "triton_stats.json").read_text())
     source = next(m for m in stats["model_stats"] if m["name"] == SOURCE_MODEL)
     text = json.dumps(source)
@@ -62,12 +65,12 @@ def scaled_stats(factor: int) -> str:
         text,
     )
     return json.dumps(
-        {"model_stats": [json.loads(grown.replace(SOURCE_MODEL, f"bench__m{i:03d}")) for i in range(MODELS)]}
+        {"model_stats": [json.loads(grown.replace(SOURCE_MODEL, f"bench__m{i:03d}")) for i in range(models)]}
     )
 
 
-def write_payloads(dirs: list[Path], factor: int) -> None:
-    metrics, stats = scaled_metrics(factor), scaled_stats(factor)
+def write_payloads(dirs: list[Path], factor: int, models: int) -> None:
+    metrics, stats = scaled_metrics(factor, models), scaled_stats(factor, models)
     for d in dirs:
         (d / "v2" / "models").mkdir(parents=True, exist_ok=True)
         (d / "metrics").write_text(metrics)
@@ -79,7 +82,9 @@ def main() -> int:
     parser.add_argument("--cycles", type=int, default=5)
     parser.add_argument("--postgres", default="", help="server URL: benchmark in a scratch database there")
     parser.add_argument("--timeout", type=float, default=300, help="give up after this many seconds")
-    args = parser.parse_args()
+    parser.add_argument("--models", type=int, default=100, help="models served by each instance")
+    parser.add_argument("--instances", type=int, default=4, help="instances scraped")
+    args = smoke.parse_args(parser, cycles=1, models=5, instances=2, timeout=120)
     signal.alarm(int(args.timeout))  # the whole run is bounded
 
     tmp = Path(tempfile.mkdtemp(prefix="scrape-bench-"))
@@ -92,7 +97,6 @@ def main() -> int:
     os.environ.setdefault("DEBUG", "1")
     os.environ["VAR_DIR"] = str(tmp / "var")
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "serving_platform.settings")
-    sys.path.insert(0, str(ROOT))
     import django
 
     django.setup()
@@ -134,13 +138,13 @@ def run(args, tmp: Path) -> int:
     team = Team.objects.create(name="Bench", slug="bench")
     Membership.objects.create(team=team, user=user, role=Role.VIEWER)
     versions = []
-    for i in range(MODELS):
+    for i in range(args.models):
         model = RegisteredModel.objects.create(team=team, name=f"M{i:03d}", slug=f"m{i:03d}", created_by=user)
         versions.append(ModelVersion.objects.create(model=model, number=1, state="READY", created_by=user))
 
     dirs, servers = [], []
     try:
-        for i in range(INSTANCES):
+        for i in range(args.instances):
             port = free_port()
             d = tmp / f"instance-{i}"
             d.mkdir()
@@ -166,18 +170,18 @@ def run(args, tmp: Path) -> int:
                 host=host, name="cpu-0", http_port=port, grpc_port=port + 1 if port < 65535 else 1,
                 metrics_port=port, state=InstanceState.READY, pid=1000 + i,
             )  # fmt: skip
-        write_payloads(dirs, 1)
+        write_payloads(dirs, 1, args.models)
         _wait_until_served(servers, dirs)
         scrape_all()  # baseline readings
         cpu, wall = [], []
         for cycle in range(args.cycles):
-            write_payloads(dirs, cycle + 2)
+            write_payloads(dirs, cycle + 2, args.models)
             started_cpu, started = time.process_time(), time.perf_counter()
             result = scrape_all()
             cpu.append(time.process_time() - started_cpu)
             wall.append(time.perf_counter() - started)
             assert result.failures == 0, result.errors
-            assert result.rows == MODELS * INSTANCES, result.rows
+            assert result.rows == args.models * args.instances, result.rows
     finally:
         for server in servers:
             server.terminate()
@@ -222,7 +226,8 @@ def run(args, tmp: Path) -> int:
 
     print(f"database: {os.environ['DATABASE_URL'].split('://')[0]}")
     print(
-        f"scrape cycle, {MODELS} models x {INSTANCES} instances ({MODELS * INSTANCES} series), {args.cycles} cycles:"
+        f"scrape cycle, {args.models} models x {args.instances} instances ({args.models * args.instances} series), "
+        f"{args.cycles} cycles:"
     )
     print(
         f"  CPU per cycle  median {statistics.median(cpu) * 1000:.0f} ms, max {max(cpu) * 1000:.0f} ms (target < 1000 ms)"

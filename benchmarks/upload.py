@@ -9,7 +9,7 @@ in the middle of a chunk, asks the server for its offset (HEAD) and resumes from
 - the server worker's resident memory: before, peak (VmHWM) and the peak growth (target < 100 MiB);
 - the offset the server reported after the drop, and that the sha256 matched at completion.
 
-Usage: ``python benchmarks/upload.py [--size-mib 2048] [--chunk-mib 64] [--timeout 900] [--json FILE]``
+Usage: ``python benchmarks/upload.py [--size-mib 2048] [--chunk-mib 64] [--timeout 900] [--json FILE] [--smoke]``
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import smoke  # noqa: E402
+
 MIB = 1024 * 1024
 PIECE = MIB
 
@@ -142,7 +146,7 @@ def main() -> int:
     parser.add_argument("--chunk-mib", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=900, help="give up after this many seconds")
     parser.add_argument("--json", type=Path, help="also write the figures here")
-    args = parser.parse_args()
+    args = smoke.parse_args(parser, size_mib=8, chunk_mib=2, timeout=120)
     deadline = time.monotonic() + args.timeout
     size, chunk = args.size_mib * MIB, args.chunk_mib * MIB
 
@@ -274,7 +278,8 @@ def main() -> int:
         print(json.dumps(figures, indent=2))
         if args.json:
             args.json.write_text(json.dumps(figures, indent=2) + "\n")
-        return 0 if figures["meets_target"] else 1
+        # A smoke run judges what works, not what it costs: the checksum, not the memory growth.
+        return 0 if figures["meets_target"] or (args.smoke and figures["sha256_verified"]) else 1
     finally:
         if server is not None and server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)

@@ -18,7 +18,7 @@ from apps.deployments.models import PlacementState
 from tests.conftest import subprocess_database_url, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.servers, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture

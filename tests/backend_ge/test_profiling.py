@@ -88,6 +88,7 @@ def test_closing_a_model_flushes_its_counters(tmp_path):
     assert json.loads(path.read_text())["requests"] == 1
 
 
+@pytest.mark.triton
 def test_a_served_model_writes_its_counters_when_the_variable_is_set(
     example_repository, tmp_path, monkeypatch
 ):

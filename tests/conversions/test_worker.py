@@ -16,7 +16,7 @@ from apps.registry.models import VersionState
 from backend_ge import config as gc
 from tests.conftest import wait_for
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.servers, pytest.mark.django_db(transaction=True)]
 
 
 def job_row(job_id: int) -> ConversionJob:

@@ -151,6 +151,7 @@ def test_a_download_that_does_not_match_its_sha256_is_discarded(
     assert seen == [cached.read_bytes()] * 4
 
 
+@pytest.mark.servers
 def test_a_revoked_host_given_a_new_join_token_joins_again_and_its_old_credential_stays_dead(
     live_server, tmp_path, artifact_root
 ):

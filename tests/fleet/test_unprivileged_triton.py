@@ -251,6 +251,7 @@ def test_user_names_come_from_the_platforms_names_and_fit_useradd():
 
 
 @needs_root
+@pytest.mark.servers
 @pytest.mark.django_db(transaction=True)
 def test_the_agent_refuses_to_start_when_an_instance_user_could_read_a_secret(start_agent, artifact_root):
     gateway = artifact_root.parent / "gateway"

@@ -50,6 +50,7 @@ def test_release_all_answers_every_held_poll_and_holds_no_new_one(monkeypatch):
     assert watcher.waiting() == 0
 
 
+@pytest.mark.servers
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["graceful", "quick"])
 def test_a_stopping_gunicorn_answers_its_held_polls_and_exits_promptly(stop, tmp_path):

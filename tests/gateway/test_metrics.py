@@ -53,6 +53,7 @@ def metered_gateway(down_deployment, start_gateway, gateway_env, settings, make_
     return gateway, secret
 
 
+@pytest.mark.servers
 def test_refusals_are_counted_exactly_per_code_per_deployment_and_gateway_wide(
     metered_gateway, down_deployment, team, other_team, outsider, client, owner
 ):
@@ -128,6 +129,7 @@ def test_refusals_are_counted_exactly_per_code_per_deployment_and_gateway_wide(
     assert client_for(owner).get(reverse("fleet-metrics")).json()["gateway"] is None
 
 
+@pytest.mark.servers
 def test_a_reload_restarts_the_counters_without_negative_or_double_counts(metered_gateway, down_deployment):
     gateway, secret = metered_gateway
     for _ in range(2):
@@ -158,6 +160,7 @@ def test_targets_json_lists_the_gateway(client, settings):
     ]
 
 
+@pytest.mark.servers
 def test_without_the_admin_socket_the_exporter_still_counts_and_refusals_follow_later(
     metered_gateway, down_deployment, settings, tmp_path
 ):
@@ -180,6 +183,7 @@ def test_without_the_admin_socket_the_exporter_still_counts_and_refusals_follow_
     assert GatewayMetrics.objects.get(deployment=down_deployment).responses_401 == 3
 
 
+@pytest.mark.servers
 def test_grpc_refusals_count_gateway_wide_with_their_http_equivalents(
     metered_gateway, down_deployment, make_token
 ):

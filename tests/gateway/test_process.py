@@ -13,7 +13,7 @@ from apps.gateway.process import pid_alive
 from tests.conftest import wait_for
 from tests.gateway.conftest import requires_haproxy
 
-pytestmark = [requires_haproxy, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.servers, requires_haproxy, pytest.mark.django_db(transaction=True)]
 
 
 def master_pid(gateway) -> int:

@@ -95,6 +95,7 @@ def test_settings_page_shows_the_quota_and_staff_set_it(client, owner, team, sta
 
 
 @requires_haproxy
+@pytest.mark.servers
 @pytest.mark.django_db(transaction=True)
 def test_a_changed_quota_takes_effect_at_the_gateway_within_5_seconds(
     down_deployment,  # noqa: F811 - the imported fixture
@@ -132,6 +133,7 @@ def test_the_admin_shows_the_quota_but_changes_go_through_the_audited_service(cl
 
 
 @requires_haproxy
+@pytest.mark.servers
 @pytest.mark.django_db(transaction=True)
 def test_grpc_over_the_quota_is_resource_exhausted_naming_the_limit(
     down_deployment,  # noqa: F811 - the imported fixture

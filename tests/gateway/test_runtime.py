@@ -18,7 +18,7 @@ from backend_ge.runtime import free_port
 from tests.deployments.conftest import add_instance, make_version, shared_host  # noqa: F401
 from tests.gateway.conftest import requires_haproxy
 
-pytestmark = [requires_haproxy, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.servers, requires_haproxy, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture

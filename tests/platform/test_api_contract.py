@@ -87,6 +87,7 @@ def test_a_json_body_over_django_s_upload_limit_is_413_in_the_error_shape(owner_
     }
 
 
+@pytest.mark.servers
 def test_beat_starts_on_a_fresh_var_dir_with_redis(tmp_path):
     var = tmp_path / "var"
     env = dict(os.environ, VAR_DIR=str(var), DEBUG="1")

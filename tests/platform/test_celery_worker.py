@@ -51,6 +51,7 @@ def worker():
         process.kill()
 
 
+@pytest.mark.servers
 def test_worker_round_trips_a_task(worker):
     result = ping.apply_async(queue=worker)
     assert result.get(timeout=60) == "pong"
