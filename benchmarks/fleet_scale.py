@@ -41,6 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import smoke  # noqa: E402
+from hostagent.client import PlatformClient  # noqa: E402
+from hostagent.protocol import PlacementReport, PlacementResult  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -293,8 +295,6 @@ class SimulatedAgent(threading.Thread):
 
     def __init__(self, platform: str, credential: str, args, latencies: Latencies, stop: threading.Event):
         super().__init__(daemon=True)
-        from hostagent.client import PlatformClient
-
         self.client = PlatformClient(platform, credential, retries=0, timeout=30)
         self.args, self.latencies, self.stop_event = args, latencies, stop
         self.polling = threading.Event()
@@ -384,17 +384,19 @@ class SimulatedAgent(threading.Thread):
                 self.timed(
                     "report",
                     lambda p=placement, g=generation: report(
-                        p["id"], {"generation": g, "result": "unloaded"}
+                        p["id"], PlacementReport(g, PlacementResult.UNLOADED)
                     ),
                 )
             else:
                 self.timed(
                     "report",
-                    lambda p=placement, g=generation: report(p["id"], {"generation": g, "result": "started"}),
+                    lambda p=placement, g=generation: report(
+                        p["id"], PlacementReport(g, PlacementResult.STARTED)
+                    ),
                 )
                 time.sleep(self.args.load_ms / 1000)  # the fake instance's load
-                body = {"generation": generation, "result": "loaded", "version": placement["target"]}
-                self.timed("report", lambda p=placement, b=body: report(p["id"], b))
+                loaded = PlacementReport(generation, PlacementResult.LOADED, version=placement["target"])
+                self.timed("report", lambda p=placement, b=loaded: report(p["id"], b))
             self.applied[placement["id"]] = generation
 
 

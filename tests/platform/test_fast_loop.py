@@ -12,7 +12,7 @@ from tests.no_servers import command_line, mark_needed
     [
         (["/venv/bin/python", "-m", "celery", "-A", "serving_platform", "worker"], "servers"),
         (["/venv/bin/python", "-m", "gunicorn", "serving_platform.wsgi", "--bind", "127.0.0.1:0"], "servers"),
-        (["/venv/bin/python", "manage.py", "hostagent", "--platform", "http://127.0.0.1:1"], "servers"),
+        (["/venv/bin/python", "-m", "hostagent", "--platform", "http://127.0.0.1:1"], "servers"),
         (["/venv/bin/python", "manage.py", "gateway"], "servers"),
         (["/usr/sbin/haproxy", "-W", "-db", "-f", "/tmp/gw/haproxy.cfg"], "servers"),
         ("haproxy -W -db -f '/tmp/a b/haproxy.cfg'", "servers"),
