@@ -7,7 +7,7 @@ platform, a logged refusal on the agent - never a half-applied report.
 
 Messages, agent -> platform:
 - ``POST join`` ``{"join_token"}`` -> ``{"host", "address", "credential"}``
-- ``POST heartbeat`` ``{"facts", "npu", "instances": [{"id", "log_tail"}]}`` -> ``{"host", "address", "generation"}``
+- ``POST heartbeat`` ``{"facts", "npu", "instances": [{"id", "log_tail"}], "ports": {"first", "last"}}`` -> ``{"host", "address", "generation"}``
 - ``POST instances/<id>/state`` ``{"state", "pid", "restarts", "crash_times", "last_error", "log_tail"}`` (any subset)
 - ``POST placements/<id>/report`` ``{"generation", "result", ...}`` -> ``{"accepted", "placement"}``
 - ``POST instances/<id>/final-counts`` (``apps.monitoring.final_counts`` checks its rows)
@@ -240,11 +240,30 @@ def check_log_tails(raw) -> dict[int, str]:
     return tails
 
 
+# Three ports per instance (HTTP, gRPC, metrics); a range is at most this many ports.
+MAX_PORT_RANGE = 3 * MAX_INSTANCES
+
+
+def check_port_range(raw) -> tuple[int, int] | None:
+    """The ports the agent owns for the instances the platform makes from its inventory (``null``: none)."""
+    if raw is None:
+        return None
+    raw = _object(raw, "ports")
+    first, last = (
+        _int(raw.get("first"), "ports.first", 1, 65535),
+        _int(raw.get("last"), "ports.last", 1, 65535),
+    )
+    if not first <= last < first + MAX_PORT_RANGE:
+        raise ProtocolError(f"'ports' must be a range first..last of at most {MAX_PORT_RANGE} ports.")
+    return first, last
+
+
 @dataclass(frozen=True)
 class Heartbeat:
     facts: dict
     npu: npu_smi.NpuInventory | None
     log_tails: dict[int, str]
+    ports: tuple[int, int] | None = None
 
 
 def check_heartbeat(body) -> Heartbeat:
@@ -253,6 +272,7 @@ def check_heartbeat(body) -> Heartbeat:
         facts=check_facts(body.get("facts")),
         npu=check_inventory(body.get("npu")),
         log_tails=check_log_tails(body.get("instances")),
+        ports=check_port_range(body.get("ports")),
     )
 
 
@@ -307,6 +327,9 @@ class PlacementReport:
     error: str = ""
     kind: LoadedKind | None = LoadedKind.SERVING
     reloading: bool = False
+    # With a first ``loaded``: the memory the version took when it loaded (CPU: the stub's PSS plus
+    # Triton's growth; NPU: HBM used after minus before), for the scheduler's capacity accounting.
+    footprint_mb: int | None = None
 
     def body(self) -> dict:
         """The JSON body the agent sends (checked again by ``check_placement_report`` on the platform)."""
@@ -322,6 +345,8 @@ class PlacementReport:
             body["kind"] = self.kind.value if self.kind else None
         if self.result is PlacementResult.LOST:
             body["reloading"] = self.reloading
+        if self.footprint_mb is not None:
+            body["footprint_mb"] = self.footprint_mb
         return body
 
 
@@ -335,7 +360,9 @@ PLACEMENT_REPORT_FIELDS = {
     "error",
     "kind",
     "reloading",
+    "footprint_mb",
 }
+MAX_FOOTPRINT_MB = 1024 * 1024  # 1 TiB: more than any device holds
 
 
 def check_placement_report(body) -> PlacementReport:
@@ -364,6 +391,9 @@ def check_placement_report(body) -> PlacementReport:
         error=text(body.get("error"), "error", MAX_ERROR, keep_head=True),
         kind=kind,
         reloading=_bool(body.get("reloading", False), "reloading"),
+        footprint_mb=None
+        if body.get("footprint_mb") is None
+        else _int(body["footprint_mb"], "footprint_mb", 1, MAX_FOOTPRINT_MB),
         **ids,
     )
 

@@ -346,6 +346,18 @@ CELERY_BEAT_SCHEDULE = {
     },
 }
 AUDIT_RETENTION_DAYS = env_int("AUDIT_RETENTION_DAYS", 365, minimum=1)
+
+# --- Scheduler (apps.deployments.scheduler): replicas placed by capacity, replaced when a host is lost ----
+# A host unheard of for longer is lost: its replicas are placed elsewhere in its pool.
+SCHEDULER_HOST_GRACE_S = env_int("SCHEDULER_HOST_GRACE_S", 60, minimum=1)
+SCHEDULER_MAX_REPLICAS = env_int("SCHEDULER_MAX_REPLICAS", 64, minimum=1)
+SCHEDULER_TICK_S = env_int("SCHEDULER_TICK_S", 5, minimum=1)
+CELERY_BEAT_SCHEDULE["scheduler-tick"] = {
+    "task": "apps.deployments.tasks.scheduler_tick",
+    "schedule": timedelta(seconds=SCHEDULER_TICK_S),
+    # A tick older than its interval is superseded by the next one.
+    "options": {"queue": "default", "expires": SCHEDULER_TICK_S},
+}
 UPLOAD_ABANDON_AFTER_HOURS = env_int("UPLOAD_ABANDON_AFTER_HOURS", 48, minimum=1)
 
 # --- Monitoring: Triton scraping, rollups, the platform's own /metrics -----------------------------

@@ -92,7 +92,8 @@ def placement_entry(placement: DeploymentInstance, canary_id: int | None, reused
         "generation": placement.generation,
         "applied_generation": placement.applied_generation,
         "state": placement.state,
-        "undeploy": deployment.state in GONE,
+        # Undeployed, or a replica retired once its replacement serves (apps.deployments.scheduler).
+        "undeploy": deployment.state in GONE or placement.unload,
         "target": target_id,
         "active": deployment.active_version_id,
         "target_version": deployment.target_version_id,

@@ -20,8 +20,8 @@ from rest_framework.response import Response
 
 from apps.core.body_limits import PLAYGROUND_HINT, RequestTooLarge, limit_body, too_large_message
 from apps.deployments import calling, services
-from apps.deployments.models import Deployment, DeploymentEvent, DeploymentInstance
-from apps.fleet.models import TritonInstance, is_platform_staff
+from apps.deployments.models import Deployment, DeploymentEvent, DeploymentInstance, Spread
+from apps.fleet.models import Pool, TritonInstance, is_platform_staff
 from apps.registry.models import ModelVersion, RegisteredModel
 from apps.teams.models import Action
 from apps.teams.viewsets import TeamScopedViewSet
@@ -60,6 +60,7 @@ class PlacementSerializer(serializers.ModelSerializer):
             "canary_version",
             "state",
             "last_error",
+            "retiring_reason",
             "updated_at",
         ]
         read_only_fields = fields
@@ -105,6 +106,8 @@ class DeploymentSerializer(serializers.ModelSerializer):
     instance_endpoints = serializers.SerializerMethodField()
     placements = PlacementSerializer(many=True)
     created_by = serializers.CharField(source="created_by.username", allow_null=True, default=None)
+    pool = serializers.CharField(source="pool.name", allow_null=True, default=None)
+    replicas_ready = serializers.SerializerMethodField()
 
     class Meta:
         model = Deployment
@@ -117,6 +120,12 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "active_version",
             "target_version",
             "last_error",
+            "pinned",
+            "replicas",
+            "pool",
+            "spread",
+            "replicas_ready",
+            "pending_reason",
             "endpoints",
             "instance_endpoints",
             "placements",
@@ -125,6 +134,10 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "updated_at",
         ]
         read_only_fields = fields
+
+    def get_replicas_ready(self, deployment: Deployment) -> int:
+        """Replicas READY now (those being replaced not counted)."""
+        return sum(1 for p in deployment.placements.all() if p.state == "READY" and not p.retiring_reason)
 
     @extend_schema_field(GatewayEndpointsSerializer(allow_null=True))
     def get_endpoints(self, deployment: Deployment) -> dict | None:
@@ -158,8 +171,31 @@ class DeploymentCreateSerializer(serializers.Serializer):
     model = serializers.CharField(help_text="The model's slug.")
     version = serializers.IntegerField(min_value=1, help_text="A READY version number of the model.")
     instances = serializers.ListField(
-        child=serializers.IntegerField(), allow_empty=False, help_text="Ids of the instances to serve on."
+        child=serializers.IntegerField(),
+        allow_empty=False,
+        required=False,
+        help_text="Pinned placement: ids of the instances to serve on. Without it the scheduler places replicas.",
     )
+    replicas = serializers.IntegerField(
+        required=False, help_text="How many copies serve the model (default 1), each where it fits."
+    )
+    pool = serializers.CharField(
+        required=False,
+        allow_null=True,
+        help_text="The pool to place replicas in; empty: any pool the team may use.",
+    )
+    spread = serializers.ChoiceField(
+        choices=Spread.choices,
+        default=Spread.HOST,
+        help_text="host: at most one replica per host while the pool has enough hosts; none: pack.",
+    )
+
+    def validate(self, attrs):
+        if attrs.get("instances") and ("replicas" in attrs or attrs.get("pool")):
+            raise serializers.ValidationError(
+                {"instances": ["Give instances (pinned) or replicas and a pool, not both."]}
+            )
+        return attrs
 
 
 class SwitchSerializer(serializers.Serializer):
@@ -287,7 +323,7 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamSc
     call it."""
 
     queryset = Deployment.objects.select_related(
-        "model__team", "active_version", "target_version", "created_by"
+        "model__team", "active_version", "target_version", "created_by", "pool"
     ).prefetch_related(
         "placements__instance__host", "placements__served_version", "placements__canary_version"
     )
@@ -325,6 +361,16 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamSc
         version = model.versions.filter(number=data["version"]).first()
         if version is None:
             raise ValidationError({"version": [f"{model} has no version {data['version']}."]})
+        if not data.get("instances"):
+            deployment = services.deploy_version(
+                actor=request.user,
+                model=model,
+                version=version,
+                replicas=data.get("replicas", 1),
+                pool=self._pool(data.get("pool")),
+                spread=data["spread"],
+            )
+            return self._detail(deployment, status.HTTP_201_CREATED)
         wanted = list(dict.fromkeys(data["instances"]))
         usable = {
             i.pk: i
@@ -345,6 +391,15 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamSc
             actor=request.user, model=model, version=version, instances=[usable[pk] for pk in wanted]
         )
         return self._detail(deployment, status.HTTP_201_CREATED)
+
+    def _pool(self, name: str | None) -> Pool | None:
+        """The named pool if this team may use it; unknown and another team's pools read alike (a 400)."""
+        if not name:
+            return None
+        pool = Pool.objects.usable_by_team(self.team).filter(name=name).first()
+        if pool is None:
+            raise ValidationError({"pool": [f"No pool '{name}' that team {self.team.slug} may use."]})
+        return pool
 
     @extend_schema(request=SwitchSerializer, responses={200: DeploymentDetailSerializer, 400: ERROR})
     @action(detail=True, methods=["post"])

@@ -28,6 +28,11 @@ ACTIVE_STATES = (
 )
 
 
+class Spread(models.TextChoices):
+    HOST = "host", "At most one replica per host while the pool has enough hosts"
+    NONE = "none", "Replicas may share a host"
+
+
 class Deployment(models.Model):
     """One model of a team served on a set of Triton instances.
 
@@ -52,6 +57,22 @@ class Deployment(models.Model):
     )
     state = models.CharField(max_length=20, choices=DeploymentState.choices, default=DeploymentState.PENDING)
     last_error = models.TextField(blank=True)
+    # Placement by intent (apps.deployments.scheduler): how many replicas, where, how spread. A pinned
+    # deployment serves on the instances a person picked and the scheduler leaves it alone.
+    pinned = models.BooleanField(default=True)
+    replicas = models.PositiveSmallIntegerField(default=1)
+    pool = models.ForeignKey(
+        "fleet.Pool",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="deployments",
+        help_text="Empty: any pool the team may use.",
+    )
+    spread = models.CharField(max_length=10, choices=Spread.choices, default=Spread.HOST)
+    pending_reason = models.TextField(
+        blank=True, help_text="Why some replicas are not placed (the scheduler's last word)."
+    )
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
@@ -147,6 +168,10 @@ class DeploymentInstance(models.Model):
     last_error = models.TextField(blank=True)
     generation = models.PositiveIntegerField(default=1)
     applied_generation = models.PositiveIntegerField(default=0)
+    # Being replaced (its host was lost, revoked, drained, or its instance quarantined): it no longer counts
+    # as a replica, and once its replacement serves it is told to unload (``unload``).
+    retiring_reason = models.CharField(max_length=200, blank=True)
+    unload = models.BooleanField(default=False)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

@@ -18,6 +18,7 @@ from django.db import transaction
 from django.db.models import F, Q
 
 from apps.audit.services import record
+from apps.deployments import scheduler
 from apps.deployments.models import (
     ACTIVE_STATES,
     Deployment,
@@ -25,9 +26,10 @@ from apps.deployments.models import (
     DeploymentState,
     PlacementState,
     Rollout,
+    Spread,
 )
 from apps.deployments.signals import canary_failed, deployment_created, deployment_undeploying
-from apps.fleet.models import TritonInstance
+from apps.fleet.models import Pool, TritonInstance
 from apps.fleet.services import notify_hosts
 from apps.registry.models import ModelVersion, RegisteredModel
 
@@ -73,7 +75,9 @@ def check_instances_usable(team, instances: list[TritonInstance]) -> None:
             raise ValidationError({"instances": [f"{instance} is dedicated to another team."]})
 
 
-def check_quota(team, model: RegisteredModel, instances: list[TritonInstance]) -> None:
+def check_quota(team, model: RegisteredModel, instances: list[TritonInstance], replicas: int = 0) -> None:
+    """Models deployed at once, and instances in use: a pinned deployment's instances, a scheduled one's
+    replicas (each takes an instance)."""
     live = Deployment.objects.filter(team=team, state__in=ACTIVE_STATES).exclude(model=model)
     if live.count() + 1 > team.quota_deployed_models:
         raise ValidationError(
@@ -84,26 +88,44 @@ def check_quota(team, model: RegisteredModel, instances: list[TritonInstance]) -
             }
         )
     used = set(
-        DeploymentInstance.objects.filter(deployment__in=live).values_list("instance_id", flat=True)
+        DeploymentInstance.objects.filter(deployment__in=live.filter(pinned=True)).values_list(
+            "instance_id", flat=True
+        )
     ) | {instance.pk for instance in instances}
-    if len(used) > team.quota_instances:
+    scheduled = sum(live.filter(pinned=False).values_list("replicas", flat=True))
+    if len(used) + scheduled + replicas > team.quota_instances:
+        field = "replicas" if replicas else "instances"
         raise ValidationError(
             {
-                "instances": [
-                    f"Team quota exceeded: {team.name} may use {team.quota_instances} instances; this would use {len(used)}."
+                field: [
+                    f"Team quota exceeded: {team.name} may use {team.quota_instances} instances; this would use "
+                    f"{len(used) + scheduled + replicas}."
                 ]
             }
         )
 
 
 def deploy_version(
-    *, actor, model: RegisteredModel, version: ModelVersion, instances: list[TritonInstance]
+    *,
+    actor,
+    model: RegisteredModel,
+    version: ModelVersion,
+    instances: list[TritonInstance] | None = None,
+    replicas: int = 1,
+    pool: Pool | None = None,
+    spread: str = Spread.HOST,
 ) -> Deployment:
-    """Deploy a READY version of a model on instances (the model must not be deployed already)."""
+    """Deploy a READY version of a model (the model must not be deployed already): on ``instances`` picked
+    by hand (pinned), or else as ``replicas`` the scheduler places in ``pool`` (None: any pool the team may
+    use) - a replica that fits nowhere yet leaves the deployment PENDING with the reason."""
     if version.model_id != model.pk:
         raise ValidationError({"version": [f"{version} is not a version of {model}."]})
     check_version_servable(version)
-    check_instances_usable(model.team, instances)
+    pinned = bool(instances)
+    if pinned:
+        check_instances_usable(model.team, instances)
+    else:
+        scheduler.check_intent(model.team, replicas=replicas, pool=pool, spread=spread)
     with transaction.atomic():
         _lock_servable(version)
         if (
@@ -115,27 +137,36 @@ def deploy_version(
             raise ValidationError(
                 {"model": [f"{model} is already deployed; switch its version or undeploy it first."]}
             )
-        check_quota(model.team, model, instances)
+        check_quota(model.team, model, instances or [], 0 if pinned else replicas)
         deployment = Deployment.objects.create(
             team=model.team,
             model=model,
             target_version=version,
-            state=DeploymentState.DEPLOYING,
+            state=DeploymentState.DEPLOYING if pinned else DeploymentState.PENDING,
             created_by=actor,
+            pinned=pinned,
+            replicas=len(instances) if pinned else replicas,
+            pool=pool,
+            spread=spread,
         )
-        placements = [DeploymentInstance.objects.create(deployment=deployment, instance=i) for i in instances]
+        where = ", ".join(map(str, instances)) if pinned else f"{replicas} replica(s) in {pool or 'any pool'}"
         deployment.events.create(
-            kind="deploy_requested",
-            message=f"deploy {version} on {', '.join(map(str, instances))}",
-            version=version,
+            kind="deploy_requested", message=f"deploy {version} on {where}", version=version
         )
+        if pinned:
+            placements = [
+                DeploymentInstance.objects.create(deployment=deployment, instance=i) for i in instances
+            ]
+        else:
+            placements = scheduler.place_replicas(deployment)
         record(
             actor=actor,
             team=model.team,
             action="deployment.created",
             target=deployment,
-            details={"version": version.number, "instances": [str(i) for i in instances]},
-        )
+            details={"version": version.number, "instances": [str(i) for i in instances or []],
+                     "replicas": deployment.replicas, "pool": getattr(pool, "name", None)},
+        )  # fmt: skip
         deployment_created.send(sender=Deployment, deployment=deployment, actor=actor)
         transaction.on_commit(lambda: _enqueue(placements))
     return deployment
@@ -209,14 +240,16 @@ def _settle(deployment: Deployment) -> None:
     the messages) only when the deployment's state changes - every report of a deploy waits for this lock."""
     if deployment.state == DeploymentState.UNDEPLOYED:
         return
-    rows = list(deployment.placements.order_by().values_list("state", "served_version_id"))
-    states = {state for state, _ in rows}
     if deployment.state == DeploymentState.UNDEPLOYING:
-        if states <= {PlacementState.UNLOADED}:
+        if set(deployment.placements.values_list("state", flat=True)) <= {PlacementState.UNLOADED}:
             deployment.state = DeploymentState.UNDEPLOYED
             deployment.save(update_fields=["state", "updated_at"])
             deployment.events.create(kind="undeployed", message="undeployed from every instance")
         return
+    rows = list(_replicas(deployment).order_by().values_list("state", "served_version_id"))
+    states = {state for state, _ in rows}
+    if not rows:
+        return  # nothing placed (yet): the scheduler keeps it PENDING with the reason
     if deployment.target_version_id is None:
         _follow_placements(deployment, rows)
         return
@@ -260,7 +293,7 @@ def _settle(deployment: Deployment) -> None:
         )
         deployment.save(update_fields=["target_version", "last_error", "state", "updated_at"])
         transaction.on_commit(lambda: _enqueue(back))
-        rows = list(deployment.placements.order_by().values_list("state", "served_version_id"))
+        rows = list(_replicas(deployment).order_by().values_list("state", "served_version_id"))
         _follow_placements(deployment, rows)
         return
     deployment.state = DeploymentState.FAILED
@@ -270,8 +303,13 @@ def _settle(deployment: Deployment) -> None:
     deployment.save(update_fields=["target_version", "last_error", "state", "updated_at"])
 
 
+def _replicas(deployment: Deployment):
+    """The placements a deployment's state follows: not those being replaced (``scheduler.retire``)."""
+    return deployment.placements.filter(retiring_reason="")
+
+
 def _placements_in_full(deployment: Deployment) -> list[DeploymentInstance]:
-    return list(deployment.placements.select_related("instance__host"))
+    return list(_replicas(deployment).select_related("instance__host"))
 
 
 def _follow_state(active_id: int, rows: list[tuple[str, int | None]]) -> DeploymentState:

@@ -110,7 +110,12 @@ def heartbeat(request):
     Answers the host's identity and its desired-state generation, so an agent learns of news here too."""
     beat = protocol.check_heartbeat(read_json(request))
     services.record_heartbeat(
-        request.host, facts=beat.facts, inventory=beat.npu, log_tails=beat.log_tails, read_local=False
+        request.host,
+        facts=beat.facts,
+        inventory=beat.npu,
+        log_tails=beat.log_tails,
+        read_local=False,
+        port_range=beat.ports,
     )
     return JsonResponse(
         {

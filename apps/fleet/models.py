@@ -56,6 +56,57 @@ def is_platform_staff(user) -> bool:
     )
 
 
+class ExecutorKind(models.TextChoices):
+    CPU = "cpu", "CPU (onnxruntime)"
+    NPU = "npu", "NPU (pyACL)"
+
+
+class PoolQuerySet(models.QuerySet):
+    def usable_by_team(self, team):
+        """Shared pools and the team's dedicated ones."""
+        return self.filter(Q(team__isnull=True) | Q(team=team))
+
+
+class Pool(models.Model):
+    """A group of hosts the scheduler places replicas in, and the template of their instances.
+
+    A host joins when its labels hold ``pool=<name>`` (staff set them; the host page and the API show the
+    pool). When a member host's agent reports its devices, the platform creates the host's instances from
+    the template: one CPU instance with ``memory_budget_mb`` of capacity, or one NPU instance per group of
+    ``devices_per_instance`` chips whose capacity is their HBM minus ``hbm_reserve_mb`` per chip. Their ports
+    come from the range the agent reports it owns. A pool with ``team`` set is that team's alone.
+    """
+
+    name = models.CharField(max_length=63, unique=True, validators=[host_name_validator])
+    team = models.ForeignKey(
+        "teams.Team",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="pools",
+        help_text="Empty: shared by all teams. Set: dedicated to this team.",
+    )
+    executor = models.CharField(max_length=10, choices=ExecutorKind.choices, default=ExecutorKind.CPU)
+    devices_per_instance = models.PositiveSmallIntegerField(
+        default=1, help_text="NPU pools: chips per instance (1: one instance per NPU)."
+    )
+    memory_budget_mb = models.PositiveIntegerField(
+        default=4096, help_text="CPU pools: the memory one instance's models may use."
+    )
+    hbm_reserve_mb = models.PositiveIntegerField(
+        default=1024, help_text="NPU pools: HBM per chip kept free for the runtime."
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = PoolQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
 class HostQuerySet(TeamScopedQuerySet):
     def for_user(self, user, action: str = Action.VIEW):
         """Shared hosts and hosts dedicated to the user's teams; platform staff see every host."""
@@ -101,6 +152,16 @@ class Host(models.Model):
     joined_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     desired_generation = models.PositiveBigIntegerField(default=1, editable=False)
+    pool = models.ForeignKey(
+        Pool, null=True, blank=True, on_delete=models.SET_NULL, related_name="hosts", editable=False
+    )
+    # Ports the agent owns for its instances (it reports the range; the platform takes ports from it).
+    port_range_first = models.PositiveIntegerField(null=True, blank=True, editable=False)
+    port_range_last = models.PositiveIntegerField(null=True, blank=True, editable=False)
+    cordoned_at = models.DateTimeField(null=True, blank=True, help_text="Set: no new replicas here.")
+    draining_at = models.DateTimeField(
+        null=True, blank=True, help_text="Set: its replicas move elsewhere, one at a time."
+    )
 
     objects = HostQuerySet.as_manager()
 
@@ -134,6 +195,15 @@ class Host(models.Model):
         if is_platform_staff(user):
             return True
         return self.team_id is not None and self.team_id in team_ids_for(user, Action.CHANGE)
+
+    def is_schedulable(self, grace: timedelta, now=None) -> bool:
+        """New replicas may go here: joined, not revoked or cordoned, heard from within ``grace``."""
+        return (
+            self.revoked_at is None
+            and self.cordoned_at is None
+            and self.last_heartbeat_at is not None
+            and (now or timezone.now()) - self.last_heartbeat_at <= grace
+        )
 
     def heartbeat_age_seconds(self) -> float | None:
         if self.last_heartbeat_at is None:
@@ -193,11 +263,6 @@ class DesiredInstanceState(models.TextChoices):
     STOPPED = protocol.DesiredInstanceState.STOPPED.value, "Stopped"
 
 
-class ExecutorKind(models.TextChoices):
-    CPU = "cpu", "CPU (onnxruntime)"
-    NPU = "npu", "NPU (pyACL)"
-
-
 def new_instance_api_key() -> str:
     """The secret every Triton API but health requires on one instance (hex: also a valid HAProxy name)."""
     return secrets.token_hex(24)
@@ -245,6 +310,12 @@ class TritonInstance(models.Model):
     # Commands for the agent (start/stop/restart): the agent acts once per new sequence number.
     command = models.CharField(max_length=10, blank=True)
     command_seq = models.PositiveIntegerField(default=0)
+    capacity_mb = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Memory its models may use (NPU: HBM minus the reserve). Empty: its pool's CPU budget.",
+    )
+    from_template = models.BooleanField(default=False, editable=False)
     # Only the gateway and the platform hold it: Triton refuses every API but health without it.
     api_key = models.CharField(max_length=64, default=new_instance_api_key, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)

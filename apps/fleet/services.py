@@ -12,6 +12,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from apps.audit.services import record
+from apps.fleet import pools
 from apps.fleet.models import (
     CREDENTIAL_SCHEME,
     JOIN_TOKEN_SCHEME,
@@ -48,6 +49,7 @@ def create_host(*, actor, name: str, address: str, labels: dict | None = None, t
         )
         host.full_clean()
         host.save()
+        pools.join_labelled_pool(host)
         record(actor=actor, team=team, action="host.created", target=host, details={"address": address})
     return host, token
 
@@ -202,6 +204,7 @@ def record_heartbeat(
     inventory: npu_smi.NpuInventory | None = None,
     log_tails: dict[int, str] | None = None,
     read_local: bool = True,
+    port_range: tuple[int, int] | None = None,
 ) -> None:
     """What the agent reports every 10 s: liveness, facts, the NPU inventory (when npu-smi exists) and its
     instances' log tails. ``host`` is the row as the credential check loaded it.
@@ -210,7 +213,9 @@ def record_heartbeat(
     detection reads it) and one SELECT of its instances' log tails, plus one SELECT of its devices when it
     reports an inventory. A fleet of hundreds of hosts heartbeats tens of times a second, and rewriting
     unchanged rows would be most of that work (and of PostgreSQL's dead tuples).
-    ``read_local``: read npu-smi here when no inventory was given (an agent on this machine)."""
+    ``read_local``: read npu-smi here when no inventory was given (an agent on this machine).
+    ``port_range``: the ports the agent owns for its instances; with a pool, the pool's template makes the
+    host's instances from the inventory and takes their ports from this range (``apps.fleet.pools``)."""
     if inventory is None and read_local:
         try:
             inventory = npu_smi.read_inventory()
@@ -221,11 +226,18 @@ def record_heartbeat(
         fields["facts"] = facts
     if inventory is not None and inventory.driver_version != host.npu_driver_version:
         fields["npu_driver_version"] = inventory.driver_version
+    if port_range is not None and port_range != (host.port_range_first, host.port_range_last):
+        fields["port_range_first"], fields["port_range_last"] = port_range
+        host.port_range_first, host.port_range_last = port_range
     Host.objects.filter(pk=host.pk).update(**fields)
     if log_tails:
         record_log_tails(host.pk, log_tails)
     if inventory is not None:
         sync_devices(host.pk, inventory)
+    if host.pool_id is None and host.labels.get(pools.POOL_LABEL):
+        pools.join_labelled_pool(host)
+    if host.pool_id is not None:
+        pools.sync_template_instances(host, inventory)
 
 
 def record_log_tails(host_id: int, log_tails: dict[int, str]) -> None:

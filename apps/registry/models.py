@@ -3,6 +3,7 @@ user input (an uploaded file name is kept for display only)."""
 
 from __future__ import annotations
 
+import math
 import stat
 import uuid
 from pathlib import Path
@@ -112,6 +113,11 @@ class VersionQuerySet(TeamScopedQuerySet):
         return latest
 
 
+# The estimate until measured: a stub and its runtime (base), and the weights with room for work buffers.
+FOOTPRINT_BASE_MB = 64
+FOOTPRINT_MARGIN = 1.5
+
+
 class ModelVersion(models.Model):
     """One uploaded revision of a model.
 
@@ -135,6 +141,12 @@ class ModelVersion(models.Model):
     note = models.TextField(blank=True, max_length=MAX_NOTE_LENGTH)
     tags = models.JSONField(default=list, blank=True, help_text="Short labels, see apps.registry.services.")
     archived_at = models.DateTimeField(null=True, blank=True)
+    footprint_mb = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Memory one loaded copy uses, as an agent measured it when it first loaded it.",
+    )
+    footprint_measured_at = models.DateTimeField(null=True, blank=True)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
@@ -159,6 +171,14 @@ class ModelVersion(models.Model):
 
     def is_archived(self) -> bool:
         return self.archived_at is not None
+
+    def footprint_estimate_mb(self) -> int:
+        """What the scheduler reserves for one loaded copy: the measured footprint, or until an agent has
+        measured it, the artifact's size with a margin (weights are loaded once, the runtime's buffers and
+        the python stub come on top: ~31 MiB PSS measured for a small model, see DESIGN.md)."""
+        if self.footprint_mb:
+            return self.footprint_mb
+        return FOOTPRINT_BASE_MB + math.ceil(self.size_bytes * FOOTPRINT_MARGIN / 2**20)
 
     def storage_dir(self) -> Path:
         """Everything of this version lives here: source/ (as uploaded, extracted) and model/ (servable)."""

@@ -49,6 +49,7 @@ def test_maintainer_deploys_and_sees_placements_and_events(maintainer_client, ve
         "canary_version": None,
         "state": "PENDING",
         "last_error": "",
+        "retiring_reason": "",
         "updated_at": None,
     }
     assert [e["kind"] for e in body["events"]] == ["deploy_requested"]

@@ -1,4 +1,5 @@
 """One writer per model: ``apps.deployments.services`` writes deployments, placements and events, and
+``apps.deployments.scheduler`` places replicas (creates and retires placements, with their events),
 ``apps.deployments.rollouts`` (the rollout state machine's owner) writes rollouts and their analyses. Every
 other module of the platform - signal receivers, other apps, pages - calls them instead of writing rows.
 
@@ -20,6 +21,10 @@ SCANNED = ("apps", "frontend")
 
 OWNERS = {
     "apps/deployments/services.py": {"Deployment", "DeploymentInstance", "DeploymentEvent"},
+    # The scheduler's decisions are placements: it creates, retires and releases them, records why replicas
+    # are pending (and PENDING <-> DEPLOYING), and writes each decision's event. What a deployment's state
+    # becomes from its placements' reports stays with services.
+    "apps/deployments/scheduler.py": {"Deployment", "DeploymentInstance", "DeploymentEvent"},
     "apps/deployments/rollouts.py": {"Rollout", "RolloutAnalysis"},
 }
 MODELS = {"Deployment", "DeploymentInstance", "DeploymentEvent", "Rollout", "RolloutAnalysis"}

@@ -1,0 +1,109 @@
+"""The scheduler's beat (every ``SCHEDULER_TICK_S``): keep every scheduled deployment at its replicas.
+
+One tick, each deployment in its own short transaction under its row lock:
+1. replicas whose host is lost (no heartbeat past the grace), revoked, or whose instance is quarantined are
+   retired: they stop counting and stay loaded (a host that comes back still serves them meanwhile);
+2. a draining host gives up one replica at a time: the next only once the previous one is unloaded;
+3. deployments short of replicas get them placed where they fit (a pending one as soon as capacity appears);
+4. retired replicas are told to unload once the deployment has its replicas READY elsewhere.
+The decisions are ``apps.deployments.scheduler``'s; a deployment's state follows from its placements in
+``apps.deployments.services``.
+"""
+
+from __future__ import annotations
+
+from django.db import transaction
+from django.db.models import Count, F, Q
+
+from apps.deployments import scheduler, services
+from apps.deployments.models import Deployment, DeploymentInstance, PlacementState
+from apps.fleet.models import Host
+
+
+def _locked(deployment_id: int) -> Deployment | None:
+    deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
+    return None if deployment is None or deployment.state in scheduler.GONE else deployment
+
+
+def _retire(deployment_id: int, items: list[tuple[int, str]]) -> int:
+    with transaction.atomic():
+        deployment = _locked(deployment_id)
+        if deployment is None:
+            return 0
+        fresh = {p.pk: p for p in deployment.placements.filter(pk__in=[pk for pk, _ in items], retiring_reason="")
+                 .select_related("instance__host")}  # fmt: skip
+        by_reason: dict[str, list[DeploymentInstance]] = {}
+        for pk, why in items:
+            if pk in fresh:
+                by_reason.setdefault(why, []).append(fresh[pk])
+        for why, placements in by_reason.items():
+            scheduler.retire(deployment, placements, why)
+        placed = scheduler.place_replicas(deployment)
+        transaction.on_commit(lambda: scheduler.enqueue(placed))
+        if fresh:
+            # The deployment's state follows from the replicas that still count.
+            services.placement_finished(next(iter(fresh.values())))
+        return len(fresh)
+
+
+def drain_next() -> int:
+    """Each draining host gives up its next replica, once the previous move has finished."""
+    moved = 0
+    for host in Host.objects.filter(draining_at__isnull=False).order_by("pk"):
+        on_host = DeploymentInstance.objects.filter(instance__host=host).exclude(
+            state=PlacementState.UNLOADED
+        )
+        if on_host.exclude(retiring_reason="").exists():
+            continue  # a move is in flight: its replacement serves, then the old one unloads, then the next
+        nxt = (
+            on_host.filter(retiring_reason="", deployment__pinned=False)
+            .exclude(deployment__state__in=scheduler.GONE)
+            .order_by("pk")
+            .values_list("pk", "deployment_id")
+            .first()
+        )
+        if nxt is not None:
+            moved += _retire(nxt[1], [(nxt[0], f"host {host.name} is draining")])
+    return moved
+
+
+def short_of_replicas() -> list[int]:
+    """Scheduled live deployments with fewer counted replicas than they ask for."""
+    counted = Count(
+        "placements",
+        filter=Q(placements__retiring_reason="") & ~Q(placements__state=PlacementState.UNLOADED),
+    )
+    return list(
+        Deployment.objects.filter(pinned=False)
+        .exclude(state__in=scheduler.GONE)
+        .annotate(counted=counted)
+        .filter(counted__lt=F("replicas"))
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
+
+
+def with_retired_replicas() -> list[int]:
+    rows = DeploymentInstance.objects.exclude(retiring_reason="").filter(unload=False)
+    rows = rows.exclude(state=PlacementState.UNLOADED).exclude(deployment__state__in=scheduler.GONE)
+    return sorted(set(rows.values_list("deployment_id", flat=True)))
+
+
+def tick() -> dict[str, int]:
+    counts = {"retired": 0, "drained": 0, "placed": 0, "released": 0}
+    for deployment_id, items in scheduler.lost_placements().items():
+        counts["retired"] += _retire(deployment_id, items)
+    counts["drained"] = drain_next()
+    for deployment_id in short_of_replicas():
+        with transaction.atomic():
+            deployment = _locked(deployment_id)
+            placed = scheduler.place_replicas(deployment) if deployment else []
+            transaction.on_commit(lambda placed=placed: scheduler.enqueue(placed))
+        counts["placed"] += len(placed)
+    for deployment_id in with_retired_replicas():
+        with transaction.atomic():
+            deployment = _locked(deployment_id)
+            released = scheduler.release_retired(deployment) if deployment else []
+            transaction.on_commit(lambda released=released: scheduler.enqueue(released))
+        counts["released"] += len(released)
+    return counts

@@ -1,0 +1,394 @@
+"""The scheduler: where a deployment's replicas run. The one module that decides placements by intent.
+
+A deployment that is not pinned asks for ``replicas`` in a pool (or any pool its team may use). Each instance
+has a capacity (``TritonInstance.capacity_mb``: an NPU's HBM minus a reserve, a CPU instance's memory budget,
+by default its pool's) and each placed version a footprint (``ModelVersion.footprint_estimate_mb``: measured
+by the agent at first load, else estimated from the artifact). A replica goes only where it fits, on the
+instance with the most free memory; with ``spread=host`` at most one replica per host while the pool has
+enough hosts. What cannot be placed stays pending with the reason, and the beat (``apps.deployments.healing``)
+tries again.
+
+Concurrency: the candidate instances' rows are locked (``SELECT ... FOR UPDATE``, in id order) before their
+used memory is summed, so two deploys into one pool are serialized and never overcommit an instance.
+
+Writes: placements it creates, retires or releases, the deployment's ``pending_reason`` and PENDING <->
+DEPLOYING, and one event per decision with its inputs - an owner beside ``apps.deployments.services``
+(``tests/deployments/test_one_writer.py``), because a placement's creation *is* the decision. It never settles
+a deployment's state from its placements' reports: that stays with ``services``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.db.models import F, Q
+from django.utils import timezone
+
+from apps.deployments.models import (
+    Deployment,
+    DeploymentInstance,
+    DeploymentState,
+    PlacementState,
+    Spread,
+)
+from apps.fleet.models import DesiredInstanceState, InstanceState, Pool, TritonInstance
+from apps.fleet.services import notify_hosts
+from apps.registry.models import ModelVersion
+
+GONE = (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED)
+ALTERNATIVES_SHOWN = 5
+
+
+def grace() -> timedelta:
+    """A host unheard of for longer is lost: no new replicas, and its replicas are placed elsewhere."""
+    return timedelta(seconds=settings.SCHEDULER_HOST_GRACE_S)
+
+
+def gib(mb: int) -> str:
+    return f"{mb / 1024:.1f} GiB"
+
+
+@dataclass
+class Candidate:
+    """One instance the scheduler may place on, with its memory as the locked rows say."""
+
+    instance_id: int
+    host_id: int
+    label: str
+    capacity_mb: int
+    used_mb: int
+
+    @property
+    def free_mb(self) -> int:
+        return self.capacity_mb - self.used_mb
+
+    def as_dict(self) -> dict:
+        return {"instance": self.label, "capacity_mb": self.capacity_mb, "free_mb": self.free_mb}
+
+
+@dataclass
+class Choice:
+    chosen: list[Candidate]
+    reason: str  # empty when every replica asked for was placed
+    alternatives: list[dict]
+
+
+def choose(
+    candidates: list[Candidate],
+    *,
+    need_mb: int,
+    count: int,
+    spread: str,
+    replicas: int,
+    taken_hosts: Iterable[int] = (),
+    taken_instances: Iterable[int] = (),
+    pool_name: str = "the pool",
+) -> Choice:
+    """Pick ``count`` instances for replicas of ``need_mb`` each. Pure: ``candidates`` are updated in place
+    (their used memory grows by what was placed), nothing is read or written. ``taken_*``: where the
+    deployment's other replicas run (never two on one instance; with spread=host, one per host while the
+    pool has at least ``replicas`` hosts)."""
+    hosts, instances = set(taken_hosts), set(taken_instances)
+    strict = spread == Spread.HOST and len({c.host_id for c in candidates}) >= replicas
+    chosen: list[Candidate] = []
+    reason = ""
+    for _ in range(count):
+        open_ = [c for c in candidates if c.instance_id not in instances]
+        if strict:
+            open_ = [c for c in open_ if c.host_id not in hosts]
+        fits = [c for c in open_ if c.free_mb >= need_mb]
+        if not fits:
+            reason = _why_not(open_, candidates, need_mb, pool_name, strict)
+            break
+        # Least loaded first; with spread, a host without a replica first; the id breaks ties (stable).
+        best = min(fits, key=lambda c: (c.host_id in hosts, -c.free_mb, c.instance_id))
+        best.used_mb += need_mb
+        hosts.add(best.host_id)
+        instances.add(best.instance_id)
+        chosen.append(best)
+    ranked = sorted(candidates, key=lambda c: -c.free_mb)[:ALTERNATIVES_SHOWN]
+    return Choice(chosen, reason, [c.as_dict() for c in ranked])
+
+
+def _why_not(
+    open_: list[Candidate], every: list[Candidate], need_mb: int, pool_name: str, strict: bool
+) -> str:
+    if not every:
+        return (
+            f"no schedulable instance in {pool_name} (hosts online, not cordoned, instances not quarantined)"
+        )
+    if not open_:
+        return f"every schedulable host of {pool_name} already has a replica (spread=host)"
+    largest = max(open_, key=lambda c: c.free_mb)
+    where = " on a host without a replica" if strict and len(open_) < len(every) else ""
+    return (
+        f"no instance in {pool_name} has {gib(need_mb)} free{where}; "
+        f"the largest free is {gib(max(0, largest.free_mb))} on {largest.label}"
+    )
+
+
+def check_intent(team, *, replicas: int, pool: Pool | None, spread: str) -> None:
+    """What a deployment asks the scheduler for is possible to ask: a 400 naming the field otherwise."""
+    limit = settings.SCHEDULER_MAX_REPLICAS
+    if not (isinstance(replicas, int) and 1 <= replicas <= limit):
+        raise ValidationError({"replicas": [f"Ask for 1 to {limit} replicas (got {replicas})."]})
+    if pool is not None and pool.team_id not in (None, team.pk):
+        raise ValidationError({"pool": [f"Team {team.slug} may not use pool '{pool.name}'."]})
+    if spread not in Spread.values:
+        raise ValidationError({"spread": [f"'{spread}' is not a spread; use {' or '.join(Spread.values)}."]})
+
+
+# --- Reading the fleet --------------------------------------------------------------------------------
+
+
+def footprints(version_ids: Iterable[int]) -> dict[int, int]:
+    ids = {pk for pk in version_ids if pk}
+    return {v.pk: v.footprint_estimate_mb() for v in ModelVersion.objects.filter(pk__in=ids)}
+
+
+def deployment_need_mb(deployment: Deployment) -> int:
+    """What one replica holds: the served version, plus the target during a switch (both are loaded)."""
+    sizes = footprints([deployment.active_version_id, deployment.target_version_id])
+    return sum(sizes.values()) or 1
+
+
+def used_by_instance(instance_ids: list[int]) -> dict[int, int]:
+    """Memory the live placements on these instances hold (retiring ones too: they hold it until unloaded)."""
+    rows = list(
+        DeploymentInstance.objects.filter(instance_id__in=instance_ids)
+        .exclude(state=PlacementState.UNLOADED)
+        .exclude(deployment__state=DeploymentState.UNDEPLOYED)
+        .values_list("instance_id", "deployment__active_version_id", "deployment__target_version_id")
+    )
+    sizes = footprints([v for _, a, t in rows for v in (a, t)])
+    used: dict[int, int] = defaultdict(int)
+    for instance_id, active, target in rows:
+        used[instance_id] += sum(sizes.get(v, 0) for v in {active, target} if v)
+    return used
+
+
+def schedulable_instances(pool: Pool, *, now=None):
+    """The pool's instances new replicas may go to (rows not locked)."""
+    now = now or timezone.now()
+    return (
+        TritonInstance.objects.filter(
+            host__pool=pool,
+            host__revoked_at__isnull=True,
+            host__cordoned_at__isnull=True,
+            host__last_heartbeat_at__gte=now - grace(),
+            desired_state=DesiredInstanceState.RUNNING,
+        )
+        .exclude(state__in=[InstanceState.QUARANTINED, InstanceState.FAILED])
+        .order_by("pk")
+    )
+
+
+def candidates_in(pool: Pool, *, lock: bool) -> list[Candidate]:
+    """The pool's schedulable instances with their used memory; ``lock``: their rows stay locked until the
+    caller's transaction ends, so no other decision can place on them meanwhile."""
+    rows = schedulable_instances(pool)
+    if lock:
+        rows = rows.select_for_update(of=("self",))
+    instances = list(rows.select_related("host"))
+    used = used_by_instance([i.pk for i in instances])
+    return [
+        Candidate(
+            instance_id=i.pk,
+            host_id=i.host_id,
+            label=str(i),
+            capacity_mb=i.capacity_mb if i.capacity_mb is not None else pool.memory_budget_mb,
+            used_mb=used.get(i.pk, 0),
+        )
+        for i in instances
+    ]
+
+
+def pools_for(deployment: Deployment) -> list[Pool]:
+    """The deployment's pool, or every pool its team may use: the team's dedicated pools first."""
+    if deployment.pool_id is not None:
+        return [deployment.pool]
+    return list(Pool.objects.usable_by_team(deployment.team).order_by(F("team").asc(nulls_last=True), "name"))
+
+
+def counted(deployment: Deployment):
+    """The placements that count as replicas: not being replaced, not unloaded."""
+    return deployment.placements.filter(retiring_reason="").exclude(state=PlacementState.UNLOADED)
+
+
+# --- Decisions (the caller holds the deployment's row lock, inside its transaction) ----------------------
+
+
+def place_replicas(deployment: Deployment) -> list[DeploymentInstance]:
+    """Place the replicas the deployment lacks. Returns the placements decided, for the caller to hand to
+    their hosts once committed (``enqueue``)."""
+    if deployment.pinned or deployment.state in GONE:
+        return []
+    current = list(counted(deployment).select_related("instance"))
+    missing = deployment.replicas - len(current)
+    if missing <= 0:
+        _set_pending(deployment, "")
+        return []
+    need = deployment_need_mb(deployment)
+    taken_hosts = {p.instance.host_id for p in current}
+    taken_instances = {p.instance_id for p in current}
+    decided: list[DeploymentInstance] = []
+    reasons = []
+    for pool in pools_for(deployment):
+        choice = choose(
+            candidates_in(pool, lock=True),
+            need_mb=need,
+            count=missing - len(decided),
+            spread=deployment.spread,
+            replicas=deployment.replicas,
+            taken_hosts=taken_hosts,
+            taken_instances=taken_instances,
+            pool_name=pool.name,
+        )
+        for candidate in choice.chosen:
+            decided.append(_create_placement(deployment, candidate, pool, need, choice.alternatives))
+            taken_hosts.add(candidate.host_id)
+            taken_instances.add(candidate.instance_id)
+        if choice.reason:
+            reasons.append(choice.reason)
+        if len(decided) == missing:
+            break
+    if not pools_for(deployment):
+        reasons.append(f"team {deployment.team.slug} may use no pool")
+    still = missing - len(decided)
+    reason = f"{still} of {deployment.replicas} replica(s) pending: {'; '.join(reasons)}" if still else ""
+    _set_pending(deployment, reason, need_mb=need)
+    if decided and deployment.state == DeploymentState.PENDING:
+        deployment.state = DeploymentState.DEPLOYING
+        deployment.save(update_fields=["state", "updated_at"])
+    return decided
+
+
+def _create_placement(
+    deployment, candidate: Candidate, pool: Pool, need: int, alternatives
+) -> DeploymentInstance:
+    # A replica placed again where an earlier one was retired reuses its row (one row per instance).
+    placement = deployment.placements.filter(instance_id=candidate.instance_id).first()
+    if placement is None:
+        placement = DeploymentInstance.objects.create(
+            deployment=deployment, instance_id=candidate.instance_id
+        )
+    else:
+        DeploymentInstance.objects.filter(pk=placement.pk).update(
+            generation=F("generation") + 1,
+            state=PlacementState.PENDING,
+            retiring_reason="",
+            unload=False,
+            last_error="",
+        )
+    deployment.events.create(
+        kind="placed",
+        message=(
+            f"replica placed on {candidate.label} in {pool.name}: needs {gib(need)}, "
+            f"{gib(candidate.free_mb + need)} was free"
+        ),
+        instance_id=candidate.instance_id,
+        details={
+            "pool": pool.name,
+            "need_mb": need,
+            "free_mb_before": candidate.free_mb + need,
+            "capacity_mb": candidate.capacity_mb,
+            "alternatives": alternatives,
+        },
+    )
+    return DeploymentInstance.objects.select_related("instance__host").get(pk=placement.pk)
+
+
+def _set_pending(deployment: Deployment, reason: str, **details) -> None:
+    """Record why replicas are pending; an event only when the reason changes (the beat retries often)."""
+    if reason == deployment.pending_reason:
+        return
+    deployment.pending_reason = reason
+    fields = ["pending_reason", "updated_at"]
+    if reason and not deployment.placements.exists() and deployment.state == DeploymentState.DEPLOYING:
+        deployment.state = DeploymentState.PENDING
+        fields.append("state")
+    deployment.save(update_fields=fields)
+    if reason:
+        deployment.events.create(kind="unschedulable", message=reason, details=details)
+    else:
+        deployment.events.create(kind="scheduled", message=f"all {deployment.replicas} replica(s) placed")
+
+
+def retire(deployment: Deployment, placements: list[DeploymentInstance], reason: str) -> None:
+    """These replicas are to be replaced (their host is lost, revoked or draining, or their instance is
+    quarantined): they stop counting, and stay loaded until their replacements serve (``release_retired``)."""
+    for placement in placements:
+        DeploymentInstance.objects.filter(pk=placement.pk).update(retiring_reason=reason[:200])
+        deployment.events.create(
+            kind="replica_lost",
+            message=f"replica on {placement.instance} is replaced: {reason}",
+            instance_id=placement.instance_id,
+            details={"reason": reason},
+        )
+
+
+def release_retired(deployment: Deployment) -> list[DeploymentInstance]:
+    """Once the deployment has its replicas READY elsewhere, its retired replicas are told to unload (a host
+    that comes back then drops its surplus). Returns the placements decided, for ``enqueue``."""
+    retired = list(
+        deployment.placements.exclude(retiring_reason="")
+        .filter(unload=False)
+        .exclude(state=PlacementState.UNLOADED)
+        .select_related("instance__host")
+    )
+    if not retired:
+        return []
+    ready = counted(deployment).filter(state=PlacementState.READY).count()
+    if ready < deployment.replicas:
+        return []
+    pks = [p.pk for p in retired]
+    DeploymentInstance.objects.filter(pk__in=pks).update(generation=F("generation") + 1, unload=True)
+    for placement in retired:
+        deployment.events.create(
+            kind="replica_removed",
+            message=f"{ready} replica(s) serve elsewhere: unloading the one on {placement.instance}",
+            instance_id=placement.instance_id,
+            details={"reason": placement.retiring_reason},
+        )
+    return list(DeploymentInstance.objects.filter(pk__in=pks).select_related("instance__host"))
+
+
+def enqueue(placements: Iterable[DeploymentInstance]) -> None:
+    """After commit: the placements' hosts fetch the new decisions on their next desired-state poll."""
+    notify_hosts({placement.instance.host_id for placement in placements})
+
+
+def lost_placements(now=None) -> dict[int, list[tuple[int, str]]]:
+    """Replicas of scheduled deployments whose instance can no longer serve them, per deployment:
+    [(placement id, why)]. A host unheard of past the grace, a revoked host, a quarantined instance."""
+    now = now or timezone.now()
+    rows = (
+        DeploymentInstance.objects.filter(retiring_reason="", deployment__pinned=False)
+        .exclude(state=PlacementState.UNLOADED)
+        .exclude(deployment__state__in=GONE)
+        .filter(
+            Q(instance__host__revoked_at__isnull=False)
+            | Q(instance__host__last_heartbeat_at__lt=now - grace())
+            | Q(instance__host__last_heartbeat_at__isnull=True)
+            | Q(instance__state=InstanceState.QUARANTINED)
+        )
+        .values_list(
+            "pk", "deployment_id", "instance__host__name", "instance__host__revoked_at",
+            "instance__host__last_heartbeat_at", "instance__state",
+        )
+    )  # fmt: skip
+    found: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    for pk, deployment_id, host, revoked, beat, state in rows:
+        if revoked is not None:
+            why = f"host {host} was revoked"
+        elif beat is None or beat < now - grace():
+            why = f"host {host} sent no heartbeat for more than {settings.SCHEDULER_HOST_GRACE_S} s"
+        else:
+            why = f"its instance is {state}"
+        found[deployment_id].append((pk, why))
+    return found

@@ -1,0 +1,149 @@
+"""Pools: which hosts the scheduler may place replicas on, and the instances the platform makes from each
+member host's inventory. Cordon and drain mark a host; ``apps.deployments.scheduler`` acts on the marks.
+
+A host joins a pool by its label ``pool=<name>``. When a member's agent reports its devices and the port
+range it owns, the pool's template decides the host's instances: one CPU instance, or one NPU instance per
+group of ``devices_per_instance`` chips. Ports are taken from the agent's range, three per instance (HTTP,
+gRPC, metrics), skipping those any instance of the host (hand-declared ones too) already uses.
+"""
+
+from __future__ import annotations
+
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from apps.audit.services import record
+from apps.fleet.models import ExecutorKind, Host, Pool, TritonInstance
+from backend_ge import npu_smi
+
+POOL_LABEL = "pool"
+PORTS_PER_INSTANCE = 3
+
+
+def pool_named_by(labels: dict) -> Pool | None:
+    name = (labels or {}).get(POOL_LABEL)
+    return Pool.objects.filter(name=name).first() if isinstance(name, str) and name else None
+
+
+def create_pool(
+    *,
+    actor,
+    name: str,
+    executor: str = ExecutorKind.CPU,
+    team=None,
+    devices_per_instance: int = 1,
+    memory_budget_mb: int = 4096,
+    hbm_reserve_mb: int = 1024,
+) -> Pool:
+    """Staff create a pool; hosts already labelled ``pool=<name>`` join it at once."""
+    with transaction.atomic():
+        if Pool.objects.filter(name=name).exists():
+            raise ValidationError({"name": [f"A pool named '{name}' already exists."]})
+        pool = Pool(
+            name=name,
+            executor=executor,
+            team=team,
+            devices_per_instance=devices_per_instance,
+            memory_budget_mb=memory_budget_mb,
+            hbm_reserve_mb=hbm_reserve_mb,
+        )
+        pool.full_clean()
+        pool.save()
+        joined = Host.objects.filter(**{f"labels__{POOL_LABEL}": name}).update(pool=pool)
+        record(actor=actor, team=team, action="pool.created", target=pool, details={"hosts": joined})
+    return pool
+
+
+def join_labelled_pool(host: Host) -> None:
+    """A host whose label names a pool joins it (at creation, and on a heartbeat while it is in none)."""
+    pool = pool_named_by(host.labels)
+    if pool is not None and host.pool_id != pool.pk:
+        Host.objects.filter(pk=host.pk).update(pool=pool)
+        host.pool = pool
+
+
+def _free_ports(host: Host, first: int, last: int, taken: set[int], count: int) -> list[int] | None:
+    ports = [port for port in range(first, last + 1) if port not in taken][:count]
+    return ports if len(ports) == count else None
+
+
+def template_instances(pool: Pool, inventory: npu_smi.NpuInventory | None) -> list[dict]:
+    """What the pool's template makes of a host with this inventory: name, devices, executor, capacity."""
+    if pool.executor == ExecutorKind.CPU:
+        return [{"name": "cpu-0", "device_ids": [], "executor": ExecutorKind.CPU,
+                 "capacity_mb": pool.memory_budget_mb}]  # fmt: skip
+    chips = sorted(inventory.chips if inventory else [], key=lambda c: (c.npu_id, c.chip_id))
+    size = max(1, pool.devices_per_instance)
+    wanted = []
+    for start in range(0, len(chips) - size + 1, size):
+        group = chips[start : start + size]
+        hbm = sum(
+            max(0, (chip.hbm_total_mb or chip.memory_total_mb or 0) - pool.hbm_reserve_mb) for chip in group
+        )
+        wanted.append(
+            {
+                "name": f"npu-{group[0].npu_id}-{group[0].chip_id}",
+                "device_ids": [
+                    chip.device_id if chip.device_id is not None else chip.npu_id for chip in group
+                ],
+                "executor": ExecutorKind.NPU,
+                "capacity_mb": hbm,
+            }
+        )
+    return wanted
+
+
+def sync_template_instances(host: Host, inventory: npu_smi.NpuInventory | None) -> list[TritonInstance]:
+    """Create the instances the host's pool template wants and are missing; update a changed capacity.
+    Returns the instances created. Nothing happens before the agent reported its port range."""
+    if host.pool_id is None or host.port_range_first is None or host.port_range_last is None:
+        return []
+    pool = Pool.objects.get(pk=host.pool_id)
+    if pool.executor == ExecutorKind.NPU and inventory is None:
+        return []  # no inventory reported yet: nothing to count
+    wanted = template_instances(pool, inventory)
+    existing = {i.name: i for i in TritonInstance.objects.filter(host=host)}
+    created = []
+    for spec in wanted:
+        have = existing.get(spec["name"])
+        if have is not None:
+            if have.from_template and have.capacity_mb != spec["capacity_mb"]:
+                TritonInstance.objects.filter(pk=have.pk).update(capacity_mb=spec["capacity_mb"])
+            continue
+        taken = {p for i in existing.values() for p in (i.http_port, i.grpc_port, i.metrics_port)}
+        ports = _free_ports(host, host.port_range_first, host.port_range_last, taken, PORTS_PER_INSTANCE)
+        if ports is None:
+            break  # the range is full: the host page shows fewer instances than devices
+        instance = TritonInstance.objects.create(
+            host=host,
+            http_port=ports[0],
+            grpc_port=ports[1],
+            metrics_port=ports[2],
+            from_template=True,
+            **spec,
+        )
+        existing[instance.name] = instance
+        created.append(instance)
+    if created:
+        # The agent's next desired-state poll picks the new instances up (as ``services.notify_hosts``).
+        Host.objects.filter(pk=host.pk).update(desired_generation=F("desired_generation") + 1)
+    return created
+
+
+def set_cordon(*, actor, host: Host, cordoned: bool, drain: bool = False) -> Host:
+    """Cordon (no new replicas), drain (cordon, and move its replicas away one at a time) or uncordon."""
+    now = timezone.now()
+    with transaction.atomic():
+        fields = {
+            "cordoned_at": now if cordoned else None,
+            "draining_at": now if (cordoned and drain) else None,
+        }
+        if cordoned and not drain and host.draining_at is not None:
+            fields["draining_at"] = host.draining_at  # cordoning a draining host keeps it draining
+        Host.objects.filter(pk=host.pk).update(**fields)
+        action = "host.drain" if drain else "host.cordon" if cordoned else "host.uncordon"
+        record(actor=actor, team=host.team, action=action, target=host)
+    host.refresh_from_db()
+    return host

@@ -1,0 +1,274 @@
+"""The scheduler without agents: placement by capacity and spread, pending with the reason, self-healing,
+drain, pools from labels and instances from the template, and the API's validation of the intent."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from apps.deployments import healing, services
+from apps.deployments.models import Deployment, DeploymentState, PlacementState
+from apps.deployments.scheduler import Candidate, choose
+from apps.fleet import pools
+from apps.fleet.models import ExecutorKind, Host, InstanceState, Pool, TritonInstance
+from apps.fleet.services import record_heartbeat
+from apps.registry.models import RegisteredModel
+from backend_ge import npu_smi
+from tests.deployments.conftest import add_instance, make_version
+
+BASE = "/api/v1/teams/vision/deployments/"
+MB = 2**20
+
+
+def cand(pk, host, capacity, used=0):
+    return Candidate(instance_id=pk, host_id=host, label=f"h{host}/i{pk}", capacity_mb=capacity, used_mb=used)
+
+
+# --- choose(): pure --------------------------------------------------------------------------------------
+
+
+def test_choose_prefers_the_least_loaded_instance():
+    cands = [cand(1, 1, 1000, 800), cand(2, 2, 1000, 100), cand(3, 3, 1000, 500)]
+    choice = choose(cands, need_mb=100, count=1, spread="host", replicas=1)
+    assert [c.instance_id for c in choice.chosen] == [2] and not choice.reason
+    assert cands[1].used_mb == 200  # the candidate's memory is taken for the next decision
+
+
+def test_choose_spreads_one_replica_per_host_while_there_are_enough_hosts():
+    cands = [cand(1, 1, 4000), cand(2, 1, 4000), cand(3, 2, 1000)]
+    choice = choose(cands, need_mb=500, count=2, spread="host", replicas=2)
+    assert sorted(c.host_id for c in choice.chosen) == [1, 2]
+
+
+def test_choose_shares_hosts_when_the_pool_has_too_few():
+    cands = [cand(1, 1, 4000), cand(2, 1, 4000)]
+    choice = choose(cands, need_mb=500, count=2, spread="host", replicas=2)
+    assert sorted(c.instance_id for c in choice.chosen) == [1, 2] and not choice.reason
+
+
+def test_choose_never_puts_two_replicas_on_one_instance_and_never_overcommits():
+    cands = [cand(1, 1, 1000)]
+    choice = choose(cands, need_mb=400, count=2, spread="none", replicas=2)
+    assert len(choice.chosen) == 1
+    assert "every schedulable host" in choice.reason or "has" in choice.reason
+    cands = [cand(1, 1, 1000), cand(2, 1, 1000)]
+    choice = choose(cands, need_mb=600, count=3, spread="none", replicas=3)
+    assert len(choice.chosen) == 2 and all(c.used_mb <= c.capacity_mb for c in cands)
+
+
+def test_choose_says_why_nothing_fits():
+    cands = [cand(1, 3, 2048, 1000), cand(2, 4, 2048, 1900)]
+    choice = choose(cands, need_mb=3277, count=1, spread="host", replicas=1, pool_name="ascend-910b")
+    assert not choice.chosen
+    assert (
+        choice.reason == "no instance in ascend-910b has 3.2 GiB free; the largest free is 1.0 GiB on h3/i1"
+    )
+    assert "no schedulable instance in cpu" in choose([], need_mb=1, count=1, spread="host", replicas=1,
+                                                      pool_name="cpu").reason  # fmt: skip
+
+
+# --- With the database ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pool(db):
+    return Pool.objects.create(name="cpu", memory_budget_mb=1000)
+
+
+def pool_host(pool: Pool, name: str, *, port: int, capacity: int | None = None) -> TritonInstance:
+    host = Host.objects.create(name=name, address="127.0.0.1", last_heartbeat_at=timezone.now(), pool=pool)
+    instance = add_instance(host, "cpu-0", port)
+    if capacity is not None:
+        TritonInstance.objects.filter(pk=instance.pk).update(capacity_mb=capacity)
+    return instance
+
+
+def another_model(team, slug: str) -> RegisteredModel:
+    return RegisteredModel.objects.create(team=team, name=slug, slug=slug)
+
+
+def sized(model, number=1, mb=300):
+    version = make_version(model, number)
+    version.footprint_mb = mb
+    version.save(update_fields=["footprint_mb"])
+    return version
+
+
+def deploy(owner, version, **intent) -> Deployment:
+    deployment = services.deploy_version(actor=owner, model=version.model, version=version, **intent)
+    return Deployment.objects.get(pk=deployment.pk)
+
+
+def hosts_of(deployment) -> list[str]:
+    rows = deployment.placements.filter(retiring_reason="").exclude(state=PlacementState.UNLOADED)
+    return sorted(p.instance.host.name for p in rows)
+
+
+def test_replicas_spread_over_hosts_with_an_event_per_decision(owner, model, pool):
+    pool_host(pool, "h1", port=18100)
+    pool_host(pool, "h2", port=18200)
+    deployment = deploy(owner, sized(model), replicas=2, pool=pool)
+    assert deployment.state == DeploymentState.DEPLOYING and not deployment.pending_reason
+    assert hosts_of(deployment) == ["h1", "h2"]
+    placed = list(deployment.events.filter(kind="placed"))
+    assert len(placed) == 2 and placed[0].details["need_mb"] == 300
+    assert placed[0].details["free_mb_before"] == 1000 and placed[0].details["alternatives"]
+
+
+def test_a_model_too_big_stays_pending_with_the_reason_and_places_when_capacity_frees(
+    owner, model, pool, team
+):
+    instance = pool_host(pool, "h1", port=18100)
+    other = another_model(team, "big-one")
+    hog = deploy(owner, sized(other, mb=800), replicas=1, pool=pool)
+    deployment = deploy(owner, sized(model, mb=500), replicas=1, pool=pool)
+    assert deployment.state == DeploymentState.PENDING
+    assert deployment.pending_reason == (
+        "1 of 1 replica(s) pending: no instance in cpu has 0.5 GiB free; the largest free is 0.2 GiB on "
+        f"{instance}"
+    )
+    assert deployment.events.filter(kind="unschedulable").count() == 1
+    healing.tick()  # nothing changed: no second event
+    assert deployment.events.filter(kind="unschedulable").count() == 1
+    services.undeploy(actor=owner, deployment=hog)
+    hog.placements.update(state=PlacementState.UNLOADED)
+    healing.tick()
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.DEPLOYING and deployment.pending_reason == ""
+    assert hosts_of(deployment) == ["h1"]
+
+
+def test_the_estimate_from_the_artifact_is_used_until_measured(model):
+    version = make_version(model)
+    version.size_bytes = 100 * MB
+    assert version.footprint_estimate_mb() == 64 + 150
+    version.footprint_mb = 90
+    assert version.footprint_estimate_mb() == 90
+
+
+def test_a_cordoned_host_a_quarantined_instance_and_a_silent_host_get_no_replicas(owner, model, pool):
+    a = pool_host(pool, "h1", port=18100)
+    b = pool_host(pool, "h2", port=18200)
+    c = pool_host(pool, "h3", port=18300)
+    Host.objects.filter(pk=a.host_id).update(cordoned_at=timezone.now())
+    TritonInstance.objects.filter(pk=b.pk).update(state=InstanceState.QUARANTINED)
+    Host.objects.filter(pk=c.host_id).update(last_heartbeat_at=timezone.now() - timedelta(seconds=61))
+    deployment = deploy(owner, sized(model), replicas=1, pool=pool)
+    assert deployment.state == DeploymentState.PENDING
+    assert "no schedulable instance in cpu" in deployment.pending_reason
+
+
+def test_a_lost_host_s_replica_is_replaced_and_removed_once_the_replacement_serves(owner, model, pool):
+    pool_host(pool, "h1", port=18100)
+    pool_host(pool, "h2", port=18200)
+    pool_host(pool, "h3", port=18300)
+    deployment = deploy(owner, sized(model), replicas=2, pool=pool)
+    deployment.placements.update(state=PlacementState.READY, served_version=deployment.target_version)
+    lost = deployment.placements.first()
+    Host.objects.filter(pk=lost.instance.host_id).update(
+        last_heartbeat_at=timezone.now() - timedelta(seconds=90)
+    )
+    healing.tick()
+    lost.refresh_from_db()
+    assert "sent no heartbeat" in lost.retiring_reason and not lost.unload
+    assert len(hosts_of(deployment)) == 2 and lost.instance.host.name not in hosts_of(deployment)
+    assert deployment.events.filter(kind="replica_lost").exists()
+    # The replacement serves: the lost replica is told to unload (its host drops it when it comes back).
+    deployment.placements.filter(retiring_reason="").update(state=PlacementState.READY)
+    healing.tick()
+    lost.refresh_from_db()
+    assert lost.unload and deployment.events.filter(kind="replica_removed").exists()
+
+
+def test_drain_moves_one_replica_at_a_time(owner, model, pool, team):
+    first = pool_host(pool, "h1", port=18100, capacity=5000)
+    pool_host(pool, "h2", port=18200, capacity=5000)
+    a = deploy(owner, sized(model), replicas=1, pool=pool, spread="none")
+    b = deploy(owner, sized(another_model(team, "second")), replicas=1, pool=pool, spread="none")
+    for d in (a, b):  # both on the emptiest instance in turn: force them onto h1 for the test
+        d.placements.update(instance=first, state=PlacementState.READY)
+    pools.set_cordon(actor=owner, host=first.host, cordoned=True, drain=True)
+    healing.tick()
+    moving = [d for d in (a, b) if d.placements.exclude(retiring_reason="").exists()]
+    assert len(moving) == 1  # one at a time
+    d = moving[0]
+    assert hosts_of(d) == ["h2"]
+    healing.tick()  # the replacement is not READY yet: nothing unloads, nothing else moves
+    assert not d.placements.filter(unload=True).exists()
+    d.placements.filter(retiring_reason="").update(state=PlacementState.READY)
+    healing.tick()
+    old = d.placements.get(instance=first)
+    assert old.unload
+    old.state = PlacementState.UNLOADED
+    old.save(update_fields=["state"])
+    healing.tick()
+    other = b if d == a else a
+    assert other.placements.exclude(retiring_reason="").exists()
+
+
+def test_pool_from_label_and_instances_from_the_template(db, owner):
+    host = Host.objects.create(name="npu-1", address="127.0.0.1", labels={"pool": "ascend"})
+    pool = pools.create_pool(actor=None, name="ascend", executor=ExecutorKind.NPU, devices_per_instance=2,
+                             hbm_reserve_mb=1000)  # fmt: skip
+    host.refresh_from_db()
+    assert host.pool == pool
+    chip = dict(name="910B", health="OK", power_w=None, temperature_c=None, hugepages_used=0, hugepages_total=0,
+                bus_id="", aicore_percent=None, memory_used_mb=0, memory_total_mb=0, hbm_used_mb=0,
+                hbm_total_mb=32000)  # fmt: skip
+    chips = [npu_smi.NpuChip(npu_id=i, chip_id=0, device_id=i, **chip) for i in range(4)]
+    inventory = npu_smi.NpuInventory(npu_smi_version="", driver_version="", chips=chips)
+    record_heartbeat(host, facts={}, inventory=inventory, read_local=False, port_range=(19000, 19099))
+    instances = list(TritonInstance.objects.filter(host=host).order_by("name"))
+    assert [(i.name, i.device_ids, i.capacity_mb) for i in instances] == [
+        ("npu-0-0", [0, 1], 62000),
+        ("npu-2-0", [2, 3], 62000),
+    ]
+    assert {i.http_port for i in instances} | {i.metrics_port for i in instances} <= set(range(19000, 19100))
+    record_heartbeat(host, facts={}, inventory=inventory, read_local=False, port_range=(19000, 19099))
+    assert TritonInstance.objects.filter(host=host).count() == 2  # idempotent
+
+
+# --- The API --------------------------------------------------------------------------------------------
+
+
+def post(client, **body):
+    return client.post(BASE, {"model": "classifier", "version": 1, **body}, format="json")
+
+
+def test_the_api_deploys_replicas_into_a_pool(maintainer_client, model, pool):
+    pool_host(pool, "h1", port=18100)
+    sized(model)
+    response = post(maintainer_client, replicas=1, pool="cpu")
+    assert response.status_code == 201, response.json()
+    body = response.json()
+    assert body["replicas"] == 1 and body["pool"] == "cpu" and not body["pinned"]
+    assert len(body["placements"]) == 1 and body["pending_reason"] == ""
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"replicas": 0}, "replicas"),
+        ({"replicas": 10000}, "replicas"),
+        ({"pool": "nope"}, "pool"),
+        ({"pool": "theirs"}, "pool"),
+        ({"spread": "diagonal"}, "spread"),
+        ({"instances": [1], "pool": "cpu"}, "instances"),
+    ],
+)
+def test_bad_intent_is_a_400_naming_the_field(maintainer_client, model, pool, other_team, body, field):
+    Pool.objects.create(name="theirs", team=other_team)
+    sized(model)
+    response = post(maintainer_client, **body)
+    assert response.status_code == 400, response.json()
+    assert field in str(response.json()), response.json()
+
+
+def test_quotas_count_replicas(maintainer_client, model, pool, team):
+    team.quota_instances = 2
+    team.save(update_fields=["quota_instances"])
+    sized(model)
+    response = post(maintainer_client, replicas=3, pool="cpu")
+    assert response.status_code == 400 and "replicas" in str(response.json())
