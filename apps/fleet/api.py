@@ -10,6 +10,7 @@ one-time join token for its agent), revoke them and create instances.
 
 from __future__ import annotations
 
+from django.db.models import Q
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema, extend_schema_field, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
@@ -17,11 +18,12 @@ from rest_framework.decorators import action
 from rest_framework.exceptions import PermissionDenied
 from rest_framework.response import Response
 
-from apps.fleet import services
+from apps.fleet import pools, services
 from apps.fleet.models import (
     Device,
     ExecutorKind,
     Host,
+    Pool,
     TritonInstance,
     host_name_validator,
     is_platform_staff,
@@ -194,6 +196,7 @@ class HostSerializer(serializers.ModelSerializer):
     )
     device_count = serializers.SerializerMethodField()
     instances = InstanceSummarySerializer(many=True, read_only=True)
+    pool = serializers.CharField(source="pool.name", read_only=True, allow_null=True, default=None)
 
     class Meta:
         model = Host
@@ -202,6 +205,9 @@ class HostSerializer(serializers.ModelSerializer):
             "address",
             "team",
             "labels",
+            "pool",
+            "cordoned_at",
+            "draining_at",
             "status",
             "last_heartbeat_at",
             "heartbeat_age_seconds",
@@ -215,6 +221,8 @@ class HostSerializer(serializers.ModelSerializer):
             "created_at",
         ]
         read_only_fields = [
+            "cordoned_at",
+            "draining_at",
             "last_heartbeat_at",
             "npu_driver_version",
             "facts",
@@ -308,6 +316,69 @@ class HostViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
         host = services.revoke_host(actor=request.user, host=self.get_object())
         return Response(
             HostSerializer(self.get_queryset().get(pk=host.pk), context={"request": request}).data
+        )
+
+    def _cordon(self, request, *, cordoned: bool, drain: bool = False) -> Response:
+        require_staff(request.user, "cordon, drain or uncordon hosts")
+        host = pools.set_cordon(actor=request.user, host=self.get_object(), cordoned=cordoned, drain=drain)
+        return Response(
+            HostSerializer(self.get_queryset().get(pk=host.pk), context={"request": request}).data
+        )
+
+    @extend_schema(request=None, responses={200: HostSerializer})
+    @action(detail=True, methods=["post"])
+    def cordon(self, request, name=None):
+        """No new replicas on this host (staff); those it serves stay."""
+        return self._cordon(request, cordoned=True)
+
+    @extend_schema(request=None, responses={200: HostSerializer})
+    @action(detail=True, methods=["post"])
+    def drain(self, request, name=None):
+        """Cordon, and move its replicas elsewhere one at a time, each new one READY before the old unloads."""
+        return self._cordon(request, cordoned=True, drain=True)
+
+    @extend_schema(request=None, responses={200: HostSerializer})
+    @action(detail=True, methods=["post"])
+    def uncordon(self, request, name=None):
+        return self._cordon(request, cordoned=False)
+
+
+class PoolSerializer(serializers.ModelSerializer):
+    team = serializers.SlugRelatedField(
+        slug_field="slug", queryset=Team.objects.all(), allow_null=True, required=False,
+        help_text="Empty: shared by all teams; a team slug: dedicated to that team.",
+    )  # fmt: skip
+    hosts = serializers.SlugRelatedField(slug_field="name", many=True, read_only=True)
+
+    class Meta:
+        model = Pool
+        fields = ["name", "team", "executor", "devices_per_instance", "memory_budget_mb", "hbm_reserve_mb",
+                  "hosts", "created_at"]  # fmt: skip
+        read_only_fields = ["hosts", "created_at"]
+        extra_kwargs = {"name": {"validators": [host_name_validator]}}
+
+
+class PoolViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Pools the caller's teams may use (staff: all) with their hosts. POST (staff) creates one; hosts
+    labelled ``pool=<name>`` join it."""
+
+    serializer_class = PoolSerializer
+    lookup_field = "name"
+    lookup_value_regex = r"[a-z0-9-]+"
+
+    def get_queryset(self):
+        rows = Pool.objects.prefetch_related("hosts").select_related("team").order_by("name")
+        if is_platform_staff(self.request.user):
+            return rows
+        return rows.filter(Q(team__isnull=True) | Q(team__in=team_ids_for(self.request.user, Action.VIEW)))
+
+    def create(self, request, *args, **kwargs):
+        require_staff(request.user, "create pools")
+        serializer = PoolSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        pool = pools.create_pool(actor=request.user, **serializer.validated_data)
+        return Response(
+            PoolSerializer(self.get_queryset().get(pk=pool.pk)).data, status=status.HTTP_201_CREATED
         )
 
 

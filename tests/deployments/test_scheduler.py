@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from apps.deployments import healing, services
+from apps.deployments import healing, scheduler, services
 from apps.deployments.models import Deployment, DeploymentState, PlacementState
 from apps.deployments.scheduler import Candidate, choose
 from apps.fleet import pools
@@ -272,3 +272,63 @@ def test_quotas_count_replicas(maintainer_client, model, pool, team):
     sized(model)
     response = post(maintainer_client, replicas=3, pool="cpu")
     assert response.status_code == 400 and "replicas" in str(response.json())
+
+
+def test_staff_create_pools_and_cordon_drain_uncordon_hosts(owner, team, maintainer_client):
+    from apps.teams.models import Membership
+    from tests.conftest import client_for
+    from tests.factories import UserFactory
+
+    staff = UserFactory(is_staff=True)
+    Membership.objects.create(team=team, user=staff, role="owner")
+    host = Host.objects.create(name="h9", address="127.0.0.1", labels={"pool": "gpu-less"})
+    body = {"name": "gpu-less", "executor": "cpu", "memory_budget_mb": 2048}
+    assert maintainer_client.post("/api/v1/pools/", body, format="json").status_code == 403
+    staff_client = client_for(staff)
+    response = staff_client.post("/api/v1/pools/", body, format="json")
+    assert response.status_code == 201, response.json()
+    assert response.json()["hosts"] == ["h9"]
+    assert maintainer_client.post(f"/api/v1/hosts/{host.name}/drain/").status_code in (403, 404)
+    drained = staff_client.post(f"/api/v1/hosts/{host.name}/drain/").json()
+    assert drained["cordoned_at"] and drained["draining_at"] and drained["pool"] == "gpu-less"
+    back = staff_client.post(f"/api/v1/hosts/{host.name}/uncordon/").json()
+    assert back["cordoned_at"] is None and back["draining_at"] is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_parallel_deploys_never_overcommit_an_instance(owner, team):
+    """On PostgreSQL the candidate instances' row locks serialize the decisions: 6 deploys of 400 MB race
+    for two instances of 1000 MB; exactly 4 fit, the others stay PENDING."""
+    import threading
+
+    from django.db import connection, connections
+
+    if connection.vendor != "postgresql":
+        pytest.skip("row locks are PostgreSQL's; SQLite serializes writers anyway")
+    pool = Pool.objects.create(name="race", memory_budget_mb=1000)
+    pool_host(pool, "r1", port=18100)
+    pool_host(pool, "r2", port=18200)
+    versions = [sized(another_model(team, f"m{i}"), mb=400) for i in range(6)]
+    barrier, errors = threading.Barrier(len(versions)), []
+
+    def run(version):
+        try:
+            barrier.wait(timeout=10)
+            services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool,
+                                    spread="none")  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=run, args=(v,)) for v in versions]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors, errors
+    used = scheduler.used_by_instance(
+        list(TritonInstance.objects.filter(host__pool=pool).values_list("pk", flat=True))
+    )
+    assert sorted(used.values()) == [800, 800]
+    assert Deployment.objects.filter(state=DeploymentState.PENDING).count() == 2
