@@ -143,6 +143,14 @@ OPTIONS: dict[str, Option] = {
         "the variable separates paths with ':'). The agent's credential, its download cache and the other "
         "instances' repositories are always private.",
     ),
+    "port_range": Option(
+        "--port-range",
+        "AGENT_PORT_RANGE",
+        str,
+        "",
+        "Ports this agent owns for the instances the platform makes from its inventory, FIRST-LAST "
+        "(three per instance), e.g. 18100-18199. Empty: only hand-declared instances.",
+    ),
     "log_level": Option("--log-level", "AGENT_LOG_LEVEL", str, "INFO", "DEBUG, INFO, WARNING or ERROR."),
 }
 
@@ -169,6 +177,7 @@ class AgentConfig:
     long_poll_wait: int = 25
     heartbeat_interval: float = 10.0
     private_paths: tuple[Path, ...] = ()
+    port_range: str = ""
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -187,10 +196,23 @@ class AgentConfig:
             raise ConfigError(
                 f"--log-level ({OPTIONS['log_level'].env}) must be one of {', '.join(LOG_LEVELS)}"
             )
+        if self.port_range and self.ports() is None:
+            raise ConfigError(
+                f"--port-range ({OPTIONS['port_range'].env}) = {self.port_range!r} is not FIRST-LAST with "
+                "1 <= FIRST <= LAST <= 65535"
+            )
         if self.platform and not self.platform.startswith(("http://", "https://")):
             raise ConfigError(
                 f"--platform ({OPTIONS['platform'].env}) = {self.platform!r} is not an http(s) URL"
             )
+
+    def ports(self) -> dict | None:
+        """The port range as the heartbeat sends it (``hostagent.protocol.check_port_range``), or None."""
+        first, _, last = self.port_range.partition("-")
+        if not (first.strip().isdigit() and last.strip().isdigit()):
+            return None
+        first_port, last_port = int(first), int(last)
+        return {"first": first_port, "last": last_port} if 1 <= first_port <= last_port <= 65535 else None
 
     @property
     def cache_dir(self) -> Path:

@@ -439,7 +439,10 @@ class HostAgent:
             for proc in list(self.processes.values())
             if proc.running()
         ]
-        self.client.heartbeat({"facts": host_facts(), "npu": npu_inventory(), "instances": tails})
+        body = {"facts": host_facts(), "npu": npu_inventory(), "instances": tails}
+        if self.config.ports() is not None:
+            body["ports"] = self.config.ports()
+        self.client.heartbeat(body)
 
     # -- reconcile ---------------------------------------------------------------------------------------
     def reconcile(self) -> None:

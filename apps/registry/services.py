@@ -524,3 +524,10 @@ def expire_abandoned_uploads(now=None) -> int:
             continue  # a client is writing to it right now, or it was completed meanwhile
         cancelled += 1
     return cancelled
+
+
+def record_footprint(version_id: int, footprint_mb: int) -> bool:
+    """An agent measured what one loaded copy of the version takes (first load only: a measured footprint
+    is kept, so a busy instance's later, noisier figure does not replace it). The scheduler reserves it."""
+    rows = ModelVersion.objects.filter(pk=version_id, footprint_mb__isnull=True)
+    return rows.update(footprint_mb=footprint_mb, footprint_measured_at=timezone.now()) == 1

@@ -332,3 +332,12 @@ def test_parallel_deploys_never_overcommit_an_instance(owner, team):
     )
     assert sorted(used.values()) == [800, 800]
     assert Deployment.objects.filter(state=DeploymentState.PENDING).count() == 2
+
+
+def test_a_measured_footprint_is_kept_from_the_first_load(model):
+    from apps.registry.services import record_footprint
+
+    version = make_version(model)
+    assert record_footprint(version.pk, 420) and not record_footprint(version.pk, 999)
+    version.refresh_from_db()
+    assert version.footprint_mb == 420 and version.footprint_estimate_mb() == 420

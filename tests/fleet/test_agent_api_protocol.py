@@ -56,3 +56,31 @@ def test_an_instance_report_with_an_unknown_field_is_a_400(deployed):
         content_type="application/json",
     )
     assert answer.status_code == 400 and "unknown field(s) 'api_key'" in answer.json()["message"]
+
+
+def test_the_heartbeat_s_port_range_and_the_placement_report_s_footprint_are_checked():
+    from hostagent import protocol as p
+
+    assert p.check_heartbeat({"ports": {"first": 18100, "last": 18199}}).ports == (18100, 18199)
+    assert p.check_heartbeat({}).ports is None
+    for bad in ({"first": 0, "last": 5}, {"first": 200, "last": 100}, {"first": 1, "last": 60000}, []):
+        with pytest.raises(p.ProtocolError, match="ports"):
+            p.check_heartbeat({"ports": bad})
+    report = p.check_placement_report(
+        {"generation": 1, "result": "loaded", "version": 3, "footprint_mb": 250}
+    )
+    assert report.footprint_mb == 250 and report.body()["footprint_mb"] == 250
+    with pytest.raises(p.ProtocolError, match="footprint_mb"):
+        p.check_placement_report({"generation": 1, "result": "loaded", "version": 3, "footprint_mb": -1})
+
+
+def test_the_agent_s_port_range_option():
+    from hostagent.config import AgentConfig, ConfigError
+
+    assert AgentConfig(platform="http://p", port_range="18100-18199").ports() == {
+        "first": 18100,
+        "last": 18199,
+    }
+    assert AgentConfig(platform="http://p").ports() is None
+    with pytest.raises(ConfigError, match="port-range"):
+        AgentConfig(platform="http://p", port_range="high-low")
