@@ -137,7 +137,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
 
     def get_replicas_ready(self, deployment: Deployment) -> int:
         """Replicas READY now (those being replaced not counted)."""
-        return sum(1 for p in deployment.placements.all() if p.state == "READY" and not p.retiring_reason)
+        return deployment.replicas_ready()
 
     @extend_schema_field(GatewayEndpointsSerializer(allow_null=True))
     def get_endpoints(self, deployment: Deployment) -> dict | None:

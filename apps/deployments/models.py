@@ -100,6 +100,12 @@ class Deployment(models.Model):
     def is_live(self) -> bool:
         return self.state != DeploymentState.UNDEPLOYED
 
+    def replicas_ready(self) -> int:
+        """Replicas READY now; those being replaced do not count (reads prefetched placements)."""
+        return sum(
+            1 for p in self.placements.all() if p.state == PlacementState.READY and not p.retiring_reason
+        )
+
     def traffic_split(self) -> list[dict]:
         """Which version serves where, and its share of the requests that name no version: the active version
         alone (100 %), or during a rollout the stable and canary versions at the rollout's weights."""
