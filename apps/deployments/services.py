@@ -18,6 +18,7 @@ from django.db import transaction
 from django.db.models import F, Q
 
 from apps.audit.services import record
+from apps.deployments.ensembles import check_no_ensemble_depends, check_steps_served
 from apps.deployments.models import (
     ACTIVE_STATES,
     Deployment,
@@ -116,6 +117,7 @@ def deploy_version(
                 {"model": [f"{model} is already deployed; switch its version or undeploy it first."]}
             )
         check_quota(model.team, model, instances)
+        check_steps_served(version, instances)
         deployment = Deployment.objects.create(
             team=model.team,
             model=model,
@@ -156,6 +158,8 @@ def switch_version(*, actor, deployment: Deployment, version: ModelVersion) -> D
         if version == deployment.active_version:
             raise ValidationError({"version": [f"{version} is already the served version."]})
         check_no_live_rollout(deployment)
+        check_steps_served(version, [p.instance for p in deployment.placements.select_related("instance")])
+        check_no_ensemble_depends(deployment, "switched", keep=version)
         deployment.target_version = version
         deployment.state = (
             DeploymentState.SWITCHING if deployment.active_version else DeploymentState.DEPLOYING
@@ -180,6 +184,7 @@ def undeploy(*, actor, deployment: Deployment) -> Deployment:
         deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
         if deployment.state in (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED):
             return deployment
+        check_no_ensemble_depends(deployment, "undeployed")
         deployment.state = DeploymentState.UNDEPLOYING
         deployment.save(update_fields=["state", "updated_at"])
         # Its live rollout is aborted (apps.deployments.rollouts answers, inside this transaction).
