@@ -246,6 +246,8 @@ class VersionSpec:
     signature: dict
     instance_limit: int
     files: list[dict] | None
+    # An ensemble's steps (Triton names of the same team's models): all its config may call.
+    steps: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return self.label
@@ -366,6 +368,7 @@ class DesiredState:
                         "files",
                     )
                 },
+                steps=tuple(v.get("steps") or ()),
             )
             for key, v in raw["versions"].items()
         }

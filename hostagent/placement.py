@@ -83,6 +83,7 @@ def _materialize(agent: AgentState, proc: InstanceProcess, name: str, versions: 
         device_ids=list(device_ids or ()),
         max_instance_count=limit,
         instance_limit=limit_name,
+        steps=newest.steps,
     )
 
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
-from backend_ge import npu_smi
+from backend_ge import naming, npu_smi
+from backend_ge.served_config import MAX_ENSEMBLE_STEPS
 
 API_PREFIX = "/agent/v1"
 
@@ -483,7 +484,16 @@ def check_placement_entry(entry, name: str = "placement") -> dict:
 
 
 def check_version_entry(entry, name: str = "version") -> dict:
+    """A placed version. ``steps`` (optional; an ensemble's) lists the Triton names of the models its config
+    calls: each one of the same team as the version's own model."""
     entry = _keys(entry, VERSION_FIELDS, name)
+    steps = entry.setdefault("steps", [])
+    if not isinstance(steps, list) or len(steps) > MAX_ENSEMBLE_STEPS:
+        raise ProtocolError(f"'{name}.steps' must be a list of at most {MAX_ENSEMBLE_STEPS} model names.")
+    team = naming.parse_triton_model_name(entry["model_name"])[0] if steps else None
+    for index, step in enumerate(steps):
+        if not naming.is_triton_model_name(step) or naming.parse_triton_model_name(step)[0] != team:
+            raise ProtocolError(f"'{name}.steps[{index}]' is not a model of the version's team.")
     for index, item in enumerate(entry["files"] or []):
         item = _object(item, f"{name}.files[{index}]")
         if not isinstance(item.get("path"), str) or not isinstance(item.get("sha256"), str):

@@ -83,6 +83,7 @@ def served_config_text(
     device_ids: Sequence[int] = (),
     max_instance_count: int = MAX_INSTANCE_COUNT,
     instance_limit: str = HOST_INSTANCE_LIMIT,
+    steps: Sequence[str] = (),
 ) -> str:
     """The config Triton reads: rebuilt from the fields a tenant may set, renamed for Triton, pinned to exactly
     the served versions, and given the placing instance's devices. Raises RepositoryError for a config with a
@@ -97,10 +98,14 @@ def served_config_text(
             name=triton_name,
             max_instance_count=max_instance_count,
             instance_limit=instance_limit,
+            # An ensemble may call only the steps the platform placed with it (each of the same team).
+            allowed_models=frozenset(steps) if steps else None,
         )
     except ge_config.ConfigError as exc:
         raise RepositoryError(f"{triton_name}: refusing its config: {exc}") from None
     cfg.version_policy.specific.versions.extend(sorted(versions))
+    if cfg.platform == ge_config.ENSEMBLE_PLATFORM:
+        return ge_config.render_config(cfg)  # Triton schedules it: no devices
     if device_ids:
         cfg.parameters["DEVICE_ID"].string_value = str(device_ids[0])
         cfg.parameters["device_ids"].string_value = ",".join(str(int(d)) for d in device_ids)
@@ -126,12 +131,14 @@ def materialize_model(
     device_ids: Sequence[int] = (),
     max_instance_count: int = MAX_INSTANCE_COUNT,
     instance_limit: str = HOST_INSTANCE_LIMIT,
+    steps: Sequence[str] = (),
 ) -> Path:
     """Write ``<repository>/<triton_name>`` serving ``versions`` ({number: servable dir}) atomically.
 
     Each servable dir is a Triton model directory as the conversion job published it: ``config.pbtxt`` and
     ``1/model.*``; only its model file(s) become ``<number>/model.*`` here, and the config is rebuilt from
-    ``config_text`` (see :func:`served_config_text`). Nothing is written when the config or a file is refused.
+    ``config_text`` (see :func:`served_config_text`). An ensemble (``steps``: the models it may call) gets
+    empty version folders. Nothing is written when the config or a file is refused.
     """
     if not versions:
         raise RepositoryError(f"{triton_name}: nothing to serve")
@@ -142,9 +149,13 @@ def materialize_model(
         device_ids=device_ids,
         max_instance_count=max_instance_count,
         instance_limit=instance_limit,
+        steps=steps,
     )
     files = {}
     for number, servable in versions.items():
+        if steps:  # an ensemble: an empty version folder, no model file
+            files[number] = (Path(servable), [])
+            continue
         try:
             files[number] = (Path(servable), servable_model_files(Path(servable)))
         except RepositoryError as exc:

@@ -16,6 +16,11 @@ from rest_framework.views import exception_handler
 from apps.core.body_limits import RequestTooLarge, too_large_message
 
 
+class Conflict(DjangoValidationError):
+    """A refusal because of what else exists (HTTP 409 in the API; pages show it like any error): e.g. a step
+    an ensemble depends on. ``message_dict`` names what conflicts."""
+
+
 def _first_message(detail) -> str:
     if isinstance(detail, dict):
         for field, value in detail.items():
@@ -33,6 +38,12 @@ def api_exception_handler(exc, context):
         exc = RequestTooLarge(too_large_message(settings.DATA_UPLOAD_MAX_MEMORY_SIZE))
     elif isinstance(exc, TooManyFieldsSent | TooManyFilesSent):
         exc = exceptions.ValidationError({"non_field_errors": [f"{exc} Send fewer form fields or files."]})
+    if isinstance(exc, Conflict):
+        detail = exc.message_dict if hasattr(exc, "error_dict") else {"non_field_errors": exc.messages}
+        return Response(
+            {"error": "conflict", "message": _first_message(detail), "fields": detail},
+            status=status.HTTP_409_CONFLICT,
+        )
     if isinstance(exc, DjangoValidationError):
         detail = exc.message_dict if hasattr(exc, "error_dict") else {"non_field_errors": exc.messages}
         exc = exceptions.ValidationError(detail)

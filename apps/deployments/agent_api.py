@@ -131,6 +131,8 @@ def version_entry(version: ModelVersion) -> dict:
         "signature": version.signature,
         "instance_limit": version.model.team.model_instance_limit(),
         "files": version_manifest_cached(version),
+        # An ensemble's steps (Triton names): the only models its config may call on the host.
+        "steps": [s.step_version.model.triton_model_name() for s in version.ensemble_steps.all()],
     }
 
 
@@ -145,8 +147,10 @@ def desired_state_of(host) -> dict:
     live = _live_placements(host)
     canaries = _canaries({p.deployment_id for p in live})
     placements = [placement_entry(p, canaries.get(p.deployment_id), _reused(p, live)) for p in live]
-    versions = ModelVersion.objects.filter(pk__in=placed_version_ids(placements)).select_related(
-        "model__team"
+    versions = (
+        ModelVersion.objects.filter(pk__in=placed_version_ids(placements))
+        .select_related("model__team")
+        .prefetch_related("ensemble_steps__step_version__model__team")
     )
     return {
         "host": host.name,

@@ -17,6 +17,7 @@ from apps.registry.signals import (
     VersionUse,
     model_deleting,
     model_retiring,
+    serving_version,
     version_deleting,
     version_retiring,
 )
@@ -108,3 +109,14 @@ def end_rollout_of_undeployed(sender, deployment, actor, **kwargs) -> None:
 @receiver(canary_failed, dispatch_uid="rollouts-roll-back-failed-canary")
 def roll_back_failed_canary(sender, deployment, canary, error, **kwargs) -> None:
     rollouts.roll_back_failed_canary(deployment, canary, error)
+
+
+@receiver(serving_version, dispatch_uid="deployments-serving-version")
+def version_serving(sender, model, **kwargs):
+    """The version the model's live deployment serves (an ensemble step given as "the version serving")."""
+    live = (
+        Deployment.objects.filter(model=model, state__in=(DeploymentState.SERVING, DeploymentState.SWITCHING))
+        .select_related("active_version")
+        .first()
+    )
+    return live.active_version if live is not None else None

@@ -34,6 +34,7 @@ from django.utils import timezone
 
 from apps.audit.services import record
 from apps.deployments import analysis, services
+from apps.deployments.ensembles import check_no_ensemble_depends, check_steps_served
 from apps.deployments.models import (
     Deployment,
     DeploymentState,
@@ -158,6 +159,8 @@ def start_rollout(
                     ]
                 }
             )
+        check_steps_served(canary, [p.instance for p in deployment.placements.select_related("instance")])
+        check_no_ensemble_depends(deployment, "rolled out", keep=canary)
         if canary.pk == deployment.active_version_id:
             raise ValidationError({"version": [f"{canary} is already the served version; pick another one."]})
         services.check_no_live_rollout(deployment)

@@ -19,6 +19,7 @@ from django.db.models import F, Q
 
 from apps.audit.services import record
 from apps.deployments import scheduler
+from apps.deployments.ensembles import check_no_ensemble_depends, check_steps_served
 from apps.deployments.models import (
     ACTIVE_STATES,
     Deployment,
@@ -124,6 +125,16 @@ def deploy_version(
     pinned = bool(instances)
     if pinned:
         check_instances_usable(model.team, instances)
+    elif model.is_ensemble():
+        # Triton runs an ensemble inside the server of its steps: it goes where they serve, not where the
+        # scheduler finds room.
+        raise ValidationError(
+            {
+                "instances": [
+                    "An ensemble is deployed on the instances where its steps serve: give `instances`."
+                ]
+            }
+        )
     else:
         scheduler.check_intent(model.team, replicas=replicas, pool=pool, spread=spread)
     with transaction.atomic():
@@ -138,6 +149,7 @@ def deploy_version(
                 {"model": [f"{model} is already deployed; switch its version or undeploy it first."]}
             )
         check_quota(model.team, model, instances or [], 0 if pinned else replicas)
+        check_steps_served(version, instances or [])
         deployment = Deployment.objects.create(
             team=model.team,
             model=model,
@@ -187,6 +199,8 @@ def switch_version(*, actor, deployment: Deployment, version: ModelVersion) -> D
         if version == deployment.active_version:
             raise ValidationError({"version": [f"{version} is already the served version."]})
         check_no_live_rollout(deployment)
+        check_steps_served(version, [p.instance for p in deployment.placements.select_related("instance")])
+        check_no_ensemble_depends(deployment, "switched", keep=version)
         deployment.target_version = version
         deployment.state = (
             DeploymentState.SWITCHING if deployment.active_version else DeploymentState.DEPLOYING
@@ -211,6 +225,7 @@ def undeploy(*, actor, deployment: Deployment) -> Deployment:
         deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
         if deployment.state in (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED):
             return deployment
+        check_no_ensemble_depends(deployment, "undeployed")
         deployment.state = DeploymentState.UNDEPLOYING
         deployment.save(update_fields=["state", "updated_at"])
         # Its live rollout is aborted (apps.deployments.rollouts answers, inside this transaction).

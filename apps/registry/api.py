@@ -22,9 +22,16 @@ from rest_framework.decorators import action
 from rest_framework.exceptions import APIException
 from rest_framework.response import Response
 
-from apps.registry import services, versions
+from apps.registry import ensembles, services, versions
 from apps.registry.downloads import zip_stream
-from apps.registry.models import ModelVersion, RegisteredModel, SourceFormat, TaskType, UploadSession
+from apps.registry.models import (
+    ModelKind,
+    ModelVersion,
+    RegisteredModel,
+    SourceFormat,
+    TaskType,
+    UploadSession,
+)
 from apps.teams.models import Action
 from apps.teams.viewsets import TeamScopedViewSet
 
@@ -43,6 +50,11 @@ class RegisteredModelSerializer(serializers.ModelSerializer):
         max_length=50, required=False, help_text="Derived from the name when omitted."
     )
     task_type = serializers.ChoiceField(choices=TaskType.choices, required=False)
+    kind = serializers.ChoiceField(
+        choices=ModelKind.choices,
+        required=False,
+        help_text="'ensemble': a pipeline of the team's models (upload an ensemble directory or compose it).",
+    )
     created_by = serializers.CharField(
         source="created_by.username", read_only=True, default=None, allow_null=True
     )
@@ -56,6 +68,7 @@ class RegisteredModelSerializer(serializers.ModelSerializer):
             "slug",
             "name",
             "task_type",
+            "kind",
             "description",
             "triton_name",
             "version_count",
@@ -87,6 +100,7 @@ class ModelVersionSerializer(serializers.ModelSerializer):
     source_format = serializers.ChoiceField(choices=SourceFormat.choices, allow_blank=True, read_only=True)
     latest_job = serializers.SerializerMethodField()
     upload = serializers.SerializerMethodField()
+    pipeline = serializers.SerializerMethodField(help_text="An ensemble's steps and wiring; [] for a model.")
 
     class Meta:
         model = ModelVersion
@@ -108,6 +122,7 @@ class ModelVersionSerializer(serializers.ModelSerializer):
             "archived_at",
             "latest_job",
             "upload",
+            "pipeline",
             "created_by",
             "created_at",
             "updated_at",
@@ -119,6 +134,10 @@ class ModelVersionSerializer(serializers.ModelSerializer):
         if job is None:
             return None
         return {"id": job.pk, "state": job.state, "stage": job.stage, "progress": job.progress}
+
+    @extend_schema_field(serializers.ListField(child=serializers.DictField()))
+    def get_pipeline(self, version: ModelVersion) -> list[dict]:
+        return ensembles.pipeline(version) if version.source_format == SourceFormat.ENSEMBLE else []
 
     def get_upload(self, version: ModelVersion) -> dict | None:
         session = getattr(version, "upload", None)
@@ -272,6 +291,7 @@ class RegisteredModelViewSet(
             slug=data.get("slug"),
             task_type=data.get("task_type", TaskType.OTHER),
             description=data.get("description", ""),
+            kind=data.get("kind", ModelKind.MODEL),
         )
         serializer.instance = self.get_queryset().get(pk=created.pk)
 

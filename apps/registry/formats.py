@@ -30,6 +30,7 @@ from apps.registry.models import SourceFormat
 from apps.registry.onnx_check import OnnxRejected, check_onnx, check_onnx_in_child
 from apps.registry.options import UPLOADED_CONFIG_NAME
 from backend_ge import config as gc
+from backend_ge import naming
 from backend_ge.served_config import MAX_INSTANCE_COUNT, TEAM_INSTANCE_LIMIT, build_served_config
 
 ARCHIVE = "archive"
@@ -229,7 +230,51 @@ def _every_regular_file(source: Path) -> set[str]:
     }
 
 
+def _is_ensemble_dir(source: Path) -> bool:
+    """platform "ensemble" and no model file: a directory with a model file is a model's, whose checks
+    refuse an ensemble config field by field."""
+    if any(p.suffix in _INNER_SUFFIX_FORMAT for p in source.glob("*/model.*")):
+        return False
+    try:
+        text = (source / "config.pbtxt").read_text(encoding="utf-8")
+        return gc.parse_config(text).platform == gc.ENSEMBLE_PLATFORM
+    except (UnicodeDecodeError, gc.ConfigError, OSError):
+        return False  # the model directory's checks name what is wrong
+
+
+def _any_step_name(name: str) -> bool:
+    return naming.is_slug(name) or naming.is_triton_model_name(name)
+
+
+def _check_ensemble_dir(source: Path) -> None:
+    """config.pbtxt and empty numbered version folders, nothing else; the config's structure checked here
+    (its steps and wiring against the team's models when the upload completes: apps.registry.ensembles)."""
+    for directory, dirnames, filenames in os.walk(source, followlinks=False):
+        for name in dirnames + filenames:
+            path = Path(directory) / name
+            shown = path.relative_to(source).as_posix()
+            if path.is_symlink():
+                raise FormatRejected(f"'{shown}' is a symbolic link; upload regular files only", shown)
+            if shown == "config.pbtxt" or (path.is_dir() and shown.isdigit()):
+                continue
+            raise FormatRejected(
+                f"'{shown}' is not part of an ensemble: {_ENSEMBLE_LAYOUT}; remove it and upload again", shown
+            )
+    text = (source / "config.pbtxt").read_text(encoding="utf-8")
+    try:
+        cfg = build_served_config(text, name=UPLOADED_CONFIG_NAME, allowed_models=_any_step_name)
+    except gc.ConfigError as exc:
+        raise FormatRejected(f"config.pbtxt: {exc}", "config.pbtxt") from None
+    (source / "config.pbtxt").write_text(gc.render_config(cfg), encoding="utf-8")
+
+
+_ENSEMBLE_LAYOUT = "a Triton ensemble directory holds config.pbtxt and an empty version folder (1/) only"
+
+
 def _resolve_archive(source: Path, max_instances: int) -> str:
+    if (source / "config.pbtxt").is_file() and _is_ensemble_dir(source):
+        _check_ensemble_dir(source)
+        return SourceFormat.ENSEMBLE
     if (source / "config.pbtxt").is_file():
         _check_triton_dir(source, max_instances)
         return SourceFormat.TRITON_REPOSITORY

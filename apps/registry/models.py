@@ -43,14 +43,22 @@ class TaskType(models.TextChoices):
     OTHER = "other", "Other"
 
 
+class ModelKind(models.TextChoices):
+    MODEL = "model", "Model"
+    # A pipeline of the team's own models that Triton runs inside one server (platform "ensemble"); its
+    # versions carry a config and pinned steps (EnsembleStep), no model file.
+    ENSEMBLE = "ensemble", "Ensemble"
+
+
 class RegisteredModel(models.Model):
-    """A model a team serves; its versions carry the files."""
+    """A model a team serves; its versions carry the files (or, for an ensemble, the pipeline)."""
 
     team = models.ForeignKey("teams.Team", on_delete=models.CASCADE, related_name="models")
     name = models.CharField(max_length=100)
     # Part of the Triton model name and of artifact paths, so restricted to a safe alphabet.
     slug = models.CharField(max_length=naming.SLUG_MAX_LENGTH, validators=[slug_validator])
     task_type = models.CharField(max_length=20, choices=TaskType.choices, default=TaskType.OTHER)
+    kind = models.CharField(max_length=20, choices=ModelKind.choices, default=ModelKind.MODEL)
     description = models.TextField(blank=True)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
@@ -72,6 +80,9 @@ class RegisteredModel(models.Model):
         (backend_ge.naming)."""
         return naming.triton_model_name(self.team.slug, self.slug)
 
+    def is_ensemble(self) -> bool:
+        return self.kind == ModelKind.ENSEMBLE
+
     def latest_version(self) -> ModelVersion | None:
         """The latest READY version: what "latest" means wherever it is shown (a failed or still converting
         upload with a higher number is not the latest)."""
@@ -85,6 +96,7 @@ class SourceFormat(models.TextChoices):
     TORCHSCRIPT = "torchscript", "TorchScript (.pt)"
     OM = "om", "Ascend offline model (.om)"
     TRITON_REPOSITORY = "triton_repository", "Triton model directory (archive)"
+    ENSEMBLE = "ensemble", "Triton ensemble (config.pbtxt, archive or composed)"
 
 
 MAX_NOTE_LENGTH = 2000
@@ -198,6 +210,27 @@ class ModelVersion(models.Model):
     def servable_dir(self) -> Path:
         """A Triton model directory for this version: config.pbtxt + 1/model.(onnx|om)."""
         return self.storage_dir() / "model"
+
+
+class EnsembleStep(models.Model):
+    """Step ``position`` of an ensemble version and the model version it calls, pinned when the ensemble
+    version was made (its served config names that version). Deploying the ensemble needs these versions
+    served on the same instances; a step version an ensemble version uses cannot be archived or deleted."""
+
+    ensemble_version = models.ForeignKey(
+        ModelVersion, on_delete=models.CASCADE, related_name="ensemble_steps"
+    )
+    position = models.PositiveSmallIntegerField()
+    step_version = models.ForeignKey(ModelVersion, on_delete=models.PROTECT, related_name="used_by_steps")
+
+    class Meta:
+        ordering = ["ensemble_version", "position"]
+        constraints = [
+            models.UniqueConstraint(fields=["ensemble_version", "position"], name="unique_ensemble_step")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.ensemble_version} step {self.position}: {self.step_version}"
 
 
 class UploadState(models.TextChoices):

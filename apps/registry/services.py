@@ -33,8 +33,10 @@ from django.utils.text import slugify
 
 from apps.audit.services import record
 from apps.registry.archives import ArchiveRejected, Limits
+from apps.registry.ensembles import ensemble_kind_matches, prepare_ensemble, store_ensemble
 from apps.registry.formats import claimed_format, install_source
 from apps.registry.models import (
+    ModelKind,
     ModelVersion,
     RegisteredModel,
     SourceFormat,
@@ -106,7 +108,14 @@ def check_model_slug_free(team, slug: str) -> None:
 
 
 def create_model(
-    *, actor, team, name: str, slug: str | None = None, task_type: str = TaskType.OTHER, description: str = ""
+    *,
+    actor,
+    team,
+    name: str,
+    slug: str | None = None,
+    task_type: str = TaskType.OTHER,
+    description: str = "",
+    kind: str = ModelKind.MODEL,
 ) -> RegisteredModel:
     name = (name or "").strip()
     if not name:
@@ -117,12 +126,22 @@ def create_model(
     with transaction.atomic():
         check_model_slug_free(team, slug)
         model = RegisteredModel(
-            team=team, name=name, slug=slug, task_type=task_type, description=description, created_by=actor
+            team=team,
+            name=name,
+            slug=slug,
+            task_type=task_type,
+            kind=kind,
+            description=description,
+            created_by=actor,
         )
         model.full_clean(exclude=["created_by"], validate_unique=False)
         model.save()
         record(
-            actor=actor, team=team, action="model.created", target=model, details={"name": name, "slug": slug}
+            actor=actor,
+            team=team,
+            action="model.created",
+            target=model,
+            details={"name": name, "slug": slug, "kind": kind},
         )
     return model
 
@@ -452,6 +471,17 @@ def complete_upload(*, actor, session: UploadSession, sha256: str = ""):
         except BaseException:
             shutil.rmtree(version.storage_dir(), ignore_errors=True)
             raise
+        prepared = None
+        mismatch = ensemble_kind_matches(version.model, fmt)
+        try:
+            if mismatch:
+                raise ValidationError({"file": [mismatch]})
+            if fmt == SourceFormat.ENSEMBLE:
+                prepared = prepare_ensemble(version.model, (source / "config.pbtxt").read_text("utf-8"))
+        except ValidationError as exc:
+            reason = "; ".join(f"{k}: {' '.join(v)}" for k, v in exc.message_dict.items())
+            _reject(actor=actor, session=session, message=reason, entry="config.pbtxt")
+            raise
         try:
             with transaction.atomic():
                 UploadSession.objects.filter(pk=session.pk).update(state=UploadState.COMPLETE)
@@ -476,10 +506,15 @@ def complete_upload(*, actor, session: UploadSession, sha256: str = ""):
                         "size": session.expected_size,
                     },
                 )
-                # The conversions app answers (it builds on the registry; the registry never imports it).
-                version_uploaded.send(
-                    sender=type(version), actor=actor, version=version, options=session.conversion_options
-                )
+                if prepared is not None:  # nothing to convert: the ensemble is READY once it is checked
+                    store_ensemble(
+                        actor=actor, version=version, prepared=prepared, action="ensemble.uploaded"
+                    )
+                else:
+                    # The conversions app answers (it builds on the registry; the registry never imports it).
+                    version_uploaded.send(
+                        sender=type(version), actor=actor, version=version, options=session.conversion_options
+                    )
         except BaseException:
             shutil.rmtree(version.storage_dir(), ignore_errors=True)
             raise

@@ -41,3 +41,7 @@ model_deleting = Signal()
 # ``version``, ``options``: the upload's conversion options). The conversions app starts the version's
 # conversion; an exception from a receiver rolls the completion back.
 version_uploaded = Signal()
+
+# Sent to ask which version of a model its live deployment serves (kwargs ``model``): an ensemble step given
+# as "the version serving" is pinned to it. A receiver returns that ModelVersion or None (not deployed).
+serving_version = Signal()

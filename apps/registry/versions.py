@@ -96,6 +96,12 @@ def _check_not_in_use(version: ModelVersion, action: str) -> None:
         for _, found in version_retiring.send(ModelVersion, version=version, action=action)
         for use in found
     ]
+    # An ensemble version pins it as a step: its served config names this version.
+    for step in version.used_by_steps.select_related("ensemble_version__model").order_by("pk")[:5]:
+        ensemble = step.ensemble_version
+        uses.append(
+            VersionUse(f"ensemble {ensemble} calls it in step {step.position}", "version", ensemble.pk)
+        )
     if uses:
         raise VersionInUse(
             f"{version} cannot be {action}d while it is in use: {'; '.join(u.message for u in uses)}. "

@@ -1,0 +1,102 @@
+"""The seed's ensemble through the platform, against a real host agent, tritonserver and HAProxy: its three
+steps converted and deployed, the ensemble directory uploaded and deployed on the same instance, called
+through the gateway with a raw uint8 image, answering top-5 equal to calling the three steps in turn."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+from apps.registry import services as registry
+from apps.registry.models import ModelVersion, SourceFormat, VersionState
+from apps.teams import services as teams
+from backend_ge import examples
+from backend_ge.convert import prepare_onnx
+from tests.conftest import wait_for
+from tests.gateway.conftest import deploy, ready_instance
+from tests.registry.conftest import upload
+from tests.registry.ensemble_builders import ensemble_model, seed_ensemble_dir, tar_of
+
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.servers,
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed"),
+]
+
+BUILDERS = {
+    "preprocess": examples.build_preprocess,
+    "resnet50": examples.build_resnet50,
+    "postprocess": examples.build_postprocess,
+}
+
+
+def converted_step(owner, team, slug: str, scratch) -> ModelVersion:
+    """The seed's step as a READY version through the real ONNX preparation, batching up to 32 as the seed."""
+    model = registry.create_model(actor=owner, team=team, name=slug, slug=slug)
+    version = ModelVersion.objects.create(
+        model=model,
+        number=1,
+        state=VersionState.CONVERTING,
+        source_format=SourceFormat.ONNX,
+        created_by=owner,
+    )
+    source = scratch / f"{slug}.onnx"
+    onnx.save_model(BUILDERS[slug](), source)
+    version.servable_dir().parent.mkdir(parents=True, exist_ok=True)
+    prepared = prepare_onnx(
+        source, version.servable_dir() / "1", name=model.triton_model_name(), max_batch_size=32
+    )
+    version.signature = prepared.signature.to_dict()
+    version.config_text = (version.servable_dir() / "config.pbtxt").read_text()
+    version.state = VersionState.READY
+    version.save()
+    return version
+
+
+def infer(gateway, model: str, token: str, name: str, array: np.ndarray, datatype: str) -> dict:
+    body = {
+        "inputs": [
+            {"name": name, "shape": list(array.shape), "datatype": datatype, "data": array.ravel().tolist()}
+        ]
+    }
+    status, answer = gateway.request("POST", f"/v2/models/{model}/infer", token, json.dumps(body).encode())
+    assert status == 200, (status, answer)
+    return {o["name"]: np.array(o["data"]).reshape(o["shape"]) for o in answer["outputs"]}
+
+
+def test_seed_ensemble_uploaded_deployed_and_called_through_the_gateway(
+    owner, team, other_team, outsider, owner_client, start_agent, start_gateway, make_token, tmp_path
+):
+    agent, instance = ready_instance(start_agent, "host-a")
+    for slug in BUILDERS:
+        converted_step(owner, team, slug, tmp_path)
+        deploy(owner_client, "vision", slug, 1, [instance])
+    ensemble_model(owner, team)
+    uploaded = upload(owner_client, "ensemble.tar.gz", tar_of(seed_ensemble_dir(tmp_path)), model="classify")
+    assert uploaded.status_code == 200, uploaded.json()
+    assert uploaded.json()["state"] == VersionState.READY
+    deploy(owner_client, "vision", "classify", 1, [instance])
+
+    _, token = make_token(name="ensemble")
+    _, foreign = teams.create_token(actor=outsider, team=other_team, name="foreign")
+    gateway = start_gateway()
+    wait_for(lambda: gateway.get("/v2/models/vision__classify/ready", token)[0] == 200, 20, "the route")
+    image = np.random.default_rng(26).integers(0, 256, (1, 224, 224, 3), dtype=np.uint8)
+    answer = infer(gateway, "vision__classify", token, "raw_image", image, "UINT8")
+    assert answer["predictions"].shape == (1, 5) and answer["scores"].shape == (1, 5)
+
+    # The same image through the three steps in turn, each called through the gateway.
+    pre = infer(gateway, "vision__preprocess", token, "input", image, "UINT8")["output"]
+    logits = infer(gateway, "vision__resnet50", token, "input", pre.astype(np.float32), "FP32")["output"]
+    top = infer(gateway, "vision__postprocess", token, "input", logits.astype(np.float32), "FP32")
+    np.testing.assert_array_equal(answer["predictions"], top["output"])
+    np.testing.assert_allclose(answer["scores"], top["scores"], rtol=1e-4, atol=1e-6)
+
+    # Another team's token does not reach the ensemble.
+    status, _ = gateway.request("POST", "/v2/models/vision__classify/infer", foreign, b"{}")
+    assert status == 404, gateway.output()
