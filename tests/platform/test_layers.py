@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-OUR_PACKAGES = ("apps", "frontend", "serving_platform", "backend_ge", "hostagent")
+OUR_PACKAGES = ("apps", "frontend", "serving_platform", "backend_ge", "hostagent", "tgp")
 # Django imports these where an import at the top would run before the app registry is ready.
 APP_REGISTRY_HOOKS = {"ready"}
 
