@@ -67,7 +67,10 @@ def client() -> Client:
     ctx = click.get_current_context()
     config = Config.load()
     team = ctx.find_root().params.get("team") or config.team
-    return Client(config.url, config.token, team)
+    api = Client(config.url, config.token, team)
+    # Close the kept-alive connection when the command ends (main() may run many commands in one process).
+    ctx.find_root().call_on_close(api.close)
+    return api
 
 
 # --- the commands --------------------------------------------------------------------------------------
@@ -99,9 +102,9 @@ def login(url: str | None, token: str | None, login_team: str | None) -> None:
     if not token:
         raise click.UsageError("Give an API token (--token, TGP_TOKEN or on standard input).")
     config.token = token
-    api = Client(config.url, token, login_team or "")
-    me = api.me()
-    config.team = api.team
+    with Client(config.url, token, login_team or "") as api:
+        me = api.me()
+        config.team = api.team
     path = config.save()
     emit(
         {"url": config.url, "team": config.team, "username": me["username"], "config": str(path)},

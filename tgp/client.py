@@ -206,7 +206,8 @@ class Client:
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
-            raise TgpError(f"Cannot reach the platform at {self.url}: {exc}") from None
+            # Name what was called: the gateway's address (infer) is not the platform's.
+            raise TgpError(f"Cannot reach {exc.request.url}: {exc}") from None
         if response.status_code >= 400:
             message, body = _message(response)
             raise ApiError(response.status_code, message, body)
