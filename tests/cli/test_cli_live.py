@@ -13,16 +13,18 @@ import sys
 import threading
 from pathlib import Path
 
+import httpx
 import pytest
 from django.db import connection
 
 from apps.conversions.models import ConversionJob
 from apps.conversions.runner import execute_job
-from apps.deployments.models import Deployment
+from apps.deployments.models import Deployment, PlacementState
 from apps.fleet.models import Host
 from apps.registry.models import RegisteredModel, UploadSession, VersionState
 from backend_ge.runtime import free_port
 from tests.deployments.conftest import add_instance
+from tests.deployments.test_state_machine import finish
 from tests.fleet.conftest import classifier_onnx
 from tgp.client import Client, UploadJournal
 
@@ -166,6 +168,44 @@ def test_upload_resumes_after_an_interruption_and_waits_for_the_conversion(
     assert "Version 2 of classifier is still" in timed_out.err
 
 
+class DroppingTransport(httpx.HTTPTransport):
+    """Loses the connection on chosen PATCH requests: after the server took the chunk (the reply is lost)
+    or before it was sent."""
+
+    def __init__(self, after: set[int], before: set[int]):
+        super().__init__()
+        self.after, self.before, self.patches = after, before, 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "PATCH":
+            self.patches += 1
+            if self.patches in self.before:
+                raise httpx.ConnectError("connection refused (test)", request=request)
+            response = super().handle_request(request)
+            if self.patches in self.after:
+                response.close()
+                raise httpx.ReadError("connection reset (test)", request=request)
+            return response
+        return super().handle_request(request)
+
+
+def test_upload_continues_from_the_server_offset_after_dropped_connections(
+    live_server, tgp_home, make_token, artifact_root, owner, team, tmp_path
+):
+    RegisteredModel.objects.create(team=team, name="Classifier", slug="classifier", created_by=owner)
+    source = tmp_path / "classifier.onnx"
+    source.write_bytes(classifier_onnx(1.0))
+    _, secret = make_token(name="ci")
+    transport = DroppingTransport(after={2}, before={4})
+    with Client(live_server.url, secret, "vision", transport=transport) as client:
+        version = client.upload(source, "classifier", chunk_size=2048)
+    assert version["number"] == 1 and version["state"] in ("UPLOADED", "CONVERTING")
+    assert version["sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
+    assert UploadSession.objects.get().received_bytes == source.stat().st_size
+    # Six chunks, one resent after the refused connection; the chunk whose reply was lost is not resent.
+    assert transport.patches == 7
+
+
 def test_deploy_status_rollout_and_infer_report_the_platform_answers(
     tgp, signed_in, live_server, make_ready_version, settings
 ):
@@ -202,6 +242,26 @@ def test_deploy_status_rollout_and_infer_report_the_platform_answers(
     bad = tgp("rollout", "start", "classifier", "--version", "9", "-o", "json")
     assert bad.code == 1 and "has no version 9" in bad.err and bad.out == ""
     assert tgp("rollout", "start", "classifier", "--version", "1", "--steps", "x").code == 2
+
+    # The agent's report, by hand as the deployment tests do: the placement is READY, the deployment SERVING.
+    finish(deployment, instance, state=PlacementState.READY, served_version=ready)
+    served = tgp("deploy", "classifier", "--version", "1", "--wait", "--timeout", "5", "-o", "json")
+    assert served.code == 1 and served.out == "" and "already the served version" in served.err
+    assert tgp("status", "-o", "json").json()[0]["state"] == "SERVING"
+
+    # A rollout of version 2: started, shown, aborted; watching an aborted rollout is a failure (exit 1).
+    make_ready_version(model=ready.model, scale=2.0)
+    started = tgp("rollout", "start", "classifier", "--version", "2", "--steps", "10,50,100", "-o", "json")
+    assert started.code == 0, started.err
+    assert (started.json()["state"], started.json()["steps"]) == ("RUNNING", [10, 50, 100])
+    shown = tgp("rollout", "status", "classifier", "-o", "json")
+    assert shown.json()["id"] == started.json()["id"] and shown.json()["canary_version"] == 2
+    aborted = tgp("rollout", "abort", "classifier", "-o", "json")
+    assert aborted.code == 0 and aborted.json()["state"] == "ABORTED", aborted.err
+    watched = tgp("rollout", "status", "classifier", "--watch", "--timeout", "5")
+    assert watched.code == 1 and "aborted" in watched.err
+    again = tgp("rollout", "promote", "classifier")
+    assert again.code == 1 and again.err.startswith("Error (400)")
 
     body = Path(settings.ARTIFACT_ROOT).parent / "body.json"
     body.write_text(json.dumps({"inputs": []}))
