@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -90,8 +91,6 @@ def _convert_when_queued(model_slug: str, errors: list) -> threading.Thread:
     (bounded), through the real ONNX path."""
 
     def work():
-        import time
-
         try:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
