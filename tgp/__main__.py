@@ -1,0 +1,5 @@
+import sys
+
+from tgp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,378 @@
+"""``tgp``: the platform from a CI pipeline or a terminal.
+
+Exit codes a pipeline can test: 0 done, 1 failed (the platform's message on stderr), 2 usage, 3 timed out
+waiting. ``-o json`` on any command prints the platform's objects as JSON on stdout; messages and progress
+go to stderr, so stdout stays parseable.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tgp.client import ApiError, Client, Config, Failed, TgpError, TimedOut
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TIMEOUT = 0, 1, 2, 3
+
+
+# --- output --------------------------------------------------------------------------------------------
+
+
+def _set_output(ctx: click.Context, _param, value: str | None) -> None:
+    if value:
+        ctx.find_root().meta["tgp.output"] = value
+
+
+output_option = click.option(
+    "-o",
+    "--output",
+    type=click.Choice(["text", "json"]),
+    expose_value=False,
+    is_eager=True,
+    callback=_set_output,
+    help="text (default) or json on stdout.",
+)
+
+
+def wants_json() -> bool:
+    return click.get_current_context().find_root().meta.get("tgp.output") == "json"
+
+
+def emit(data: Any, text: str | list[str] | None = None) -> None:
+    """JSON of ``data`` in json mode, else ``text`` (or the JSON when there is no text form)."""
+    if wants_json() or text is None:
+        click.echo(json.dumps(data, indent=2, default=str))
+    else:
+        click.echo(text if isinstance(text, str) else "\n".join(text))
+
+
+def note(message: str) -> None:
+    """A message for the person watching: stderr, so it never mixes into JSON output."""
+    click.echo(message, err=True)
+
+
+def table(rows: list[list[Any]], header: list[str]) -> str:
+    cells = [header, *[["" if c is None else str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    )
+
+
+def client() -> Client:
+    ctx = click.get_current_context()
+    config = Config.load()
+    team = ctx.find_root().params.get("team") or config.team
+    api = Client(config.url, config.token, team)
+    # Close the kept-alive connection when the command ends (main() may run many commands in one process).
+    ctx.find_root().call_on_close(api.close)
+    return api
+
+
+# --- the commands --------------------------------------------------------------------------------------
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--team", envvar="TGP_TEAM", help="Team slug (default: the token's team).")
+@output_option
+def cli(team: str | None) -> None:
+    """Ship models to the Triton GE serving platform: upload, convert, deploy, roll out, call."""
+
+
+@cli.command()
+@click.option("--url", help="The platform's address, e.g. https://serving.example.com (or TGP_URL).")
+@click.option("--token", help="An API token (tgp_...); read from TGP_TOKEN or asked for when omitted.")
+@click.option("--team", "login_team", help="Team slug to act in when the account is in several.")
+@output_option
+def login(url: str | None, token: str | None, login_team: str | None) -> None:
+    """Check a token against the platform and store it (mode 0600) in the config directory."""
+    config = Config.load()
+    config.url = url or config.url
+    if not config.url:
+        raise click.UsageError("Give the platform's address with --url (or TGP_URL).")
+    if not token:
+        if sys.stdin.isatty():
+            token = click.prompt("API token", hide_input=True)
+        else:  # a pipeline pipes it in: never on the command line, where `ps` shows it
+            token = sys.stdin.readline().strip() or config.token
+    if not token:
+        raise click.UsageError("Give an API token (--token, TGP_TOKEN or on standard input).")
+    config.token = token
+    with Client(config.url, token, login_team or "") as api:
+        me = api.me()
+        config.team = api.team
+    path = config.save()
+    emit(
+        {"url": config.url, "team": config.team, "username": me["username"], "config": str(path)},
+        f"Signed in to {config.url} as {me['username']} (team {config.team}); saved to {path}.",
+    )
+
+
+@cli.group()
+def models() -> None:
+    """The team's models."""
+
+
+@models.command("list")
+@output_option
+def models_list() -> None:
+    """List the team's models with their latest version."""
+    rows = client().list_models()
+    emit(
+        rows,
+        table(
+            [
+                [m["slug"], m["name"], m["version_count"], (m["latest_version"] or {}).get("number"),
+                 (m["latest_version"] or {}).get("state")]
+                for m in rows
+            ],
+            ["SLUG", "NAME", "VERSIONS", "LATEST", "STATE"],
+        ),
+    )  # fmt: skip
+
+
+@models.command("create")
+@click.argument("name")
+@click.option("--slug", default="", help="Derived from the name when omitted.")
+@click.option("--task-type", default="", help="e.g. classification, detection, other.")
+@click.option("--description", default="")
+@output_option
+def models_create(name: str, slug: str, task_type: str, description: str) -> None:
+    """Create a model (the versions are uploaded into it)."""
+    model = client().create_model(name, slug=slug, task_type=task_type, description=description)
+    emit(model, f"Created model {model['slug']} ({model['name']}).")
+
+
+class Progress:
+    """A progress bar on a terminal, plain lines (every 10 %) in a pipeline's log."""
+
+    def __init__(self) -> None:
+        self.bar = None
+        self.reported = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        if sys.stderr.isatty():
+            if self.bar is None:
+                self.bar = click.progressbar(length=total, label="Uploading", file=sys.stderr)
+                self.bar.__enter__()
+            self.bar.update(done - self.bar.pos)
+            return
+        tenth = done * 10 // max(total, 1)
+        if tenth != self.reported:
+            self.reported = tenth
+            note(f"uploaded {done} of {total} bytes ({done * 100 // max(total, 1)}%)")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+
+
+@cli.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--model", "-m", required=True, help="The model's slug.")
+@click.option("--wait", is_flag=True, help="Wait until the conversion made the version READY.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=1800, show_default=True, help="Seconds.")
+@click.option("--chunk-size", type=click.IntRange(min=1), default=8 * 1024 * 1024, hidden=True)
+@output_option
+def upload(file: Path, model: str, wait: bool, timeout: float, chunk_size: int) -> None:
+    """Upload FILE as the model's next version (resumable: run it again after an interruption)."""
+    api = client()
+    progress = Progress()
+    try:
+        version = api.upload(
+            file,
+            model,
+            chunk_size=chunk_size,
+            progress=progress,
+            on_resume=lambda offset: note(f"Resuming an earlier upload of {file.name} at byte {offset}."),
+        )
+    finally:
+        progress.close()
+    note(f"Uploaded {file.name} as version {version['number']} of {model} ({version['state']}).")
+    if wait:
+        version = api.wait_for_version(
+            model,
+            version["number"],
+            timeout=timeout,
+            on_state=lambda v: note(f"version {v['number']}: {v['state']}"),
+        )
+    emit(version, f"{model} v{version['number']} {version['state']}")
+
+
+@cli.command()
+@click.argument("model")
+@output_option
+def versions(model: str) -> None:
+    """List a model's versions, newest first."""
+    rows = client().list_versions(model)
+    emit(
+        rows,
+        table(
+            [[v["number"], v["state"], v["source_format"], v["source_filename"], v["size_bytes"],
+              (v["sha256"] or "")[:12], v["created_at"]] for v in rows],
+            ["VERSION", "STATE", "FORMAT", "FILE", "BYTES", "SHA256", "CREATED"],
+        ),
+    )  # fmt: skip
+
+
+def _deployment_text(d: dict) -> str:
+    ready = sum(1 for p in d.get("placements", []) if p["state"] == "READY")
+    return (
+        f"{d['model']}: {d['state']} v{d['active_version']}"
+        + (
+            f" -> v{d['target_version']}"
+            if d.get("target_version") not in (None, d["active_version"])
+            else ""
+        )
+        + f", {ready}/{len(d.get('placements', []))} placements ready"
+        + (f" ({d['last_error']})" if d.get("last_error") else "")
+    )
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--version", "-v", "number", type=click.IntRange(min=1), required=True)
+@click.option("--instance", "instances", type=int, multiple=True, help="Instance id to serve on (repeat).")
+@click.option("--replicas", type=click.IntRange(min=1), help="How many replicas the platform places.")
+@click.option("--wait", is_flag=True, help="Wait until the deployment is SERVING.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=600, show_default=True, help="Seconds.")
+@output_option
+def deploy(
+    model: str, number: int, instances: tuple[int, ...], replicas: int | None, wait: bool, timeout: float
+) -> None:
+    """Serve a READY version: deploy it, or switch the model's live deployment to it."""
+    api = client()
+    deployment = api.deploy(model, number, instances=list(instances), replicas=replicas)
+    if wait:
+        deployment = api.wait_for_deployment(model, timeout=timeout)
+    emit(deployment, _deployment_text(deployment))
+
+
+@cli.group()
+def rollout() -> None:
+    """Progressive rollouts of a new version with health gates."""
+
+
+def _rollout_text(r: dict) -> str:
+    return (
+        f"rollout {r['id']}: v{r['stable_version']} -> v{r['canary_version']} {r['state']}, "
+        f"canary at {r['current_weight']}%" + (f" ({r['reason']})" if r.get("reason") else "")
+    )
+
+
+def _watch(api: Client, model: str, timeout: float) -> dict:
+    last = None
+    for last in api.watch_rollout(model, timeout=timeout):
+        if not wants_json():
+            note(_rollout_text(last))
+    return last
+
+
+@rollout.command("start")
+@click.argument("model")
+@click.option("--version", "-v", "number", type=click.IntRange(min=1), required=True)
+@click.option("--steps", help="Canary weights in percent, e.g. 10,25,50,100.")
+@click.option("--step-interval", type=click.IntRange(min=1), help="Seconds per step.")
+@click.option("--watch", is_flag=True, help="Follow it until promoted (0), rolled back (1) or --timeout (3).")
+@click.option("--timeout", type=click.FloatRange(min=0), default=3600, show_default=True)
+@output_option
+def rollout_start(
+    model: str, number: int, steps: str | None, step_interval: int | None, watch: bool, timeout: float
+) -> None:
+    """Start rolling out a version to the model's live deployment."""
+    try:
+        weights = [int(s) for s in steps.split(",")] if steps else None
+    except ValueError:
+        raise click.BadParameter(
+            "comma-separated integers, e.g. 10,25,50,100", param_hint="--steps"
+        ) from None
+    api = client()
+    result = api.start_rollout(model, number, steps=weights, step_interval_s=step_interval)
+    if watch:
+        result = _watch(api, model, timeout)
+    emit(result, _rollout_text(result))
+
+
+@rollout.command("status")
+@click.argument("model")
+@click.option("--watch", is_flag=True, help="Follow it until it finishes.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=3600, show_default=True)
+@output_option
+def rollout_status(model: str, watch: bool, timeout: float) -> None:
+    """The model's latest rollout."""
+    api = client()
+    result = _watch(api, model, timeout) if watch else api.latest_rollout(model)
+    emit(result, _rollout_text(result))
+
+
+@rollout.command("promote")
+@click.argument("model")
+@output_option
+def rollout_promote(model: str) -> None:
+    """Promote the running rollout now: the canary serves everything."""
+    result = client().rollout_action(model, "promote")
+    emit(result, _rollout_text(result))
+
+
+@rollout.command("abort")
+@click.argument("model")
+@output_option
+def rollout_abort(model: str) -> None:
+    """Abort the running rollout: traffic goes back to the stable version."""
+    result = client().rollout_action(model, "abort")
+    emit(result, _rollout_text(result))
+
+
+@cli.command()
+@output_option
+def status() -> None:
+    """The team's live deployments and their placements."""
+    rows = [d for d in client().list_deployments() if d["state"] != "UNDEPLOYED"]
+    emit(rows, [_deployment_text(d) for d in rows] or ["No live deployments."])
+
+
+@cli.command()
+@click.argument("model")
+@click.option(
+    "--json", "body_file", type=click.File("r"), required=True, help="KServe v2 request body ('-': stdin)."
+)
+@output_option
+def infer(model: str, body_file) -> None:
+    """Call the model through the inference gateway with a KServe v2 JSON body; prints the response."""
+    try:
+        body = json.load(body_file)
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--json") from None
+    result = client().infer(model, body)
+    emit(result, json.dumps(result, indent=2))
+
+
+# --- the entry point -----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``tgp`` with ``argv`` and return its exit code (the console script exits with it)."""
+    try:
+        cli.main(args=argv, prog_name="tgp", standalone_mode=False)
+    except click.exceptions.Exit as exc:  # --help
+        return exc.exit_code
+    except click.UsageError as exc:
+        exc.show()
+        return EXIT_USAGE
+    except click.Abort:
+        note("Aborted.")
+        return EXIT_FAILED
+    except TimedOut as exc:
+        note(f"Timed out: {exc}")
+        return EXIT_TIMEOUT
+    except ApiError as exc:
+        note(f"Error ({exc.status}): {exc}")
+        return EXIT_FAILED
+    except (Failed, TgpError) as exc:
+        note(f"Error: {exc}")
+        return EXIT_FAILED
+    return EXIT_OK
