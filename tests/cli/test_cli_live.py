@@ -213,9 +213,10 @@ def test_deploy_status_rollout_and_infer_report_the_platform_answers(
     # Nothing listens on the gateway's address: infer must say where it could not connect.
     settings.GATEWAY_PUBLIC_URL = f"http://127.0.0.1:{free_port()}"
 
-    # No instances and replicas the API does not take yet: the platform's 400 speaks.
-    refused = tgp("deploy", "classifier", "--version", "1", "--replicas", "2")
-    assert refused.code == 1 and "instances" in refused.err
+    # A replica count the platform refuses: its 400 speaks, naming the field.
+    refused = tgp("deploy", "classifier", "--version", "1", "--replicas", "10000")
+    assert refused.code == 1 and "replicas" in refused.err, refused.err
+    assert not Deployment.objects.exists()
 
     # Deploy on an instance and wait: no agent serves this host, so the wait times out (exit 3).
     waited = tgp("deploy", "classifier", "--version", str(ready.number), "--instance", str(instance.pk),
