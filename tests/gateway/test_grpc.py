@@ -5,6 +5,9 @@ message type, and crafted bodies sent raw."""
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import grpc
 import numpy as np
 import onnxruntime
@@ -14,6 +17,8 @@ from tritonclient.utils import InferenceServerException
 
 from apps.registry.models import RegisteredModel
 from apps.teams import services as team_services
+from backend_ge import samples
+from backend_ge.config import ModelSignature
 from backend_ge.examples import build_bert, build_mlp
 from tests.conftest import wait_for
 from tests.factories import ready_onnx_version
@@ -26,6 +31,19 @@ SERVICE = "/inference.GRPCInferenceService/"
 def auth(token: str) -> dict:
     # tritonclient.grpc refuses a header named "Authorization"; gRPC metadata keys are lower case.
     return {"authorization": f"Bearer {token}"}
+
+
+def grpc_error(url: str, model: str, token: str) -> InferenceServerException:
+    """The error of a gRPC inference (an [1, 4] FP32 input) through the gateway."""
+    client = grpcclient.InferenceServerClient(url)
+    item = grpcclient.InferInput("input", [1, 4], "FP32")
+    item.set_data_from_numpy(np.ones((1, 4), np.float32))
+    try:
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer(model, [item], headers=auth(token), client_timeout=10)
+    finally:
+        client.close()
+    return caught.value
 
 
 def status_of(call) -> tuple[str, str]:
@@ -60,7 +78,7 @@ def test_grpc_tenancy_on_a_shared_instance(
     bert_onnx, mlp_onnx = build_bert(layers=1), build_mlp()
     for slug, onnx_model in (("bert", bert_onnx), ("mlp", mlp_onnx)):
         model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)
-        ready_onnx_version(model, onnx_model.SerializeToString(), tmp_path)
+        mlp_version = ready_onnx_version(model, onnx_model.SerializeToString(), tmp_path)
         deploy(owner_client, "vision", slug, 1, [shared])
     speech = RegisteredModel.objects.create(
         team=other_team, name="Scaler", slug="scaler", created_by=outsider
@@ -102,6 +120,13 @@ def test_grpc_tenancy_on_a_shared_instance(
     assert client.get_model_config("vision__mlp", headers=auth(token)).config.name == "vision__mlp"
     assert client.get_inference_statistics("vision__mlp", headers=auth(token)).model_stats
     assert client.is_server_live(headers=auth(token))
+
+    # The deployment page's gRPC script runs as it is against the gateway.
+    script = samples.tritonclient_example(
+        gateway.grpc_url, "vision__mlp", ModelSignature.from_dict(mlp_version.signature), auth=True, grpc=True
+    )
+    with mock.patch.dict(os.environ, {samples.TOKEN_ENV: token}):
+        exec(compile(script, "snippet", "exec"), {})  # noqa: S102 - the platform's own snippet
 
     # Another team's model on the same instance is the same NOT_FOUND as a missing one, for every message type.
     scaler = grpcclient.InferInput("input", [1, 4], "FP32")
