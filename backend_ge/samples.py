@@ -82,20 +82,26 @@ def curl_example(
     )
 
 
-def tritonclient_example(url: str, model_name: str, signature: ModelSignature, auth: bool = False) -> str:
+def tritonclient_example(
+    url: str, model_name: str, signature: ModelSignature, auth: bool = False, grpc: bool = False
+) -> str:
     """The seed's example-3 client script, filled in for this model; ``auth`` adds the gateway's token header
-    (read from the ``TGP_TOKEN`` environment variable)."""
+    (read from the ``TGP_TOKEN`` environment variable); ``grpc``: the same with ``tritonclient.grpc`` (``url``
+    is then ``host:port``)."""
     host = url.split("://", 1)[-1]
     ssl = ", ssl=True" if url.startswith("https://") else ""
     headers = ", headers=headers" if auth else ""
+    client, module = ("grpcclient", "grpc") if grpc else ("httpclient", "http")
     lines = ["import os"] if auth else []
-    lines += ["import numpy as np", "import tritonclient.http as httpclient"]
+    lines += ["import numpy as np", f"import tritonclient.{module} as {client}"]
     if auth:
-        lines += ["", f'headers = {{"Authorization": "Bearer " + os.environ["{TOKEN_ENV}"]}}']
+        # tritonclient.grpc refuses the key "Authorization": gRPC metadata keys are lower case.
+        key = "authorization" if grpc else "Authorization"
+        lines += ["", f'headers = {{"{key}": "Bearer " + os.environ["{TOKEN_ENV}"]}}']
     lines += [
         "",
-        f'client = httpclient.InferenceServerClient(url="{host}"{ssl})',
-        'print("Server ready:", client.is_server_ready())',
+        f'client = {client}.InferenceServerClient(url="{host}"{ssl})',
+        f'print("Server ready:", client.is_server_ready({"headers=headers" if auth and grpc else ""}))',
         f'print("Model ready:", client.is_model_ready("{model_name}"{headers}))',
         "",
         "inputs = []",
@@ -111,10 +117,10 @@ def tritonclient_example(url: str, model_name: str, signature: ModelSignature, a
             make = f"np.zeros({tuple(shape)}, dtype=np.{np_type})"
         lines += [
             f"data = {make}",
-            f'inputs.append(httpclient.InferInput("{tensor.name}", data.shape, "{tensor.dtype}"))',
+            f'inputs.append({client}.InferInput("{tensor.name}", list(data.shape), "{tensor.dtype}"))',
             "inputs[-1].set_data_from_numpy(data)",
         ]
-    outputs = ", ".join(f'httpclient.InferRequestedOutput("{t.name}")' for t in signature.outputs)
+    outputs = ", ".join(f'{client}.InferRequestedOutput("{t.name}")' for t in signature.outputs)
     lines += [
         "",
         f"outputs = [{outputs}]",

@@ -407,6 +407,9 @@ GATEWAY_HAPROXY = env_str("GATEWAY_HAPROXY") or "haproxy"
 GATEWAY_THREADS = env_int("GATEWAY_THREADS", 1, minimum=1)
 GATEWAY_SYNC_INTERVAL_MS = env_int("GATEWAY_SYNC_INTERVAL_MS", 1000, minimum=50)
 GATEWAY_CHECK_INTERVAL_MS = env_int("GATEWAY_CHECK_INTERVAL_MS", 500, minimum=100)
+# HAProxy's buffer (tune.bufsize): a gRPC request message must fit in it, less 4 KiB, to be read and forwarded.
+# Larger buffers cost CPU per request (HAProxy copies the buffer for retries) and memory per connection.
+GATEWAY_BUFFER_BYTES = env_int("GATEWAY_BUFFER_BYTES", 16384, minimum=16384)
 # Deployments (and rollout canaries) take pre-declared backend slots at run time; the pool grows by this many,
 # with a graceful reload, only when every slot is taken.
 GATEWAY_SLOT_CHUNK = env_int("GATEWAY_SLOT_CHUNK", 64, minimum=1)

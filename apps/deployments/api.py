@@ -218,6 +218,9 @@ class SnippetsSerializer(serializers.Serializer):
     infer_url = serializers.CharField()
     signature = serializers.JSONField()
     tritonclient = serializers.CharField(help_text="A runnable Python script (tritonclient.http).")
+    tritonclient_grpc = serializers.CharField(
+        help_text="The same script over gRPC (tritonclient.grpc) through the gateway's gRPC address."
+    )
     curl = serializers.CharField(help_text="A runnable shell command with a KServe v2 JSON body.")
 
 

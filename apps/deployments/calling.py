@@ -105,6 +105,9 @@ def snippets(deployment: Deployment) -> dict:
         "infer_url": gateway["infer_url"],
         "signature": version.signature,
         "tritonclient": samples.tritonclient_example(url, name, signature, auth=True),
+        "tritonclient_grpc": samples.tritonclient_example(
+            gateway["grpc"], name, signature, auth=True, grpc=True
+        ),
         "curl": samples.curl_example(url, name, signature, auth=True),
     }
 

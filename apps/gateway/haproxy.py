@@ -28,13 +28,21 @@ health check reads its path from ``checks.map``. ``apps.gateway.runtime`` comput
 
 from __future__ import annotations
 
-import json
 import re
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from apps.gateway import grpc_frontend
+from apps.gateway.rules import (
+    COUNT_STAGES,
+    COUNTS_TABLE,
+    Options,
+    count_rules,
+    json_error,
+    token_rules,
+)
 from backend_ge.files import atomic_write
 from backend_ge.naming import TRITON_MODEL_NAME_PATTERN
 
@@ -43,16 +51,6 @@ MODEL_NAME = TRITON_MODEL_NAME_PATTERN
 # The only inference paths a tenant may call. Slugs are [a-z0-9-], so `_`, `.`, `%` and `//` cannot match
 # (and a candidate name, `<name>__candidate`, is no model name).
 ALLOWED_PATH = rf"^/v2/models/{MODEL_NAME}(/versions/[1-9][0-9]{{0,8}})?(/infer|/ready|/config)?$"
-GRPC_METHODS = (
-    "ServerLive",
-    "ServerReady",
-    "ModelReady",
-    "ServerMetadata",
-    "ModelMetadata",
-    "ModelConfig",
-    "ModelInfer",
-    "ModelStreamInfer",
-)
 SERVER_NAME = re.compile(r"^[A-Za-z0-9_-]{16,128}$")
 
 
@@ -69,6 +67,10 @@ class Server:
     address: str
     port: int
     check_port: int = 0  # health checks go here when set (gRPC servers are checked over HTTP)
+    grpc_port: int = 0  # the instance's gRPC port: the server's twin in the slot's gRPC backend
+
+    def grpc_twin(self) -> Server:
+        return Server(self.key, self.address, self.grpc_port, check_port=self.port)
 
 
 @dataclass(frozen=True)
@@ -132,16 +134,27 @@ class GatewayState:
         }
 
     def servers(self, slots: Slots) -> dict[str, dict[str, Server]]:
-        """HAProxy backend -> {server name: server}, for every backend that has servers."""
-        out = {slots.slot_of(name): {s.key: s for s in servers} for name, servers in self.backends.items()}
+        """HAProxy backend -> {server name: server}, for every backend that has servers: each slot, its gRPC
+        twin (the same placements' gRPC ports) and the gRPC backends."""
+        out = {}
+        for name, servers in self.backends.items():
+            slot = slots.slot_of(name)
+            out[slot] = {s.key: s for s in servers}
+            twins = {s.key: s.grpc_twin() for s in servers if s.grpc_port}
+            if twins:
+                out[grpc_frontend.twin(slot)] = twins
         out.update({name: {s.key: s for s in servers} for name, servers in self.grpc_backends.items()})
         return out
 
     def server_weights(self, slots: Slots) -> dict[tuple[str, str], int]:
-        return {
-            (name if name in self.grpc_backends else slots.slot_of(name), key): weight
-            for (name, key), weight in self.weights.items()
-        }
+        out = {}
+        for (name, key), weight in self.weights.items():
+            if name in self.grpc_backends:
+                out[(name, key)] = weight
+            else:
+                slot = slots.slot_of(name)
+                out[(slot, key)] = out[(grpc_frontend.twin(slot), key)] = weight
+        return out
 
 
 SLOT = re.compile(r"^s(\d+)$")
@@ -213,52 +226,6 @@ def _slot_order(item: tuple[str, str]) -> int:
     return int(item[0][1:])
 
 
-@dataclass(frozen=True)
-class Options:
-    """Where and how the gateway runs (from settings)."""
-
-    directory: Path
-    bind: str
-    grpc_bind: str
-    stats_bind: str
-    key_header: str
-    grpc_key_header: str
-    default_limit: int
-    threads: int = 1
-    check_interval_ms: int = 500
-    hard_stop_after_s: int = 60
-
-    @property
-    def admin_socket(self) -> Path:
-        return self.directory / "admin.sock"
-
-    @property
-    def config_file(self) -> Path:
-        return self.directory / "haproxy.cfg"
-
-    def map_file(self, name: str) -> Path:
-        return self.directory / f"{name}.map"
-
-    def make_directory(self) -> None:
-        """The gateway's directory is the platform's alone (0700): its configuration and maps name every
-        instance's key and the tokens' hashes, and Triton's servers may run on this machine as other users."""
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.directory.chmod(0o700)
-
-
-def _json_error(status: int, message: str, extra: str = "") -> str:
-    body = json.dumps({"error": message})
-    if "'" in body:
-        raise ValueError("error bodies are written in single quotes")
-    return f"http-request return status {status} content-type application/json {extra}string '{body}'"
-
-
-def _grpc_error(code: int, message: str) -> str:
-    if '"' in message:
-        raise ValueError("gRPC messages are written in double quotes")
-    return f'http-request return status 200 hdr grpc-status {code} hdr grpc-message "{message}"'
-
-
 def server_options(server: Server, o: Options, weight: int) -> str:
     """Everything after the name on a ``server`` line, and in an ``add server`` command (dynamic servers do
     not inherit ``default-server``): the same server whether it came from the file or the admin socket."""
@@ -283,47 +250,6 @@ def _server_lines(servers: Iterable[Server], weights: dict[tuple[str, str], int]
     return lines
 
 
-def _token_rules(o: Options, deny_unauthenticated: str, deny_expired: str) -> list[str]:
-    """Hash the token's secret and look ``<prefix>:<sha256>`` up in ``tokens.map``.
-
-    The hash is the costliest step, and a client sends the same header on every request of a connection: the
-    key is kept for the connection (``sess.`` variables) beside the header it was computed from, and computed
-    again whenever the header differs. The map lookup itself runs on every request, so a revocation or expiry
-    applies to open connections too. Both ``sess.`` variables are dropped before a new key is computed, so a
-    request without the header (or with one that yields no key) never finds the previous request's key.
-    """
-    tokens = o.map_file("tokens")
-    return [
-        "    acl auth_cached req.fhdr(authorization),strcmp(sess.auth) eq 0",
-        "    http-request unset-var(sess.tokkey) if !auth_cached",
-        "    http-request unset-var(sess.auth) if !auth_cached",
-        # A converter argument cannot hold parentheses, so no capture group: the prefix is the 2nd "_" field.
-        "    http-request set-var(txn.hash) req.fhdr(authorization),regsub('^[Bb]earer +tgp_[0-9a-f]+_',''),sha2(256),hex,lower if !auth_cached",
-        "    http-request set-var(sess.tokkey) req.fhdr(authorization),field(2,_),concat(:,txn.hash,) if { var(txn.hash) -m found }",
-        "    http-request set-var(sess.auth) req.fhdr(authorization) if { var(txn.hash) -m found }",
-        f"    http-request set-var(txn.tokval) var(sess.tokkey),map({tokens})",
-        "    http-request set-var(txn.team) var(txn.tokval),field(1,:)",
-        "    http-request set-var(txn.expires) var(txn.tokval),field(2,:)",
-        "    acl token_known var(txn.team) -m found",
-        "    acl token_expired date(),sub(txn.expires) ge 0",
-        f"    {deny_unauthenticated} if !token_known",
-        f"    {deny_expired} if token_expired",
-    ]
-
-
-# --- Refusal counts (apps.gateway.metrics reads them with `show table gateway_counts`). -----------------------
-# HAProxy 2.6 counts responses only by class, and `http-after-response` cannot increment counters, so each
-# request increments the stage it has passed: a refusal is the difference between two stages (401 = stage 1 -
-# stage 2, 429 = 2 - 3, the gateway's 404 = (0 - 1) + (3 - 4)); stage 5 counts 404s answered by an instance.
-# Key "all": every request (sticky counter 2); key "d<id>": requests naming a served model (sticky counter 1).
-COUNTS_TABLE = "gateway_counts"
-COUNT_STAGES = 6
-
-
-def _count(stage: int, *counters: int) -> list[str]:
-    return [f"    http-request sc-inc-gpc({stage},{sc})" for sc in counters]
-
-
 def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
     inter = o.check_interval_ms
     lines = [
@@ -336,7 +262,8 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         # Requests up to this size stay buffered, so a request an instance dropped unanswered can be retried.
         # HAProxy copies the whole buffer (not only the request) for every request it may retry: 64 kB
         # buffers cost ~10 us of CPU per request more than these (benchmarks/gateway.py).
-        "    tune.bufsize 16384",
+        f"    tune.bufsize {o.buffer_size}",
+        f"    lua-load '{grpc_frontend.LUA_FILE}'",
         # A port another process listens on is an error, not shared: with SO_REUSEPORT (HAProxy's default) a
         # second HAProxy bound to the same port (another gateway, an orphan, a stats port equal to the
         # inference port) silently got a share of the connections, e.g. the stats frontend's empty 404 for an
@@ -381,7 +308,7 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         f"    stick-table type string len 64 size 100k store gpc({COUNT_STAGES})",
         "",
         "backend no_route",
-        _json_error(404, "unknown model"),
+        json_error(404, "unknown model"),
         "",
         "frontend inference",
         f"    bind {o.bind}",
@@ -396,32 +323,32 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         """'{"name":"triton","version":"2.51.0","extensions":["classification","model_configuration","binary_tensor_data","parameters"]}' """
         "if { path /v2 } METH_GET",
         f"    http-request track-sc2 str(all) table {COUNTS_TABLE}",
-        *_count(0, 2),
+        *count_rules(0, 2),
         f"    acl allowed_path path -m reg '{ALLOWED_PATH}'",
         "    acl infer_path path -m end /infer",
-        _json_error(404, "not found") + " if !allowed_path",
-        _json_error(404, "not found") + " if infer_path !METH_POST",
-        _json_error(404, "not found") + " if !infer_path !METH_GET",
+        json_error(404, "not found") + " if !allowed_path",
+        json_error(404, "not found") + " if infer_path !METH_POST",
+        json_error(404, "not found") + " if !infer_path !METH_GET",
         # One lookup gives the whole route (Route.render):
         # <team>/<deployment>/<slot>/<version>/<canary slot>/<canary version>/<canary weight>
         "    http-request set-var(txn.model) path,field(4,/)",
         f"    http-request set-var(txn.route) var(txn.model),map({o.map_file('models')})",
         f"    http-request track-sc1 var(txn.route),field(2,/) table {COUNTS_TABLE}",
-        *_count(1, 1, 2),
-        *_token_rules(
+        *count_rules(1, 1, 2),
+        *token_rules(
             o,
-            _json_error(
+            json_error(
                 401,
                 "missing, invalid or revoked API token: send the header Authorization: Bearer tgp_<prefix>_<secret>",
                 'hdr www-authenticate "Bearer realm=inference" ',
             ),
-            _json_error(
+            json_error(
                 401,
                 "the API token has expired; create a new one",
                 'hdr www-authenticate "Bearer realm=inference" ',
             ),
         ),
-        *_count(2, 1, 2),
+        *count_rules(2, 1, 2),
         "    http-request track-sc0 var(txn.team) table team_rates",
         f"    http-request set-var(txn.limit) var(txn.team),map({o.map_file('limits')},{o.default_limit})",
         # Only admitted requests count (gpc0), so a client above its limit still gets the limit through.
@@ -429,11 +356,11 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         "    http-request return status 429 content-type application/json hdr retry-after 1 lf-string "
         """'{"error":"rate limit exceeded: team %[var(txn.team)] may send %[var(txn.limit)] requests per second"}' if over_limit""",
         "    http-request sc-inc-gpc0(0)",
-        *_count(3, 1, 2),
+        *count_rules(3, 1, 2),
         "    acl own_model var(txn.route),field(1,/),strcmp(txn.team) eq 0",
         "    http-request return status 404 content-type application/json lf-string "
         """"{\\"error\\":\\"Request for unknown model: '%[var(txn.model)]' is not found\\"}" if !own_model""",
-        *_count(4, 1, 2),
+        *count_rules(4, 1, 2),
         "    http-response sc-inc-gpc(5,1) if { status 404 }",
         "    http-response sc-inc-gpc(5,2) if { status 404 }",
         # The allow-list leaves "/versions/" only where a version is named.
@@ -459,41 +386,7 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         "    use_backend %[var(txn.backend)]",
         "    default_backend no_route",
         "",
-        "frontend grpc",
-        f"    bind {o.grpc_bind} proto h2",
-        f"    http-request del-header {o.grpc_key_header}",
-        f"    http-request track-sc2 str(all) table {COUNTS_TABLE}",
-        *_count(0, 2),
-        f"    acl grpc_method path -m reg '^/inference\\.GRPCInferenceService/({'|'.join(GRPC_METHODS)})$'",
-        _grpc_error(12, "this gRPC method is not offered by the gateway") + " if !grpc_method",
-        *_count(1, 2),
-        *_token_rules(
-            o,
-            _grpc_error(
-                16, "missing, invalid or revoked API token: send metadata authorization: Bearer tgp_..."
-            ),
-            _grpc_error(16, "the API token has expired; create a new one"),
-        ),
-        *_count(2, 2),
-        "    http-request track-sc0 var(txn.team) table team_rates",
-        f"    http-request set-var(txn.limit) var(txn.team),map({o.map_file('limits')},{o.default_limit})",
-        "    acl over_limit sc_gpc0_rate(0),sub(txn.limit) ge 0",
-        _grpc_error(
-            8, "rate limit exceeded: team %[var(txn.team)] may send %[var(txn.limit)] requests per second"
-        )
-        + " if over_limit",
-        "    http-request sc-inc-gpc0(0)",
-        *_count(3, 2),
-        f"    http-request set-var(txn.backend) var(txn.team),map({o.map_file('grpc')})",
-        _grpc_error(
-            7,
-            "gRPC through the gateway reaches only instances dedicated to your team and your team has none; use HTTP/REST",
-        )
-        + " unless { var(txn.backend) -m found }",
-        *_count(4, 2),
-        "    http-request del-header authorization",
-        "    use_backend %[var(txn.backend)]",
-        "",
+        *grpc_frontend.frontend_lines(o),
     ]
     for check in state.checks.values():
         if not re.fullmatch(rf"{MODEL_NAME}(/versions/[1-9][0-9]{{0,8}})?", check):
@@ -513,14 +406,18 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
             *_server_lines(sorted(servers.get(name, {}).values()), weights, name, o),
             "",
         ]
-    for name in sorted(state.grpc_backends):
+        twin = grpc_frontend.twin(name)
+        twin_servers = _server_lines(sorted(servers.get(twin, {}).values()), weights, twin, o)
+        lines += grpc_frontend.backend_lines(name, o, checks, twin_servers)
+    # Dedicated teams' instances (streams) and every instance (server-level calls): checked for readiness.
+    for name in sorted({*state.grpc_backends, grpc_frontend.ANY_INSTANCE}):
         lines += [
             f"backend {name}",
             "    balance leastconn",
             f"    http-send-name-header {o.grpc_key_header}",
             "    option httpchk GET /v2/health/ready",
             "    http-check expect status 200",
-            *_server_lines(sorted(servers[name].values()), weights, name, o),
+            *_server_lines(sorted(servers.get(name, {}).values()), weights, name, o),
             "",
         ]
     return "\n".join(lines) + "\n"

@@ -36,7 +36,8 @@ from apps.gateway.state import options
 _LINE = re.compile(r'^haproxy_(frontend|backend)_(\w+)\{proxy="([^"]+)"(?:,code="(\w+)")?\} ([0-9.e+-]+)$')
 _FRONTENDS = ("inference", "grpc")
 _DEPLOYMENT = re.compile(r"^d(\d+)c?$")  # a deployment's backend (``c``: its rollout's canary)
-_BACKEND = re.compile(r"^(?:d\d+c?|s\d+)$")  # or a pooled slot, owned by one in ``slots.map``
+# or a pooled slot, owned by one in ``slots.map``, or its gRPC twin ``gs<n>`` (counted with the slot)
+_BACKEND = re.compile(r"^(?:d\d+c?|g?s\d+)$")
 _TABLE_ROW = re.compile(r"^0x[0-9a-f]+: key=(\S+) .*?((?: gpc\d+=\d+)+)\s*$")
 GATEWAY_WIDE = "*"
 STAGES = tuple(f"g{i}" for i in range(COUNT_STAGES))
@@ -64,7 +65,7 @@ def parse_exporter(text: str) -> dict[str, dict[str, float]]:
         if kind == "frontend" and proxy in _FRONTENDS:
             key = GATEWAY_WIDE
         elif kind == "backend" and _BACKEND.match(proxy):
-            key = proxy
+            key = proxy.removeprefix("g")
         else:
             continue
         entry = out.setdefault(key, {})
@@ -73,7 +74,8 @@ def parse_exporter(text: str) -> dict[str, dict[str, float]]:
         elif metric == "http_responses_total" and code in ("2xx", "4xx", "5xx"):
             entry[code] = entry.get(code, 0) + float(value)
         elif metric == "total_time_average_seconds":
-            entry["time_s"] = float(value)
+            # Two proxies share a key (the HTTP and gRPC frontends, a slot and its twin): the slower average.
+            entry["time_s"] = max(entry.get("time_s", 0.0), float(value))
     return out
 
 

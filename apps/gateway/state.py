@@ -12,8 +12,10 @@
 * Tokens that may infer: every active team token whose creator is still an active member (read-only ones too,
   as viewers may run models), and inference-only tokens. Expired tokens stay in the map with their expiry so
   the gateway can say so; revoked ones are removed.
-* gRPC carries the model name inside the body, which HAProxy cannot check, so a team's gRPC goes only to
-  instances on hosts dedicated to that team (``g<team id>``): never to a shared instance.
+* gRPC unary calls follow the same routes (each slot has a gRPC twin with the placements' gRPC ports; the
+  gateway reads the model name from the message, see ``apps.gateway.grpc_frontend``). Streams are not
+  inspected, so they go only to instances on hosts dedicated to the caller's team (``g<team id>``); server-level
+  calls go to any routable instance (``grpc_any``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from apps.deployments.models import (
     Rollout,
 )
 from apps.fleet.models import InstanceState, TritonInstance
+from apps.gateway.grpc_frontend import ANY_INSTANCE
 from apps.gateway.haproxy import NEVER_EXPIRES, GatewayState, Options, Route, Server
 from apps.teams.models import ApiToken, Team
 from backend_ge.runtime import API_KEY_HEADER, GRPC_API_KEY_HEADER
@@ -52,6 +55,7 @@ def options() -> Options:
         default_limit=settings.GATEWAY_DEFAULT_REQUESTS_PER_SECOND,
         threads=settings.GATEWAY_THREADS,
         check_interval_ms=settings.GATEWAY_CHECK_INTERVAL_MS,
+        buffer_size=settings.GATEWAY_BUFFER_BYTES,
     )
 
 
@@ -81,6 +85,10 @@ def _routable(instance: TritonInstance) -> bool:
     return instance.state == InstanceState.READY and instance.host.revoked_at is None
 
 
+def _server(instance: TritonInstance) -> Server:
+    return Server(instance.api_key, instance.host.address, instance.http_port, grpc_port=instance.grpc_port)
+
+
 def _in_rotation(placement: DeploymentInstance, version: int) -> bool:
     """READY instance serving ``version`` (0: serving anything, during a switch)."""
     served = placement.served_version
@@ -97,7 +105,7 @@ def _canary_servers(
         if placement.canary_version_id != rollout.canary_version_id:
             continue
         instance = placement.instance
-        server = Server(instance.api_key, instance.host.address, instance.http_port)
+        server = _server(instance)
         servers.append(server)
         ready = _routable(instance) and placement.state == PlacementState.READY
         state.weights[(name, server.key)] = 100 if ready else 0
@@ -130,7 +138,7 @@ def _add_http_routes(state: GatewayState) -> None:
         servers = []
         for placement in placements:
             instance = placement.instance
-            server = Server(instance.api_key, instance.host.address, instance.http_port)
+            server = _server(instance)
             servers.append(server)
             state.weights[(name, server.key)] = 100 if _in_rotation(placement, version) else 0
         state.backends[name] = tuple(sorted(servers))
@@ -153,6 +161,14 @@ def _add_http_routes(state: GatewayState) -> None:
 
 
 def _add_grpc_routes(state: GatewayState) -> None:
+    every = []
+    for instance in TritonInstance.objects.select_related("host"):
+        server = Server(
+            instance.api_key, instance.host.address, instance.grpc_port, check_port=instance.http_port
+        )
+        every.append(server)
+        state.weights[(ANY_INSTANCE, server.key)] = 100 if _routable(instance) else 0
+    state.grpc_backends[ANY_INSTANCE] = tuple(sorted(every))
     dedicated = TritonInstance.objects.filter(host__team__isnull=False).select_related("host")
     for instance in dedicated:
         name = grpc_backend_name(instance.host.team_id)

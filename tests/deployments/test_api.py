@@ -214,6 +214,13 @@ def test_snippets_describe_the_model_for_viewers(viewer_client, deployment):
     assert call in body["tritonclient"]
     assert 'InferenceServerClient(url="127.0.0.1:8080")' in body["tritonclient"]
     assert 'headers = {"Authorization": "Bearer " + os.environ["TGP_TOKEN"]}' in body["tritonclient"]
+    # The gRPC script: the gateway's gRPC address, metadata key in lower case (tritonclient.grpc's rule).
+    grpc_script = body["tritonclient_grpc"]
+    assert "import tritonclient.grpc as grpcclient" in grpc_script
+    assert 'grpcclient.InferenceServerClient(url="127.0.0.1:8081")' in grpc_script
+    assert 'headers = {"authorization": "Bearer " + os.environ["TGP_TOKEN"]}' in grpc_script
+    assert call in grpc_script
+    compile(grpc_script, "snippet", "exec")
     assert "curl -X POST http://127.0.0.1:8080/v2/models/vision__classifier/infer" in body["curl"]
     assert '-H "Authorization: Bearer $TGP_TOKEN"' in body["curl"]
 

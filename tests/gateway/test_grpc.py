@@ -1,93 +1,207 @@
-"""gRPC through the gateway: HAProxy cannot read the model name inside the protobuf body, so a team's gRPC goes
-only to instances on hosts dedicated to that team - never to a shared instance - and is refused with
-PERMISSION_DENIED for a team that has none."""
+"""gRPC through the gateway on a shared instance: the gateway reads the model name from the whole protobuf message
+(apps/gateway/grpc.lua) and applies the HTTP gateway's tenancy to it. One live test (real HAProxy and
+tritonserver) covers the seed's BERT and MLP over tritonclient.grpc, tokens, another team's model under every
+message type, and crafted bodies sent raw."""
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
+import grpc
 import numpy as np
+import onnxruntime
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from apps.fleet.models import Host
 from apps.registry.models import RegisteredModel
 from apps.teams import services as team_services
+from backend_ge import samples
+from backend_ge.config import ModelSignature
+from backend_ge.examples import build_bert, build_mlp
 from tests.conftest import wait_for
+from tests.factories import ready_onnx_version
 from tests.gateway.conftest import deploy, ready_instance, requires_haproxy
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
+SERVICE = "/inference.GRPCInferenceService/"
 
 
-def grpc_infer(url: str, model: str, token: str) -> np.ndarray:
-    client = grpcclient.InferenceServerClient(url)
-    try:
-        data = np.array([[1.0, 2.0, 3.0, 4.0]], dtype=np.float32)
-        item = grpcclient.InferInput("input", list(data.shape), "FP32")
-        item.set_data_from_numpy(data)
-        # tritonclient.grpc refuses a header named "Authorization"; gRPC metadata keys are lower case.
-        result = client.infer(model, [item], headers={"authorization": f"Bearer {token}"}, client_timeout=10)
-        return result.as_numpy("output")
-    finally:
-        client.close()
+def auth(token: str) -> dict:
+    # tritonclient.grpc refuses a header named "Authorization"; gRPC metadata keys are lower case.
+    return {"authorization": f"Bearer {token}"}
 
 
 def grpc_error(url: str, model: str, token: str) -> InferenceServerException:
-    with pytest.raises(InferenceServerException) as caught:
-        grpc_infer(url, model, token)
+    """The error of a gRPC inference (an [1, 4] FP32 input) through the gateway."""
+    client = grpcclient.InferenceServerClient(url)
+    item = grpcclient.InferInput("input", [1, 4], "FP32")
+    item.set_data_from_numpy(np.ones((1, 4), np.float32))
+    try:
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer(model, [item], headers=auth(token), client_timeout=10)
+    finally:
+        client.close()
     return caught.value
 
 
-def test_grpc_reaches_only_the_teams_dedicated_instances(
+def status_of(call) -> tuple[str, str]:
+    with pytest.raises(InferenceServerException) as caught:
+        call()
+    return caught.value.status(), caught.value.message()
+
+
+def field(number: int, value: bytes) -> bytes:
+    """A length-delimited protobuf field (field numbers below 16, lengths below 16384 here)."""
+    size = len(value)
+    length = bytes([size]) if size < 128 else bytes([size & 0x7F | 0x80, size >> 7])
+    return bytes([number << 3 | 2]) + length + value
+
+
+def raw_call(url: str, method: str, body: bytes, token: str, **options) -> tuple[grpc.StatusCode, str]:
+    """One unary call with a hand-made message body (no serializer: the bytes go out as they are)."""
+    with grpc.insecure_channel(url) as channel:
+        call = channel.unary_unary(SERVICE + method)
+        try:
+            call(body, metadata=(("authorization", f"Bearer {token}"),), timeout=10, **options)
+        except grpc.RpcError as error:
+            return error.code(), error.details()
+    return grpc.StatusCode.OK, ""
+
+
+def test_grpc_tenancy_on_a_shared_instance(
     owner_client, outsider_client, owner, outsider, team, other_team, start_agent, make_scaler_version,
-    start_gateway, make_token,
+    start_gateway, make_token, artifact_root, tmp_path,
 ):  # fmt: skip
     _, shared = ready_instance(start_agent, "shared-a")
-    _, dedicated = ready_instance(start_agent, "vision-a")
-    Host.objects.filter(name="vision-a").update(team=team)
-    vision = RegisteredModel.objects.create(team=team, name="Scaler", slug="scaler", created_by=owner)
+    bert_onnx, mlp_onnx = build_bert(layers=1), build_mlp()
+    for slug, onnx_model in (("bert", bert_onnx), ("mlp", mlp_onnx)):
+        model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)
+        mlp_version = ready_onnx_version(model, onnx_model.SerializeToString(), tmp_path)
+        deploy(owner_client, "vision", slug, 1, [shared])
     speech = RegisteredModel.objects.create(
         team=other_team, name="Scaler", slug="scaler", created_by=outsider
     )
-    make_scaler_version(vision, 2.0)
     make_scaler_version(speech, 3.0)
-    deploy(owner_client, "vision", "scaler", 1, [dedicated])
     deploy(outsider_client, "speech", "scaler", 1, [shared])
     gateway = start_gateway()
-    _, vision_token = make_token(name="grpc")
+    token_row, token = make_token(name="grpc")
     _, speech_token = team_services.create_token(actor=outsider, team=other_team, name="grpc")
-
-    # The team with a dedicated instance: its model answers over gRPC through the gateway.
-    output = wait_for(
-        lambda: _try(lambda: grpc_infer(gateway.grpc_url, "vision__scaler", vision_token).tolist()),
-        15,
-        "gRPC routing",
-    )
-    assert output == [[2.0, 4.0, 6.0, 8.0]]
-
-    # Another team's model lives on a shared instance the gRPC route never reaches: Triton on the dedicated
-    # instance does not know it.
-    error = grpc_error(gateway.grpc_url, "speech__scaler", vision_token)
-    assert "unknown model" in error.message() or "not found" in error.message()
-
-    # A team without a dedicated instance: PERMISSION_DENIED with a message, never a shared instance.
-    error = grpc_error(gateway.grpc_url, "speech__scaler", speech_token)
-    assert error.status() == "StatusCode.PERMISSION_DENIED"
-    assert "dedicated to your team" in error.message()
-
-    # No or a wrong token: UNAUTHENTICATED.
-    error = grpc_error(gateway.grpc_url, "vision__scaler", "tgp_0_wrong")
-    assert error.status() == "StatusCode.UNAUTHENTICATED"
-
-    # The control plane is not offered over gRPC either.
     client = grpcclient.InferenceServerClient(gateway.grpc_url)
-    with pytest.raises(InferenceServerException) as caught:
-        client.unload_model("vision__scaler", headers={"authorization": f"Bearer {vision_token}"})
-    assert caught.value.status() == "StatusCode.UNIMPLEMENTED"
+
+    # The seed's BERT (two INT32 inputs) and the MLP, unversioned (the gateway pins them) and versioned.
+    ids = np.random.default_rng(1).integers(0, 30000, (1, 128)).astype(np.int32)
+    mask = np.ones((1, 128), np.int32)
+    inputs = [grpcclient.InferInput("input_ids", [1, 128], "INT32"),
+              grpcclient.InferInput("attention_mask", [1, 128], "INT32")]  # fmt: skip
+    inputs[0].set_data_from_numpy(ids)
+    inputs[1].set_data_from_numpy(mask)
+
+    def bert():
+        try:
+            return client.infer("vision__bert", inputs, headers=auth(token), client_timeout=20)
+        except InferenceServerException:
+            return None
+
+    result = wait_for(bert, 30, f"BERT over gRPC through the gateway\n{gateway.output()}")
+    expected = onnxruntime.InferenceSession(bert_onnx.SerializeToString()).run(
+        None, {"input_ids": ids, "attention_mask": mask}
+    )[0]
+    np.testing.assert_allclose(result.as_numpy("pooled_output"), expected, rtol=1e-4, atol=1e-5)
+    vector = np.random.default_rng(2).standard_normal((1, 256)).astype(np.float32)
+    mlp_input = grpcclient.InferInput("input", [1, 256], "FP32")
+    mlp_input.set_data_from_numpy(vector)
+    result = client.infer("vision__mlp", [mlp_input], model_version="1", headers=auth(token))
+    expected = onnxruntime.InferenceSession(mlp_onnx.SerializeToString()).run(None, {"input": vector})[0]
+    np.testing.assert_allclose(result.as_numpy("output"), expected, rtol=1e-4, atol=1e-5)
+    assert client.get_model_metadata("vision__mlp", headers=auth(token)).name == "vision__mlp"
+    assert client.is_model_ready("vision__mlp", headers=auth(token))
+    assert client.get_model_config("vision__mlp", headers=auth(token)).config.name == "vision__mlp"
+    assert client.get_inference_statistics("vision__mlp", headers=auth(token)).model_stats
+    assert client.is_server_live(headers=auth(token))
+
+    # The deployment page's gRPC script runs as it is against the gateway.
+    script = samples.tritonclient_example(
+        gateway.grpc_url, "vision__mlp", ModelSignature.from_dict(mlp_version.signature), auth=True, grpc=True
+    )
+    with mock.patch.dict(os.environ, {samples.TOKEN_ENV: token}):
+        exec(compile(script, "snippet", "exec"), {})  # noqa: S102 - the platform's own snippet
+
+    # Another team's model on the same instance is the same NOT_FOUND as a missing one, for every message type.
+    scaler = grpcclient.InferInput("input", [1, 4], "FP32")
+    scaler.set_data_from_numpy(np.ones((1, 4), np.float32))
+    for name in ("speech__scaler", "vision__missing"):
+        for call in (
+            lambda name=name: client.infer(name, [scaler], headers=auth(token)),
+            lambda name=name: client.get_model_metadata(name, headers=auth(token)),
+            lambda name=name: client.get_model_config(name, headers=auth(token)),
+            lambda name=name: client.get_inference_statistics(name, headers=auth(token)),
+            lambda name=name: client.is_model_ready(name, headers=auth(token)),
+        ):
+            assert status_of(call) == (
+                "StatusCode.NOT_FOUND",
+                f"Request for unknown model: '{name}' is not found",
+            )
+    assert client.infer("speech__scaler", [scaler], headers=auth(speech_token)).as_numpy(
+        "output"
+    ).tolist() == [[3.0] * 4]
+
+    # Statistics of every model, the repository, and streams on a shared instance stay closed.
+    assert (
+        status_of(lambda: client.get_inference_statistics(headers=auth(token)))[0]
+        == "StatusCode.INVALID_ARGUMENT"
+    )
+    assert (
+        status_of(lambda: client.unload_model("speech__scaler", headers=auth(token)))[0]
+        == "StatusCode.UNIMPLEMENTED"
+    )
+    with grpc.insecure_channel(gateway.grpc_url) as channel:
+        stream = channel.stream_stream(SERVICE + "ModelStreamInfer")(
+            iter([field(1, b"vision__mlp")]), metadata=(("authorization", f"Bearer {token}"),), timeout=10
+        )
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stream)
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "dedicated to your team" in caught.value.details()
+
+    # Crafted bodies: never forwarded, INVALID_ARGUMENT with the reason.
+    own, other = field(1, b"vision__mlp"), field(1, b"speech__scaler")
+    crafted = {
+        own + other: "names model_name more than once",  # protobuf would run the last one
+        own + field(2, b"1") + field(2, b"1"): "names model_version more than once",
+        own + b"\x18\xff\xff": "truncated varint",
+        own + b"\x3a\x50abc": "length runs past the end",
+        b"\x0a\x90": "length runs past the end",
+        own + field(2, b"01"): "not a version number",
+        field(1, b"x" * 129): "longer than 128",
+        field(1, b"vision mlp"): "may hold only",
+        b"": "must name a model",
+        own + field(7, b"\0" * 100) * 130: "larger than the gateway accepts",
+    }
+    for body, reason in crafted.items():
+        code, details = raw_call(gateway.grpc_url, "ModelInfer", body, token)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and reason in details, (body[:40], code, details)
+    # (grpcio leaves a message uncompressed when compressing does not make it smaller.)
+    compressible = own + field(7, b"\0" * 1000)
+    code, details = raw_call(
+        gateway.grpc_url, "ModelInfer", compressible, token, compression=grpc.Compression.Gzip
+    )
+    assert (code, "compressed" in details) == (grpc.StatusCode.INVALID_ARGUMENT, True)
+    assert raw_call(gateway.grpc_url, "ModelReady", own, token)[0] == grpc.StatusCode.OK
+
+    # Tokens: none, wrong, another team's, revoked.
+    assert status_of(lambda: client.is_model_ready("vision__mlp"))[0] == "StatusCode.UNAUTHENTICATED"
+    assert status_of(lambda: client.is_model_ready("vision__mlp", headers=auth("tgp_0_wrong")))[0] == (
+        "StatusCode.UNAUTHENTICATED"
+    )
+    assert status_of(lambda: client.is_model_ready("vision__mlp", headers=auth(speech_token)))[0] == (
+        "StatusCode.NOT_FOUND"
+    )
+    team_services.revoke_token(actor=owner, token=token_row)
+    wait_for(
+        lambda: raw_call(gateway.grpc_url, "ModelReady", own, token)[0] == grpc.StatusCode.UNAUTHENTICATED,
+        15,
+        "the revoked token to be refused",
+    )
     client.close()
-
-
-def _try(call):
-    try:
-        return call()
-    except InferenceServerException:
-        return None

@@ -188,16 +188,18 @@ def test_grpc_refusals_count_gateway_wide_with_their_http_equivalents(
     metered_gateway, down_deployment, make_token
 ):
     gateway, secret = metered_gateway
+    # The gateway reads the model from the message: the refusals count for its deployment too.
     for _ in range(2):
         assert grpc_error(gateway.grpc_url, MODEL, "tgp_0_wrong").status() == "StatusCode.UNAUTHENTICATED"
-    # No dedicated instance for the team, and a method the gateway does not offer: its own "not found".
-    assert grpc_error(gateway.grpc_url, MODEL, secret).status() == "StatusCode.PERMISSION_DENIED"
+    # An unknown model, and a method the gateway does not offer: its own "not found".
+    assert grpc_error(gateway.grpc_url, "vision__missing", secret).status() == "StatusCode.NOT_FOUND"
     client = grpcclient.InferenceServerClient(gateway.grpc_url)
     with pytest.raises(InferenceServerException) as caught:
         client.unload_model(MODEL, headers={"authorization": f"Bearer {secret}"})
     client.close()
     assert caught.value.status() == "StatusCode.UNIMPLEMENTED"
 
-    assert scrape_gateway() == 1  # gRPC names no model the gateway can read: gateway-wide only
+    assert scrape_gateway() == 2
     wide = GatewayMetrics.objects.get(deployment=None)
     assert (wide.requests, wide.responses_401, wide.responses_404, wide.responses_429) == (4, 2, 2, 0)
+    assert GatewayMetrics.objects.get(deployment=down_deployment).responses_401 == 2

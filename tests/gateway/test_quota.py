@@ -147,9 +147,9 @@ def test_grpc_over_the_quota_is_resource_exhausted_naming_the_limit(
     _, secret = make_token(name="client")
     wait_for(lambda: gateway.infer(MODEL, secret)[0] in (503, 429), 10, "the route")
     time.sleep(2.2)  # two whole rate periods
-    statuses = [grpc_error(gateway.grpc_url, MODEL, secret) for _ in range(3)]
+    statuses = [grpc_error(gateway.grpc_url, "vision__missing", secret) for _ in range(3)]
     codes = [error.status() for error in statuses]
-    # Admitted (no instance dedicated to the team), then over the limit.
-    assert codes[0] == "StatusCode.PERMISSION_DENIED" and "StatusCode.RESOURCE_EXHAUSTED" in codes[1:], codes
+    # Admitted (an unknown model), then over the limit.
+    assert codes[0] == "StatusCode.NOT_FOUND" and "StatusCode.RESOURCE_EXHAUSTED" in codes[1:], codes
     limited = next(e for e in statuses if e.status() == "StatusCode.RESOURCE_EXHAUSTED")
     assert limited.message() == "rate limit exceeded: team vision may send 1 requests per second"

@@ -121,5 +121,8 @@ def test_deployments_take_slots_at_run_time_and_only_an_exhausted_pool_reloads(
     result = subprocess.run(["haproxy", "-c", "-q", "-f", str(config)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     text = config.read_text()
-    assert text.count(f"server {first_instance.api_key} ") == 3  # a, c, d
-    assert second_instance.api_key not in text
+    # a, c, d over HTTP, their gRPC twins, and the backend of server-level gRPC calls (every instance).
+    http = [line for line in text.splitlines() if line.startswith(f"    server {first_instance.api_key} ")]
+    assert len([line for line in http if "proto h2" not in line]) == 3
+    assert len(http) == 7
+    assert text.count(f"server {second_instance.api_key} ") == 1  # gone from every deployment

@@ -1,0 +1,160 @@
+"""The gateway's gRPC frontend: per-model tenancy for KServe v2 gRPC on shared instances.
+
+No Django here (see ``apps.gateway.haproxy``). A unary call's body is one protobuf message whose field 1 names
+the model; ``grpc.lua`` (a Lua action) walks the whole message and HAProxy then applies the HTTP frontend's
+rules to the name it found. In this order:
+
+1. The method must be one the gateway offers (``GRPC_METHODS``), else ``UNIMPLEMENTED``: the repository,
+   shared-memory, trace and logging services stay closed to tenants.
+2. A unary model call waits for its whole body (bounded by the buffer: ``max_grpc_message``); the Lua action
+   refuses a body it cannot parse completely, one that is compressed, larger than the limit, carries more than
+   one message, or names ``model_name``/``model_version`` twice (protobuf keeps the *last* value) with
+   ``INVALID_ARGUMENT``, and nothing is forwarded.
+3. Token (``UNAUTHENTICATED``), rate limit (``RESOURCE_EXHAUSTED``), the model's route in ``models.map`` and
+   the team check: another team's model and an unknown one are the same ``NOT_FOUND``.
+4. Canary and pinning as for HTTP: an unversioned call is pinned to the route's version (or the canary's, for
+   ``weight`` % of them, one ``rand()`` draw) by appending ``model_version`` to the message (the Lua filter
+   ``grpc_pin``, the only way HAProxy 2.6 changes a body); a call naming the canary version goes to the canary.
+   ``ModelStatistics`` is not pinned: unversioned, it asks for every version of the model.
+5. The call goes to the slot's gRPC twin ``g<slot>`` (the same placements, their gRPC ports) without the
+   client's ``authorization`` and with the instance key.
+
+Server-level calls (``ServerLive``, ``ServerReady``, ``ServerMetadata``) name no model and go to any ready
+instance (``grpc_any``). ``ModelStreamInfer`` is not inspected - every message of a stream names its own model
+and HAProxy 2.6 cannot hold a stream's later messages back - so streams go only to instances on hosts
+dedicated to the caller's team (``grpc.map``), where every model is the team's, and are refused with
+``PERMISSION_DENIED`` elsewhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from apps.gateway.rules import COUNTS_TABLE, Options, count_rules, grpc_error, token_rules
+
+LUA_FILE = Path(__file__).with_name("grpc.lua")
+GRPC_METHODS = (
+    "ServerLive",
+    "ServerReady",
+    "ServerMetadata",
+    "ModelReady",
+    "ModelMetadata",
+    "ModelConfig",
+    "ModelStatistics",
+    "ModelInfer",
+    "ModelStreamInfer",
+)
+SERVICE = "/inference.GRPCInferenceService/"
+ANY_INSTANCE = "grpc_any"
+# What the buffer holds besides the message: HAProxy's rewrite reserve (tune.maxrewrite, 1024), the request's
+# headers (a token, grpc-timeout, user agent) and the HTX blocks' overhead.
+BUFFER_RESERVE = 4096
+
+
+def max_grpc_message(o: Options) -> int:
+    """The largest gRPC request message the gateway inspects (anything larger is refused, never forwarded)."""
+    return o.buffer_size - BUFFER_RESERVE
+
+
+def twin(slot: str) -> str:
+    """The gRPC backend beside the HTTP slot ``slot``: the same placements, their gRPC ports."""
+    return f"g{slot}"
+
+
+def frontend_lines(o: Options) -> list[str]:
+    unauthenticated = "missing, invalid or revoked API token: send metadata authorization: Bearer tgp_..."
+    methods = "|".join(GRPC_METHODS)
+    return [
+        "frontend grpc",
+        f"    bind {o.grpc_bind} proto h2",
+        "    filter lua.grpc_pin",
+        f"    http-request del-header {o.grpc_key_header}",
+        f"    http-request track-sc2 str(all) table {COUNTS_TABLE}",
+        *count_rules(0, 2),
+        f"    acl grpc_method path -m reg '^/inference\\.GRPCInferenceService/({methods})$'",
+        f"    acl stream_call path {SERVICE}ModelStreamInfer",
+        # Waits (yields) until the whole body is in or the buffer is full: the Lua action reads it, and a
+        # refusal sent while the client still sends made grpcio report CANCELLED (the RST_STREAM that ends
+        # the upload) instead of the refusal. Nothing yields after it before the token rules, which keep
+        # per-connection state (see token_rules).
+        "    http-request wait-for-body time 15s if !stream_call",
+        grpc_error(12, "this gRPC method is not offered by the gateway") + " if !grpc_method",
+        f"    acl server_call path {SERVICE}ServerLive {SERVICE}ServerReady {SERVICE}ServerMetadata",
+        "    acl model_call path -m reg '^/inference\\.GRPCInferenceService/Model(Ready|Metadata|Config|Statistics|Infer)$'",
+        f"    http-request lua.grpc_model {max_grpc_message(o)} if model_call",
+        grpc_error(3, "%[var(txn.gerr)]") + " if model_call { var(txn.gerr) -m found }",
+        f"    http-request set-var(txn.route) var(txn.model),map({o.map_file('models')}) if model_call",
+        f"    http-request track-sc1 var(txn.route),field(2,/) table {COUNTS_TABLE} if model_call",
+        *count_rules(1, 1, 2),
+        *token_rules(
+            o, grpc_error(16, unauthenticated), grpc_error(16, "the API token has expired; create a new one")
+        ),
+        *count_rules(2, 1, 2),
+        "    http-request track-sc0 var(txn.team) table team_rates",
+        f"    http-request set-var(txn.limit) var(txn.team),map({o.map_file('limits')},{o.default_limit})",
+        "    acl over_limit sc_gpc0_rate(0),sub(txn.limit) ge 0",
+        grpc_error(
+            8, "rate limit exceeded: team %[var(txn.team)] may send %[var(txn.limit)] requests per second"
+        )
+        + " if over_limit",
+        "    http-request sc-inc-gpc0(0)",
+        *count_rules(3, 1, 2),
+        "    acl own_model var(txn.route),field(1,/),strcmp(txn.team) eq 0",
+        grpc_error(5, "Request for unknown model: '%[var(txn.model)]' is not found")
+        + " if model_call !own_model",
+        f"    http-request set-var(txn.backend) var(txn.team),map({o.map_file('grpc')}) if stream_call",
+        "    acl dedicated var(txn.backend) -m found",
+        # A stream's first message (a bounded wait): the refusal then reaches a client that sent it (see above).
+        "    http-request wait-for-body time 1s if stream_call !dedicated",
+        grpc_error(
+            7,
+            "ModelStreamInfer reaches only instances dedicated to your team and your team has none; use ModelInfer",
+        )
+        + " if stream_call !dedicated",
+        *count_rules(4, 1, 2),
+        # An instance's NOT_FOUND (a version it does not serve) comes back as a trailers-only answer.
+        "    http-response sc-inc-gpc(5,1) if { res.hdr(grpc-status) 5 }",
+        "    http-response sc-inc-gpc(5,2) if { res.hdr(grpc-status) 5 }",
+        *_routing_lines(),
+        "    http-request del-header authorization",
+        f"    use_backend {ANY_INSTANCE} if server_call",
+        "    use_backend %[var(txn.backend)] if stream_call",
+        "    use_backend g%[var(txn.backend)]",
+        "",
+    ]
+
+
+def _routing_lines() -> list[str]:
+    """The HTTP frontend's canary and pinning rules, with the version read from the message."""
+    return [
+        "    acl explicit_version var(txn.gversion) -m found",
+        "    acl statistics path -m end /ModelStatistics",
+        "    http-request set-var(txn.backend) var(txn.route),field(3,/) if model_call",
+        "    http-request set-var(txn.version) var(txn.route),field(4,/) if model_call",
+        "    acl no_canary var(txn.route),field(5,/) -m str -- -",
+        "    http-request set-var(txn.cweight) var(txn.route),field(7,/) if model_call !no_canary !explicit_version",
+        "    http-request set-var(txn.canary) int(1) if model_call !no_canary !explicit_version { rand(100),sub(txn.cweight) lt 0 }",
+        "    http-request set-var(txn.cversion) var(txn.route),field(6,/) if model_call !no_canary explicit_version",
+        "    http-request set-var(txn.canary) int(1) if model_call !no_canary explicit_version { var(txn.gversion),strcmp(txn.cversion) eq 0 }",
+        "    acl canary var(txn.canary) -m found",
+        "    http-request set-var(txn.backend) var(txn.route),field(5,/) if canary",
+        "    http-request set-var(txn.version) var(txn.route),field(6,/) if canary",
+        "    acl pinned var(txn.version) -m int gt 0",
+        # The filter appends the version; the body's length changes, so an announced length would be wrong.
+        "    http-request set-var(txn.gpin) var(txn.version) if model_call pinned !explicit_version !statistics",
+        "    http-request del-header content-length if { var(txn.gpin) -m found }",
+    ]
+
+
+def backend_lines(slot: str, o: Options, checks: Path, servers: list[str]) -> list[str]:
+    """The gRPC twin of an HTTP slot, checked (over the instances' HTTP ports) like the slot."""
+    return [
+        f"backend {twin(slot)}",
+        "    balance leastconn",
+        "    option httpchk",
+        f"    http-check send meth GET uri-lf /v2/models/%[str({slot}),map({checks},-)]/ready",
+        "    http-check expect status 200",
+        f"    http-send-name-header {o.grpc_key_header}",
+        *servers,
+        "",
+    ]

@@ -1,0 +1,99 @@
+"""HAProxy rule snippets both gateway frontends (HTTP and gRPC) share, and the options they are rendered with.
+
+No Django here (see ``apps.gateway.haproxy``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Options:
+    """Where and how the gateway runs (from settings)."""
+
+    directory: Path
+    bind: str
+    grpc_bind: str
+    stats_bind: str
+    key_header: str
+    grpc_key_header: str
+    default_limit: int
+    threads: int = 1
+    check_interval_ms: int = 500
+    hard_stop_after_s: int = 60
+    # HAProxy's tune.bufsize: the largest request kept whole (for retries, and for reading a gRPC message).
+    buffer_size: int = 16384
+
+    @property
+    def admin_socket(self) -> Path:
+        return self.directory / "admin.sock"
+
+    @property
+    def config_file(self) -> Path:
+        return self.directory / "haproxy.cfg"
+
+    def map_file(self, name: str) -> Path:
+        return self.directory / f"{name}.map"
+
+    def make_directory(self) -> None:
+        """The gateway's directory is the platform's alone (0700): its configuration and maps name every
+        instance's key and the tokens' hashes, and Triton's servers may run on this machine as other users."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.directory.chmod(0o700)
+
+
+def json_error(status: int, message: str, extra: str = "") -> str:
+    body = json.dumps({"error": message})
+    if "'" in body:
+        raise ValueError("error bodies are written in single quotes")
+    return f"http-request return status {status} content-type application/json {extra}string '{body}'"
+
+
+def grpc_error(code: int, message: str) -> str:
+    if '"' in message:
+        raise ValueError("gRPC messages are written in double quotes")
+    return f'http-request return status 200 hdr grpc-status {code} hdr grpc-message "{message}"'
+
+
+def token_rules(o: Options, deny_unauthenticated: str, deny_expired: str) -> list[str]:
+    """Hash the token's secret and look ``<prefix>:<sha256>`` up in ``tokens.map``.
+
+    The hash is the costliest step, and a client sends the same header on every request of a connection: the
+    key is kept for the connection (``sess.`` variables) beside the header it was computed from, and computed
+    again whenever the header differs. The map lookup itself runs on every request, so a revocation or expiry
+    applies to open connections too. Both ``sess.`` variables are dropped before a new key is computed, so a
+    request without the header (or with one that yields no key) never finds the previous request's key.
+    """
+    tokens = o.map_file("tokens")
+    return [
+        "    acl auth_cached req.fhdr(authorization),strcmp(sess.auth) eq 0",
+        "    http-request unset-var(sess.tokkey) if !auth_cached",
+        "    http-request unset-var(sess.auth) if !auth_cached",
+        # A converter argument cannot hold parentheses, so no capture group: the prefix is the 2nd "_" field.
+        "    http-request set-var(txn.hash) req.fhdr(authorization),regsub('^[Bb]earer +tgp_[0-9a-f]+_',''),sha2(256),hex,lower if !auth_cached",
+        "    http-request set-var(sess.tokkey) req.fhdr(authorization),field(2,_),concat(:,txn.hash,) if { var(txn.hash) -m found }",
+        "    http-request set-var(sess.auth) req.fhdr(authorization) if { var(txn.hash) -m found }",
+        f"    http-request set-var(txn.tokval) var(sess.tokkey),map({tokens})",
+        "    http-request set-var(txn.team) var(txn.tokval),field(1,:)",
+        "    http-request set-var(txn.expires) var(txn.tokval),field(2,:)",
+        "    acl token_known var(txn.team) -m found",
+        "    acl token_expired date(),sub(txn.expires) ge 0",
+        f"    {deny_unauthenticated} if !token_known",
+        f"    {deny_expired} if token_expired",
+    ]
+
+
+# --- Refusal counts (apps.gateway.metrics reads them with `show table gateway_counts`). -----------------------
+# HAProxy 2.6 counts responses only by class, and `http-after-response` cannot increment counters, so each
+# request increments the stage it has passed: a refusal is the difference between two stages (401 = stage 1 -
+# stage 2, 429 = 2 - 3, the gateway's 404 = (0 - 1) + (3 - 4)); stage 5 counts 404s answered by an instance.
+# Key "all": every request (sticky counter 2); key "d<id>": requests naming a served model (sticky counter 1).
+COUNTS_TABLE = "gateway_counts"
+COUNT_STAGES = 6
+
+
+def count_rules(stage: int, *counters: int) -> list[str]:
+    return [f"    http-request sc-inc-gpc({stage},{sc})" for sc in counters]
