@@ -11,7 +11,8 @@ from __future__ import annotations
 from functools import cached_property
 
 from django.shortcuts import get_object_or_404
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers, status
 from rest_framework.response import Response
 
@@ -44,6 +45,13 @@ class ComposeSerializer(serializers.Serializer):
     note = serializers.CharField(required=False, allow_blank=True, max_length=2000)
 
 
+@extend_schema(
+    parameters=[
+        OpenApiParameter(
+            "model_slug", OpenApiTypes.STR, OpenApiParameter.PATH, description="The ensemble's slug."
+        )
+    ]
+)
 class EnsembleVersionViewSet(TeamScopedViewSet):
     """Compose a new version of an ensemble (maintainers)."""
 
