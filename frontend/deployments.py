@@ -6,8 +6,10 @@ from __future__ import annotations
 from datetime import timedelta
 
 from django import forms
+from django.conf import settings
 from django.contrib import messages
 from django.core.exceptions import ValidationError
+from django.core.validators import MaxValueValidator
 from django.db.models import Exists, OuterRef
 from django.http import HttpResponse, HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, redirect, render
@@ -16,8 +18,8 @@ from django.utils import timezone
 
 from apps.core.body_limits import PLAYGROUND_HINT, limit_body
 from apps.deployments import calling, services
-from apps.deployments.models import Deployment, DeploymentState
-from apps.fleet.models import TritonInstance
+from apps.deployments.models import Deployment, DeploymentState, Spread
+from apps.fleet.models import Pool, TritonInstance
 from apps.gateway.metrics import deployment_summary
 from apps.registry.models import ModelVersion, RegisteredModel
 from apps.teams.models import Action
@@ -37,16 +39,31 @@ EVENTS_SHOWN = 30
 
 
 class DeployForm(forms.Form):
+    """Replicas the scheduler places in a pool (``placement=pool``), or instances picked by hand (pinned; a
+    form posted without ``placement`` pins, as the form did before pools)."""
+
     model = forms.ChoiceField(label="Model")
     version = forms.TypedChoiceField(coerce=int, label="Version (READY)")
+    placement = forms.ChoiceField(
+        choices=[("pool", "Replicas in a pool"), ("instances", "Instances I pick")], required=False
+    )
+    replicas = forms.IntegerField(min_value=1, required=False, initial=1, label="Replicas")
+    pool = forms.ChoiceField(required=False, label="Pool")
+    spread = forms.ChoiceField(choices=Spread.choices, required=False, initial=Spread.HOST, label="Spread")
     instances = forms.TypedMultipleChoiceField(
-        coerce=int, widget=forms.CheckboxSelectMultiple, label="Instances", error_messages={
-            "required": "Pick at least one instance to deploy on."
-        }
-    )  # fmt: skip
+        coerce=int, widget=forms.CheckboxSelectMultiple, label="Instances", required=False
+    )
 
-    def __init__(self, *args, team, model_slug: str | None, instances, **kwargs):
+    def __init__(self, *args, team, model_slug: str | None, instances, pools=(), **kwargs):
         super().__init__(*args, **kwargs)
+        self.pool_rows = list(pools)
+        self.fields["pool"].choices = [("", "Any pool my team may use")] + [
+            (p.name, f"{p.name} ({p.get_executor_display()}{', dedicated' if p.team_id else ''})")
+            for p in self.pool_rows
+        ]
+        self.fields["replicas"].widget.attrs["max"] = settings.SCHEDULER_MAX_REPLICAS
+        self.fields["replicas"].validators.append(MaxValueValidator(settings.SCHEDULER_MAX_REPLICAS))
+        self.default_placement = "pool" if self.pool_rows else "instances"
         ready = ModelVersion.objects.ready().filter(model=OuterRef("pk"))
         self.models = list(
             RegisteredModel.objects.filter(team=team).filter(Exists(ready)).order_by("name", "pk")
@@ -60,6 +77,26 @@ class DeployForm(forms.Form):
         self.fields["version"].choices = [(v.number, f"v{v.number}") for v in versions]
         self.instance_rows = list(instances)
         self.fields["instances"].choices = [(i.pk, str(i)) for i in self.instance_rows]
+
+    def clean(self):
+        data = super().clean()
+        data["placement"] = data.get("placement") or "instances"
+        if data["placement"] == "instances" and not data.get("instances") and "instances" not in self.errors:
+            self.add_error("instances", "Pick at least one instance to deploy on.")
+        if data["placement"] == "pool":
+            data["replicas"] = data.get("replicas") or 1
+            data["spread"] = data.get("spread") or Spread.HOST
+            name = data.get("pool")
+            data["pool"] = next((p for p in self.pool_rows if p.name == name), None) if name else None
+        return data
+
+    def intent(self) -> dict:
+        """The keyword arguments of ``services.deploy_version`` for where it goes."""
+        data = self.cleaned_data
+        if data["placement"] == "instances":
+            rows = {i.pk: i for i in self.instance_rows}
+            return {"instances": [rows[pk] for pk in data["instances"]]}
+        return {"replicas": data["replicas"], "pool": data["pool"], "spread": data["spread"]}
 
 
 class DeploymentListView(TeamPageView):
@@ -98,6 +135,7 @@ class DeploymentCreateView(TeamPageView):
             team=self.team,
             model_slug=source.get("model"),
             instances=self.instances(),
+            pools=Pool.objects.usable_by_team(self.team).order_by("name"),
             initial=initial,
         )
 
@@ -114,13 +152,9 @@ class DeploymentCreateView(TeamPageView):
         if form.is_valid():
             model = form.chosen_model
             version = model.versions.get(number=form.cleaned_data["version"])
-            rows = {i.pk: i for i in form.instance_rows}
             try:
                 deployment = services.deploy_version(
-                    actor=request.user,
-                    model=model,
-                    version=version,
-                    instances=[rows[pk] for pk in form.cleaned_data["instances"]],
+                    actor=request.user, model=model, version=version, **form.intent()
                 )
             except ValidationError as error:
                 add_service_errors(form, error)

@@ -8,16 +8,52 @@ from __future__ import annotations
 from django.contrib import messages
 from django.contrib.auth.mixins import LoginRequiredMixin
 from django.core.exceptions import PermissionDenied, ValidationError
+from django.db.models import Q
 from django.http import HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, redirect
 from django.views.generic import TemplateView
 
-from apps.deployments.models import DeploymentInstance, DeploymentState
-from apps.fleet import services
-from apps.fleet.models import Host, TritonInstance, is_platform_staff
+from apps.deployments import scheduler
+from apps.deployments.models import DeploymentInstance, DeploymentState, PlacementState
+from apps.fleet import pools, services
+from apps.fleet.models import Host, Pool, TritonInstance, is_platform_staff
 from apps.teams.models import Action, team_ids_for
 
 INSTANCE_ACTIONS = ("start", "stop", "restart")
+CORDON_OPS = {"cordon": (True, False), "drain": (True, True), "uncordon": (False, False)}
+
+
+def with_capacity(user, instances: list[TritonInstance]) -> list[TritonInstance]:
+    """Each instance with ``usage`` (capacity, used, free: what the scheduler reads) and ``replicas``: the
+    live placements on it the user may see, plus ``other_replicas``, how many belong to other teams (a
+    shared instance must not name another team's models)."""
+    usage = scheduler.instance_usage(instances)
+    visible = set(team_ids_for(user, Action.VIEW))
+    staff = is_platform_staff(user)
+    rows = (
+        DeploymentInstance.objects.filter(instance__in=instances)
+        .exclude(state=PlacementState.UNLOADED)
+        .exclude(deployment__state=DeploymentState.UNDEPLOYED)
+        .select_related("deployment__model", "deployment__team")
+        .order_by("deployment__team__slug", "deployment__model__slug")
+    )
+    by_instance: dict[int, list] = {i.pk: [] for i in instances}
+    for placement in rows:
+        by_instance[placement.instance_id].append(placement)
+    for instance in instances:
+        instance.usage = usage[instance.pk]
+        placements = by_instance[instance.pk]
+        instance.replicas = [p for p in placements if staff or p.deployment.team_id in visible]
+        instance.other_replicas = len(placements) - len(instance.replicas)
+    return instances
+
+
+def drain_progress(host: Host) -> dict | None:
+    """A draining host: replicas still on it, and the ones moving now (replaced, waiting to unload)."""
+    if host.draining_at is None:
+        return None
+    left = DeploymentInstance.objects.filter(instance__host=host).exclude(state=PlacementState.UNLOADED)
+    return {"left": left.count(), "moving": left.exclude(retiring_reason="").count()}
 
 
 class HostListView(LoginRequiredMixin, TemplateView):
@@ -59,10 +95,13 @@ class HostDetailView(LoginRequiredMixin, TemplateView):
         host = get_object_or_404(
             Host.objects.for_user(self.request.user).select_related("team"), name=self.kwargs["host_name"]
         )
+        instances = list(host.instances.all())
         context.update(
             host=host,
             devices=host.devices.all(),
-            instances=host.instances.all(),
+            instances=with_capacity(self.request.user, instances),
+            pool=host.pool,
+            drain=drain_progress(host),
             can_operate=host.can_be_operated_by(self.request.user),
             is_staff=is_platform_staff(self.request.user),
             platform_url=self.request.build_absolute_uri("/").rstrip("/"),
@@ -73,8 +112,15 @@ class HostDetailView(LoginRequiredMixin, TemplateView):
         """Staff: a new one-time join token for the host's agent, or revoke the host's credential."""
         host = get_object_or_404(Host.objects.for_user(request.user), name=self.kwargs["host_name"])
         if not is_platform_staff(request.user):
-            raise PermissionDenied("Only platform staff may issue join tokens or revoke hosts.")
+            raise PermissionDenied(
+                "Only platform staff may issue join tokens, revoke, cordon or drain hosts."
+            )
         operation = request.POST.get("op", "")
+        if operation in CORDON_OPS:
+            cordoned, drain = CORDON_OPS[operation]
+            pools.set_cordon(actor=request.user, host=host, cordoned=cordoned, drain=drain)
+            messages.success(request, f"{host.name}: {operation} requested.")
+            return redirect("host-detail", host_name=host.name)
         if operation == "join-token":
             token = services.issue_join_token(actor=request.user, host=host)
             return self.render_to_response(self.get_context_data(join_token=token))
@@ -82,7 +128,9 @@ class HostDetailView(LoginRequiredMixin, TemplateView):
             services.revoke_host(actor=request.user, host=host)
             messages.success(request, f"{host.name} is revoked: its agent's calls are refused from now on.")
             return redirect("host-detail", host_name=host.name)
-        return HttpResponseBadRequest(f"Unknown operation '{operation}'; use join-token or revoke.")
+        return HttpResponseBadRequest(
+            f"Unknown operation '{operation}'; use join-token, revoke, cordon, drain or uncordon."
+        )
 
 
 class InstanceDetailView(LoginRequiredMixin, TemplateView):
@@ -137,3 +185,35 @@ class InstanceDetailView(LoginRequiredMixin, TemplateView):
             return self.render_to_response(self.get_context_data(instance=instance))
         messages.success(request, f"{operation.title()} requested for {instance}.")
         return redirect("instance-detail", host_name=instance.host.name, instance_name=instance.name)
+
+
+class PoolDetailView(LoginRequiredMixin, TemplateView):
+    """A pool: its hosts with their state (online, cordoned, draining) and capacity, free and used, summed
+    over their instances. Pools the user's teams may use (shared and their dedicated ones); staff see all."""
+
+    template_name = "frontend/fleet/pool_detail.html"
+
+    def get_context_data(self, **kwargs):
+        context = super().get_context_data(**kwargs)
+        pools_seen = Pool.objects.all()
+        if not is_platform_staff(self.request.user):
+            pools_seen = pools_seen.filter(
+                Q(team__isnull=True) | Q(team__in=team_ids_for(self.request.user, Action.VIEW))
+            )
+        pool = get_object_or_404(pools_seen.select_related("team"), name=self.kwargs["pool_name"])
+        hosts = list(Host.objects.filter(pool=pool).prefetch_related("instances").order_by("name"))
+        usage = scheduler.instance_usage([i for h in hosts for i in h.instances.all()])
+        for host in hosts:
+            figures = [usage[i.pk] for i in host.instances.all()]
+            host.capacity_mb = sum(f["capacity_mb"] or 0 for f in figures)
+            host.used_mb = sum(f["used_mb"] for f in figures)
+            host.free_mb = sum(max(0, f["free_mb"] or 0) for f in figures)
+            host.largest_free_mb = max((f["free_mb"] or 0 for f in figures), default=0)
+            host.schedulable = host.is_schedulable(scheduler.grace())
+        context.update(
+            pool=pool,
+            hosts=hosts,
+            free_mb=sum(h.free_mb for h in hosts if h.schedulable),
+            capacity_mb=sum(h.capacity_mb for h in hosts),
+        )
+        return context

@@ -100,6 +100,7 @@ urlpatterns = [
     ),
     path("hosts/", fleet.HostListView.as_view(), name="hosts"),
     path("hosts/<slug:host_name>/", fleet.HostDetailView.as_view(), name="host-detail"),
+    path("pools/<slug:pool_name>/", fleet.PoolDetailView.as_view(), name="pool-detail"),
     path(
         "hosts/<slug:host_name>/instances/<slug:instance_name>/",
         fleet.InstanceDetailView.as_view(),

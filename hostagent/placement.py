@@ -26,6 +26,7 @@ from backend_ge.errors import public_error
 from backend_ge.final_counts import read_final_counts
 from backend_ge.runtime import TritonError, TritonServer
 from backend_ge.served_config import host_instance_limit
+from hostagent import footprint
 from hostagent.client import (
     DeploymentSpec,
     DesiredState,
@@ -181,7 +182,7 @@ def _apply_locked(
         and server.is_model_ready(name, str(target.number))
     )
     try:
-        switch_version(agent, proc, name, served, target, tested=tested)
+        measured = switch_version(agent, proc, name, served, target, tested=tested)
     except (TritonError, RepositoryError, SmokeTestError, OSError) as exc:
         message = public_error(exc)
         # Report what Triton really serves after the failure, not what it served before. Re-applying the
@@ -200,7 +201,11 @@ def _apply_locked(
         return
     _forget_failed_loads(agent, name)
     agent.reports.placement_loaded(
-        placement.pk, generation, target, message=f"{placement.instance} serves {target}"
+        placement.pk,
+        generation,
+        target,
+        message=f"{placement.instance} serves {target}",
+        footprint_mb=measured,
     )
 
 
@@ -312,14 +317,28 @@ def _undeploy(agent: AgentState, proc: InstanceProcess, placement: PlacementSpec
     )
 
 
-def _smoke_test_candidate(agent: AgentState, proc: InstanceProcess, name: str, version: VersionSpec) -> None:
+def _meter(agent: AgentState, proc: InstanceProcess, name: str) -> footprint.Meter | None:
+    """Readings before ``name`` loads alone on the instance (its first deploy, or a candidate): what the load
+    adds is the version's footprint (``hostagent.footprint``)."""
+    instance = agent.desired.instance(proc.instance_id)
+    process = getattr(proc.server, "process", None)
+    return footprint.start(getattr(process, "pid", None), name, instance.device_ids if instance else None)
+
+
+def _smoke_test_candidate(
+    agent: AgentState, proc: InstanceProcess, name: str, version: VersionSpec
+) -> int | None:
+    """Load the version under the candidate name, smoke-test it, unload it; returns its measured footprint."""
     server = proc.server
     candidate = naming.candidate_name(name)
     try:
         _materialize(agent, proc, candidate, [version])
+        meter = _meter(agent, proc, candidate)
         server.load_model(candidate)
         _wait_model_ready(server, candidate, version.number)
+        measured = meter.finish() if meter else None
         smoke_test(server, candidate, version)
+        return measured
     finally:
         # Also after a failed load: Triton keeps an UNAVAILABLE entry for the candidate until it is unloaded.
         try:
@@ -338,18 +357,22 @@ def switch_version(
     target: VersionSpec,
     *,
     tested: bool = False,
-) -> None:
+) -> int | None:
     """Candidate load + smoke test, then old+new, then new only. Leaves the old version serving on failure.
+    Returns the target's footprint when it was measured (it loaded alone: a first deploy or a candidate).
 
     A first deploy (nothing served under ``name`` yet) has no traffic to protect: it loads under the served name
     directly and is smoke-tested there, which halves the cost of deploying many models.
     """
     server = proc.server
+    measured = None
     if current is None:
         try:
             _materialize(agent, proc, name, [target])
+            meter = _meter(agent, proc, name)
             server.load_model(name)
             _wait_model_ready(server, name, target.number)
+            measured = meter.finish() if meter else None
             smoke_test(server, name, target)
         except BaseException:
             try:
@@ -359,9 +382,9 @@ def switch_version(
             finally:
                 remove_model(proc.repository, name)
             raise
-        return
+        return measured
     if not tested:
-        _smoke_test_candidate(agent, proc, name, target)
+        measured = _smoke_test_candidate(agent, proc, name, target)
     if current is not None and current != target:
         try:
             _materialize(agent, proc, name, [current, target])
@@ -375,6 +398,7 @@ def switch_version(
     with final_counts_reported(agent, proc, name, [current.number] if current != target else []):
         server.load_model(name)
     _wait_model_ready(server, name, target.number)
+    return measured
 
 
 @contextlib.contextmanager

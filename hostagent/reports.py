@@ -52,6 +52,7 @@ class Reports:
         kind: LoadedKind | None = LoadedKind.SERVING,
         message: str = "",
         canary: VersionSpec | None = None,
+        footprint_mb: int | None = None,
     ) -> bool:
         report = PlacementReport(
             generation,
@@ -60,6 +61,7 @@ class Reports:
             canary=_pk(canary),
             kind=kind,
             message=message,
+            footprint_mb=footprint_mb,
         )
         return self._send(placement_id, report)
 

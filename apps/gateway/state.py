@@ -90,8 +90,12 @@ def _server(instance: TritonInstance) -> Server:
 
 
 def _in_rotation(placement: DeploymentInstance, version: int) -> bool:
-    """READY instance serving ``version`` (0: serving anything, during a switch)."""
+    """READY instance serving ``version`` (0: serving anything, during a switch), and not told to unload: a
+    retired replica (drained, or replaced) leaves the rotation in the same commit that tells its agent to
+    unload it, so requests go to its replacement before the model is gone."""
     served = placement.served_version
+    if placement.unload:
+        return False
     return _routable(placement.instance) and served is not None and (version == 0 or served.number == version)
 
 

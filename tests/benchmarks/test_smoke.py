@@ -38,15 +38,19 @@ def postgres_database(name: str) -> str:
     return urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
 
 
-def fleet_scale_arguments() -> list[str]:
-    """fleet_scale.py measures PostgreSQL: a scratch database on the suite's server (it drops it at the end)."""
+def postgres_arguments(script: str) -> list[str]:
+    """fleet_scale.py and scheduler.py measure PostgreSQL: a scratch database on the suite's server (each drops
+    it at the end)."""
     import psycopg
 
     try:
         psycopg.connect(postgres_database("postgres"), connect_timeout=3).close()
     except psycopg.Error as exc:
-        pytest.skip(f"fleet_scale.py needs PostgreSQL and {postgres_database('')} is not reachable: {exc}")
-    return ["--database-url", postgres_database(f"fleet_scale_smoke_{os.getpid()}")]
+        pytest.skip(f"{script} needs PostgreSQL and {postgres_database('')} is not reachable: {exc}")
+    return ["--database-url", postgres_database(f"{Path(script).stem}_smoke_{os.getpid()}")]
+
+
+POSTGRES_BENCHMARKS = ("fleet_scale.py", "scheduler.py")
 
 
 def run_smoke(script: str, *extra: str, timeout: float, tmpdir: Path) -> str:
@@ -128,6 +132,17 @@ SMOKES = [
         id="fleet_scale",
     ),
     pytest.param(
+        "scheduler.py",
+        [
+            r"^fleet: 4 hosts x 8 devices, 12 deployments, \d+ replicas",
+            rf"^placement decision: p50 {NUMBER} ms  p99 {NUMBER} ms",
+            rf"^packing: \d+ devices used, lower bound \d+ \({NUMBER} GiB of footprints\); pending deployments: 0",
+            r"^over capacity: 0 \(0 expected\)",
+            rf"^host loss: \d+ replicas placed elsewhere and READY in {NUMBER} s .* replaced_all_s = grace 60",
+        ],
+        id="scheduler",
+    ),
+    pytest.param(
         "gateway.py",
         [
             rf"^c1: direct {NUMBER} req/s p50 {NUMBER} ms \| gateway .* added p50 {NUMBER} ms, throughput {NUMBER}x",
@@ -196,7 +211,7 @@ def test_every_benchmark_has_a_smoke_run():
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize(("script", "figures"), SMOKES)
 def test_benchmark_runs_to_the_end_and_prints_its_figures(script, figures):
-    extra = fleet_scale_arguments() if script == "fleet_scale.py" else []
+    extra = postgres_arguments(script) if script in POSTGRES_BENCHMARKS else []
     # Short, under /tmp: the gateway's admin socket lives in it (a socket path holds at most 107 bytes).
     tmpdir = Path(tempfile.mkdtemp(prefix="bench-smoke-"))
     try:

@@ -108,7 +108,7 @@ class Agent:
     free ports): it joins with the host's one-time token and then knows only the platform's URL and its own
     credential - no DATABASE_URL, no broker URL, no Django."""
 
-    def __init__(self, name: str, env: dict, log_path: Path, platform: str):
+    def __init__(self, name: str, env: dict, log_path: Path, platform: str, labels: dict | None = None):
         from apps.fleet import services
 
         self.name = name
@@ -116,7 +116,7 @@ class Agent:
         self.log_path = log_path
         self.var_dir = Path(env["VAR_DIR"])
         self.credential_file = self.var_dir / "host-credential"
-        self.host, token = services.create_host(actor=None, name=name, address="127.0.0.1")
+        self.host, token = services.create_host(actor=None, name=name, address="127.0.0.1", labels=labels)
         services.create_instance(
             actor=None,
             host=self.host,
@@ -158,14 +158,14 @@ PLATFORM_ONLY_ENV = ("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND
 def start_agent(tmp_path, artifact_root, live_server):
     agents: list[Agent] = []
 
-    def _start(name: str, **extra) -> Agent:
+    def _start(name: str, labels: dict | None = None, **extra) -> Agent:
         var_dir = tmp_path / f"agent-{name}-var"
         var_dir.mkdir()
         # The host's own directory (beside the artifact store, see ``artifact_root``); no artifact store.
         env = agent_environment(
             {"VAR_DIR": var_dir, "FLEET_ROOT": Path(artifact_root).parent / "fleet", **extra}
         )
-        agent = Agent(name, env, tmp_path / f"agent-{name}.log", live_server.url)
+        agent = Agent(name, env, tmp_path / f"agent-{name}.log", live_server.url, labels)
         agents.append(agent)
         return agent
 

@@ -31,3 +31,22 @@ def test_a_revoked_hosts_instances_leave_rotation_while_the_others_stay(
     after = desired_state().weights
     assert after[(name, trusted.api_key)] == 100
     assert after[(name, revoked.api_key)] == 0
+
+
+def test_a_replica_told_to_unload_leaves_rotation_before_its_agent_unloads_it(
+    team,
+    owner,
+    shared_host,  # noqa: F811 - the imported fixture
+):
+    staying = add_instance(shared_host, "cpu-0", port=18100)
+    leaving = add_instance(shared_host, "cpu-1", port=18200)
+    deployment = deploy(team, owner, "a", staying)
+    retired = deployment.placements.create(
+        instance=leaving, served_version=deployment.active_version, state="READY", retiring_reason="drain"
+    )
+    name = backend_name(deployment.pk)
+    assert desired_state().weights[(name, leaving.api_key)] == 100  # still serves until its replacement does
+    retired.unload = True
+    retired.save(update_fields=["unload"])
+    weights = desired_state().weights
+    assert weights[(name, leaving.api_key)] == 0 and weights[(name, staying.api_key)] == 100
