@@ -22,14 +22,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def artifact_root(tmp_path, settings):
-    root = tmp_path / "artifacts"
-    root.mkdir()
-    settings.ARTIFACT_ROOT = root
-    return root
-
-
-@pytest.fixture
 def make_version(team, owner, artifact_root):
     """A version in state UPLOADED whose source dir holds the given files (name -> bytes)."""
     counter = {"n": 0}

@@ -8,7 +8,7 @@ from apps.deployments import services
 from apps.deployments.models import Deployment, DeploymentState, PlacementState
 from apps.fleet.models import Host
 from apps.registry.models import VersionState
-from tests.deployments.conftest import add_instance, make_version
+from tests.support.models import add_instance, make_version
 
 pytestmark = pytest.mark.django_db
 

@@ -7,7 +7,7 @@ import pytest
 
 from apps.deployments import services
 from apps.deployments.models import Deployment, DeploymentState, PlacementState
-from tests.deployments.conftest import make_version
+from tests.support.models import make_version
 
 pytestmark = pytest.mark.django_db
 

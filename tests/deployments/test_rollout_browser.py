@@ -11,9 +11,9 @@ from django.utils import timezone
 from apps.deployments import rollouts, services
 from apps.deployments.models import RolloutAnalysis, RolloutState
 from tests.conftest import SCREENSHOTS, requires_chromium
-from tests.deployments.conftest import make_version
 from tests.deployments.test_rollouts import report_canary
 from tests.deployments.test_state_machine import serving
+from tests.support.models import make_version
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True), requires_chromium]
 

@@ -18,14 +18,8 @@ from apps.registry.models import ModelVersion, RegisteredModel
 from tests.conftest import wait_for
 from tests.deployments.rollout_models import flaky_scaler_onnx, slow_scaler_onnx
 from tests.factories import ready_onnx_version
-from tests.gateway.conftest import (  # noqa: F401 - shared fixtures
-    Load,
-    deploy,
-    make_scaler_version,
-    ready_instance,
-    requires_haproxy,
-    scaler_onnx,
-)
+from tests.support.models import scaler_onnx
+from tests.support.servers import Load, deploy, ready_instance, requires_haproxy
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 INTERVAL = 2

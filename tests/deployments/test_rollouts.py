@@ -18,8 +18,8 @@ from apps.deployments.models import (
     Rollout,
     RolloutState,
 )
-from tests.deployments.conftest import make_version
 from tests.deployments.test_state_machine import finish, serving
+from tests.support.models import make_version
 
 pytestmark = pytest.mark.django_db
 

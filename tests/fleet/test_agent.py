@@ -19,7 +19,8 @@ from apps.fleet.services import notify_hosts
 from apps.registry.models import ModelVersion
 from backend_ge import config as gc
 from tests.conftest import wait_for
-from tests.fleet.conftest import expected_output, instance_key_headers
+from tests.support.models import expected_output
+from tests.support.servers import instance_key_headers
 
 pytestmark = [pytest.mark.triton, pytest.mark.django_db(transaction=True)]
 

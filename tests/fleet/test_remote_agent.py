@@ -19,8 +19,8 @@ from apps.fleet import services as fleet_services
 from apps.fleet.agent_client import ArtifactDownloadError, CredentialRefused, PlatformClient, VersionSpec
 from apps.fleet.models import InstanceState, TritonInstance
 from tests.conftest import wait_for
-from tests.fleet.conftest import PLATFORM_ONLY_ENV
 from tests.fleet.test_agent import seed_example_3
+from tests.support.servers import PLATFORM_ONLY_ENV
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -159,7 +159,7 @@ def test_a_revoked_host_given_a_new_join_token_joins_again_and_its_old_credentia
 
     from apps.fleet.agent_client import save_credential
     from apps.fleet.models import Host
-    from tests.fleet.conftest import ROOT
+    from tests.support.servers import ROOT
 
     host, token = fleet_services.create_host(actor=None, name="again", address="127.0.0.1")
     _, old = fleet_services.join_host(token)

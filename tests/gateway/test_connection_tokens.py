@@ -19,7 +19,8 @@ from apps.fleet.models import Host
 from apps.registry.models import RegisteredModel
 from apps.teams import services as team_services
 from tests.conftest import wait_for
-from tests.gateway.conftest import INFER_BODY, deploy, ready_instance, requires_haproxy
+from tests.support.models import INFER_BODY
+from tests.support.servers import deploy, ready_instance, requires_haproxy
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 

@@ -4,7 +4,6 @@ PERMISSION_DENIED for a team that has none."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
@@ -13,28 +12,9 @@ from apps.fleet.models import Host
 from apps.registry.models import RegisteredModel
 from apps.teams import services as team_services
 from tests.conftest import wait_for
-from tests.gateway.conftest import deploy, ready_instance, requires_haproxy
+from tests.support.servers import deploy, grpc_error, grpc_infer, ready_instance, requires_haproxy
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
-
-
-def grpc_infer(url: str, model: str, token: str) -> np.ndarray:
-    client = grpcclient.InferenceServerClient(url)
-    try:
-        data = np.array([[1.0, 2.0, 3.0, 4.0]], dtype=np.float32)
-        item = grpcclient.InferInput("input", list(data.shape), "FP32")
-        item.set_data_from_numpy(data)
-        # tritonclient.grpc refuses a header named "Authorization"; gRPC metadata keys are lower case.
-        result = client.infer(model, [item], headers={"authorization": f"Bearer {token}"}, client_timeout=10)
-        return result.as_numpy("output")
-    finally:
-        client.close()
-
-
-def grpc_error(url: str, model: str, token: str) -> InferenceServerException:
-    with pytest.raises(InferenceServerException) as caught:
-        grpc_infer(url, model, token)
-    return caught.value
 
 
 def test_grpc_reaches_only_the_teams_dedicated_instances(

@@ -14,31 +14,15 @@ import tritonclient.grpc as grpcclient
 from django.urls import reverse
 from tritonclient.utils import InferenceServerException
 
-from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.gateway.metrics import scrape_gateway
 from apps.gateway.models import GatewayMetrics, GatewayScrapeState
 from apps.monitoring.tasks import scrape_instances
 from apps.teams import services as team_services
 from tests.conftest import client_for, wait_for
-from tests.deployments.conftest import add_instance, make_version, model, shared_host  # noqa: F401
-from tests.gateway.conftest import requires_haproxy
-from tests.gateway.test_grpc import grpc_error
+from tests.support.servers import grpc_error, requires_haproxy
 
 pytestmark = [requires_haproxy, pytest.mark.django_db(transaction=True)]
 MODEL = "vision__classifier"
-
-
-@pytest.fixture
-def down_deployment(team, owner, shared_host, model):  # noqa: F811 - the imported fixtures
-    version = make_version(model, 1)
-    instance = add_instance(shared_host, port=1)  # nothing listens on port 1: the server is DOWN
-    deployment = Deployment.objects.create(
-        team=team, model=model, active_version=version, state=DeploymentState.SERVING, created_by=owner
-    )
-    DeploymentInstance.objects.create(
-        deployment=deployment, instance=instance, served_version=version, state=PlacementState.READY
-    )
-    return deployment
 
 
 @pytest.fixture

@@ -17,9 +17,9 @@ from apps.fleet.models import InstanceState, TritonInstance
 from apps.monitoring.models import InstanceMetrics, ModelMetrics, ScrapeState
 from apps.monitoring.scraper import scrape_instance
 from tests.conftest import wait_for
-from tests.fleet.conftest import instance_key_headers
 from tests.fleet.test_agent import deployment_settled, instance_of
 from tests.monitoring.builders import infer_body
+from tests.support.servers import instance_key_headers
 
 pytestmark = [pytest.mark.triton, pytest.mark.django_db(transaction=True)]
 

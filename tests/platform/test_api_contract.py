@@ -14,7 +14,7 @@ import yaml
 from django.core.management import call_command
 
 from apps.deployments import services as deployment_services
-from tests.deployments.conftest import add_instance, make_version
+from tests.support.models import add_instance, make_version
 
 ROOT = Path(__file__).resolve().parents[2]
 

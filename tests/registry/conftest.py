@@ -1,4 +1,5 @@
-"""Registry fixtures: a private ARTIFACT_ROOT per test, a model, and an upload helper speaking the API."""
+"""Registry fixtures: the folder's model (ResNet 50, the shared ``model`` is the classifier) and an upload
+helper speaking the API; the private ARTIFACT_ROOT per test is the shared ``artifact_root``."""
 
 from __future__ import annotations
 
@@ -13,16 +14,8 @@ CHUNK_TYPE = "application/offset+octet-stream"
 
 
 @pytest.fixture
-def artifact_root(settings, tmp_path) -> Path:
-    """ARTIFACT_ROOT inside an otherwise empty folder, so a walk of its parent sees every write."""
-    root = tmp_path / "sandbox" / "artifacts"
-    root.mkdir(parents=True)
-    settings.ARTIFACT_ROOT = root
-    return root
-
-
-@pytest.fixture
 def model(owner, team, artifact_root):
+    """ResNet 50 of team vision: what the upload tests upload to."""
     return services.create_model(actor=owner, team=team, name="ResNet 50", slug="resnet50")
 
 
@@ -57,3 +50,21 @@ def upload(client, filename: str, data: bytes, *, chunks: int = 3, **extra):
 
 def files_under(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if not p.is_dir())
+
+
+@pytest.fixture
+def v1(classifier, artifact_root):
+    """Version 1 of the classifier, READY, with files."""
+    from tests.registry.builders import with_files
+    from tests.support.models import make_version
+
+    return with_files(make_version(classifier, 1))
+
+
+@pytest.fixture
+def v2(classifier, artifact_root):
+    """Version 2 of the classifier, READY, with files."""
+    from tests.registry.builders import with_files
+    from tests.support.models import make_version
+
+    return with_files(make_version(classifier, 2))
