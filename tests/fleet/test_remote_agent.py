@@ -98,6 +98,8 @@ def test_a_revoked_host_is_refused_and_gets_no_more_work(start_agent, make_ready
         actor=owner, model=version.model, version=version, instances=[instance]
     )
     wait_for(lambda: "no more work" in agent.output(), 15, f"the agent to be refused\n{agent.output()}")
+    # Nothing may happen: an agent that still took work would fetch the new state within its poll interval
+    # (FLEET_POLL_INTERVAL_MS, 1 s) and report the placement LOADING at once; two intervals.
     time.sleep(2)
     placement = deployment.placements.get()
     assert placement.state == PlacementState.PENDING and placement.applied_generation == 0
