@@ -11,19 +11,11 @@ from django.utils import timezone
 from apps.deployments import rollouts, services
 from apps.deployments.models import RolloutAnalysis, RolloutState
 from tests.conftest import SCREENSHOTS, requires_chromium
-from tests.deployments.test_rollouts import report_canary
-from tests.deployments.test_state_machine import serving
+from tests.deployments.helpers import report_canary, serving
+from tests.support.browser import login
 from tests.support.models import make_version
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True), requires_chromium]
-
-
-def login(page, live_server, username: str) -> None:
-    page.goto(f"{live_server.url}/login/")
-    page.fill("input[name=username]", username)
-    page.fill("input[name=password]", "correct horse battery staple")
-    page.click("button[type=submit]")
-    page.wait_for_selector("nav.mainnav")
 
 
 def test_the_rollout_panel_draws_charts_and_its_controls_work_without_a_reload(

@@ -19,8 +19,7 @@ from apps.fleet import services as fleet_services
 from apps.fleet.agent_client import ArtifactDownloadError, CredentialRefused, PlatformClient, VersionSpec
 from apps.fleet.models import InstanceState, TritonInstance
 from tests.conftest import wait_for
-from tests.fleet.test_agent import seed_example_3
-from tests.support.servers import PLATFORM_ONLY_ENV
+from tests.support.servers import PLATFORM_ONLY_ENV, seed_example_3
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

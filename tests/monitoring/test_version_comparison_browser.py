@@ -7,7 +7,7 @@ import pytest
 
 from tests.conftest import SCREENSHOTS, requires_chromium
 from tests.monitoring.builders import HOSTILE
-from tests.monitoring.test_browser import login
+from tests.support.browser import login
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True), requires_chromium]
 

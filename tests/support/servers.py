@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from apps.deployments.models import Deployment, DeploymentState
@@ -25,7 +26,7 @@ from apps.fleet.models import InstanceState, TritonInstance
 from apps.gateway.haproxy import AdminSocket, Slots
 from backend_ge.runtime import free_port
 from tests.conftest import wait_for
-from tests.support.models import INFER_BODY
+from tests.support.models import INFER_BODY, expected_output
 
 ROOT = Path(__file__).resolve().parents[2]
 requires_haproxy = pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed")
@@ -348,3 +349,44 @@ def server_status(gateway: GatewayProcess, logical: str, key: str) -> str:
 def worker_pid(gateway: GatewayProcess) -> int | None:
     """HAProxy's worker: a reload replaces it, so an unchanged pid means no reload happened."""
     return gateway.admin().worker_pid()
+
+
+def instance_of(agent) -> TritonInstance:
+    return wait_for(
+        lambda: TritonInstance.objects.filter(host__name=agent.name, state=InstanceState.READY).first(),
+        120,
+        f"{agent.name}'s instance to be READY\n{agent.output()}",
+    )
+
+
+def deployment_settled(deployment: Deployment, timeout: float = 120) -> Deployment:
+    def settled():
+        row = Deployment.objects.get(pk=deployment.pk)
+        return (
+            row
+            if row.state in (DeploymentState.SERVING, DeploymentState.FAILED)
+            and row.target_version_id is None
+            else None
+        )
+
+    return wait_for(settled, timeout, f"deployment {deployment.pk} to settle")
+
+
+def seed_example_3(url: str, model_name: str) -> np.ndarray:
+    """Seed example 3, unchanged but for the model name the platform gave the model."""
+    client = httpclient.InferenceServerClient(url=url)
+    assert client.is_server_ready()
+    assert client.is_model_ready(model_name)
+    input_data = np.random.randn(1, 3, 224, 224).astype(np.float32)
+    inputs = [httpclient.InferInput("input", input_data.shape, "FP32")]
+    inputs[0].set_data_from_numpy(input_data)
+    outputs = [httpclient.InferRequestedOutput("output")]
+    results = client.infer(
+        model_name=model_name, inputs=inputs, outputs=outputs, headers=instance_key_headers(url)
+    )
+    output_data = results.as_numpy("output")
+    assert output_data.shape == (1, 1000)
+    top5 = np.argsort(output_data[0])[-5:][::-1]
+    assert len(top5) == 5
+    np.testing.assert_allclose(output_data, expected_output(1.0, input_data), rtol=1e-4, atol=1e-5)
+    return output_data
