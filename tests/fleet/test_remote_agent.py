@@ -156,11 +156,10 @@ def test_a_revoked_host_given_a_new_join_token_joins_again_and_its_old_credentia
     live_server, tmp_path, artifact_root
 ):
     import subprocess
-    import sys
 
     from apps.fleet.agent_client import save_credential
     from apps.fleet.models import Host
-    from tests.support.servers import ROOT
+    from tests.support.servers import ROOT, agent_command, agent_env
 
     host, token = fleet_services.create_host(actor=None, name="again", address="127.0.0.1")
     _, old = fleet_services.join_host(token)
@@ -168,13 +167,11 @@ def test_a_revoked_host_given_a_new_join_token_joins_again_and_its_old_credentia
     save_credential(credential_file, old)
     fleet_services.revoke_host(actor=None, host=host)
     new_token = fleet_services.issue_join_token(actor=None, host=host)
-    env = {k: v for k, v in os.environ.items() if k not in PLATFORM_ONLY_ENV}
-    env.update(VAR_DIR=str(tmp_path / "var"), FLEET_ROOT=str(artifact_root.parent / "fleet"), DEBUG="1")
+    env = agent_env(tmp_path / "var", artifact_root.parent / "fleet")
     log = tmp_path / "again.log"
     with log.open("wb") as out:
         agent = subprocess.Popen(
-            [sys.executable, "manage.py", "hostagent", "--platform", live_server.url, "--join-token", new_token,
-             "--credential-file", str(credential_file)],
+            agent_command(live_server.url, new_token, credential_file),
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         try:
