@@ -19,6 +19,9 @@ from tests.factories import MembershipFactory, TeamFactory, UserFactory
 
 PASSWORD = "correct horse battery staple"
 
+# The fixtures every folder shares (artifact store, agents, gateway, browser, rows): one plugin module.
+pytest_plugins = ["tests.support.plugin"]
+
 
 @pytest.fixture
 def team(db):
@@ -118,34 +121,6 @@ SCREENSHOTS = Path(__file__).resolve().parents[1] / "var" / "screenshots"
 requires_chromium = pytest.mark.skipif(
     not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed (apt install chromium)"
 )
-
-
-@pytest.fixture
-def page(live_server):
-    """A Playwright page in headless Chromium, for tests against the live server."""
-    from django.db import connections
-    from playwright.sync_api import sync_playwright
-
-    # Playwright's sync API runs an event loop in this thread; the test's own ORM calls are still sync.
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--no-first-run"],
-        )  # fmt: skip
-        context = browser.new_context(viewport={"width": 1280, "height": 1000})
-        page = context.new_page()
-        page.set_default_timeout(15_000)
-        yield page
-        context.close()
-        browser.close()
-        # Playwright's sync API runs the test in a context of its own (a greenlet), so the fixtures and the
-        # test opened their database connection there: close it now, or it stays open after the test and
-        # PostgreSQL refuses to drop the test database at the end ("being accessed by other users").
-        connections.close_all()
-    os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
 
 
 def wait_for(predicate, timeout: float, message: str = "condition", interval: float = 0.1):

@@ -14,7 +14,7 @@ from django.utils import timezone
 from apps.alerts.models import AlertRule
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.monitoring.models import ModelMetrics
-from tests.deployments.conftest import add_instance, make_version, shared_host  # noqa: F401 - fixtures
+from tests.support.models import add_instance, make_version
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def clock():
 
 
 @pytest.fixture
-def serving(team, owner, shared_host, clock):  # noqa: F811 - the imported fixture
+def serving(team, owner, shared_host, clock):
     from apps.registry.models import RegisteredModel
 
     model = RegisteredModel.objects.create(team=team, name="Classifier", slug="classifier", created_by=owner)

@@ -13,16 +13,9 @@ from apps.alerts.models import AlertKind, NotificationChannel, Silence
 from apps.deployments.models import PlacementState
 from apps.fleet.models import Host
 from tests.conftest import SCREENSHOTS, requires_chromium
+from tests.support.browser import login
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True), requires_chromium]
-
-
-def login(page, live_server, username: str) -> None:
-    page.goto(f"{live_server.url}/login/")
-    page.fill("input[name=username]", username)
-    page.fill("input[name=password]", "correct horse battery staple")
-    page.click("button[type=submit]")
-    page.wait_for_selector("nav.mainnav")
 
 
 def test_dashboard_and_alerts_page_with_the_badge(

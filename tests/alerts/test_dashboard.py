@@ -14,7 +14,7 @@ from apps.conversions.models import ConversionJob, JobState
 from apps.deployments.models import PlacementState
 from apps.fleet.models import Host, InstanceState
 from apps.registry.models import VersionState
-from tests.deployments.conftest import make_version
+from tests.support.models import make_version
 
 pytestmark = pytest.mark.django_db
 

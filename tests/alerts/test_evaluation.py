@@ -200,7 +200,7 @@ def test_deploying_creates_the_default_rules_once_per_team(
     team, owner, shared_host, django_capture_on_commit_callbacks
 ):
     from apps.registry.models import RegisteredModel
-    from tests.deployments.conftest import add_instance, make_version
+    from tests.support.models import add_instance, make_version
 
     instance = add_instance(shared_host)
     for slug in ("first", "second"):

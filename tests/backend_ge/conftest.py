@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
+from onnx import helper
 
 from backend_ge import examples
 from backend_ge.runtime import TritonServer, load_all
+from tests.backend_ge.builders import DTYPES
 
 # Models the tests add next to the examples, with the config text each gets.
 RAGGED_MLP = """
@@ -42,10 +43,6 @@ backend: "ge"
 max_batch_size: 8
 dynamic_batching { preferred_batch_size: [ 8 ] max_queue_delay_microseconds: 1500000 }
 """
-
-DTYPES = [("FP32", TensorProto.FLOAT), ("FP16", TensorProto.FLOAT16), ("INT8", TensorProto.INT8),
-          ("UINT8", TensorProto.UINT8), ("INT32", TensorProto.INT32), ("INT64", TensorProto.INT64),
-          ("BOOL", TensorProto.BOOL)]  # fmt: skip
 
 
 def build_dtype_echo() -> onnx.ModelProto:

@@ -5,44 +5,14 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
 
 from backend_ge import dtypes
 from backend_ge.executors.acl import AclError, AclExecutor
 from backend_ge.executors.base import ExecutorError
+from tests.backend_ge.builders import mlp_model
 from tests.backend_ge.fake_acl import FakeAcl, write_fake_om
 
 GEARS = [1, 2, 4, 8]
-
-
-def mlp_model():
-    """x[N,4] float -> y = relu(x @ W + b) [N,3], plus ids[N,2] int32 -> ids * 2 as a second output."""
-    rng = np.random.default_rng(0)
-    w = helper.make_tensor(
-        "w", TensorProto.FLOAT, [4, 3], rng.standard_normal((4, 3)).astype(np.float32).ravel()
-    )
-    b = helper.make_tensor("b", TensorProto.FLOAT, [3], rng.standard_normal(3).astype(np.float32))
-    two = helper.make_tensor("two", TensorProto.INT32, [1], [2])
-    nodes = [
-        helper.make_node("MatMul", ["x", "w"], ["xw"]),
-        helper.make_node("Add", ["xw", "b"], ["pre"]),
-        helper.make_node("Relu", ["pre"], ["y"]),
-        helper.make_node("Mul", ["ids", "two"], ["ids2"]),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "mlp",
-        [
-            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
-            helper.make_tensor_value_info("ids", TensorProto.INT32, ["N", 2]),
-        ],
-        [
-            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3]),
-            helper.make_tensor_value_info("ids2", TensorProto.INT32, ["N", 2]),
-        ],
-        [w, b, two],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
 
 
 @pytest.fixture

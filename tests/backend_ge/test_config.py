@@ -9,45 +9,15 @@ from onnx import TensorProto, helper
 from tritonclient.grpc import model_config_pb2 as mc
 
 from backend_ge import config as gc
+from tests.backend_ge.seeds import (
+    SEED_BERT,
+    SEED_ENSEMBLE,
+    SEED_ENSEMBLE_AS_PRINTED,
+    SEED_RESNET50,
+    SEED_RESNET50_AS_PRINTED,
+)
 
 # The seed article's configs, with the quotes its web rendering lost put back.
-SEED_RESNET50 = """
-name: "resnet50"
-platform: "graph_executor"
-max_batch_size: 32
-input [ { name: "input" data_type: TYPE_FP32 format: FORMAT_NCHW dims: [3, 224, 224] } ]
-output [ { name: "output" data_type: TYPE_FP32 dims: [1000] } ]
-parameters [
-  { key: "EXECUTOR_TYPE" value: { string_value: "graph" } },
-  { key: "DEVICE_ID" value: { string_value: "0" } }
-]
-dynamic_batching { preferred_batch_size: [4, 8, 16] max_queue_delay_microseconds: 5000 }
-"""
-
-SEED_BERT = """
-name: "bert"
-platform: "graph_executor"
-max_batch_size: 16
-input [
-  { name: "input_ids" data_type: TYPE_INT32 dims: [128] },
-  { name: "attention_mask" data_type: TYPE_INT32 dims: [128] }
-]
-output [ { name: "pooled_output" data_type: TYPE_FP32 dims: [768] } ]
-dynamic_batching { preferred_batch_size: [4, 8] max_queue_delay_microseconds: 5000 }
-"""
-
-SEED_ENSEMBLE = """
-name: "preprocess_resnet_postprocess"
-platform: "ensemble"
-input [ { name: "raw_image" data_type: TYPE_UINT8 dims: [-1] } ]
-output [ { name: "predictions" data_type: TYPE_FP32 dims: [5] } ]
-step [ { model_name: "preprocess" model_version: 1
-         input_map { key: "input" value: "raw_image" } output_map { key: "output" value: "preprocessed_image" } } ]
-step [ { model_name: "resnet50" model_version: 1
-         input_map { key: "input" value: "preprocessed_image" } output_map { key: "output" value: "logits" } } ]
-step [ { model_name: "postprocess" model_version: 1
-         input_map { key: "input" value: "logits" } output_map { key: "output" value: "predictions" } } ]
-"""
 
 
 def fields(errors) -> set[str]:
@@ -262,22 +232,6 @@ def test_default_batch_gears():
 
 
 # The seed article prints its configs with every quote stripped; users paste them like that.
-SEED_RESNET50_AS_PRINTED = """name: resnet50
-platform: graph_executor
-max_batch_size: 32
-input [ { name: input data_type: TYPE_FP32 format: FORMAT_NCHW dims: [3, 224, 224] } ]
-output [ { name: output data_type: TYPE_FP32 dims: [1000] } ]
-# GE 后端配置
-parameters [ { key: EXECUTOR_TYPE value: { string_value: graph } }, { key: DEVICE_ID value: { string_value: 0 } } ]
-dynamic_batching { preferred_batch_size: [4, 8, 16] max_queue_delay_microseconds: 5000 }
-"""
-
-SEED_ENSEMBLE_AS_PRINTED = """name: preprocess_resnet_postprocess
-platform: ensemble
-step [ { model_name: preprocess model_version: 1 input_map { key: input value: raw_image } output_map { key: output value: preprocessed_image } } ]
-step [ { model_name: resnet50 model_version: 1 input_map { key: input value: preprocessed_image } output_map { key: output value: logits } } ]
-step [ { model_name: postprocess model_version: 1 input_map { key: input value: logits } output_map { key: output value: predictions } } ]
-"""
 
 
 def test_seed_config_without_quotes_parses_and_normalizes():

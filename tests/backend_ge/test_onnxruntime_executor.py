@@ -193,8 +193,8 @@ def test_unknown_executor_value_is_rejected(version_dir):
 
 
 def test_create_executor_builds_the_acl_executor_when_pyacl_imports(version_dir, monkeypatch):
+    from tests.backend_ge.builders import mlp_model
     from tests.backend_ge.fake_acl import FakeAcl, write_fake_om
-    from tests.backend_ge.test_acl_executor import mlp_model
 
     fake = FakeAcl(device_count=8)
     monkeypatch.setitem(sys.modules, "acl", fake)

@@ -7,7 +7,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from backend_ge import config as gc
 from backend_ge import served_config as sc
-from tests.backend_ge.test_config import SEED_BERT, SEED_ENSEMBLE, SEED_RESNET50, SEED_RESNET50_AS_PRINTED
+from tests.backend_ge.seeds import SEED_BERT, SEED_ENSEMBLE, SEED_RESNET50, SEED_RESNET50_AS_PRINTED
 
 BASE = (
     'name: "m" backend: "ge" max_batch_size: 8\n'

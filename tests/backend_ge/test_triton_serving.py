@@ -12,7 +12,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from backend_ge.examples import ENSEMBLE
-from tests.backend_ge.conftest import DTYPES
+from tests.backend_ge.builders import DTYPES
 
 pytestmark = pytest.mark.triton
 

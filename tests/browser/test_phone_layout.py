@@ -2,7 +2,6 @@
 that opens onto the navigation, the team switcher and logout; the version page in the browser. Screenshots
 land under var/screenshots/ (ignored by git)."""
 
-# ruff: noqa: F811 - the fixtures imported below are test arguments
 from __future__ import annotations
 
 from datetime import timedelta
@@ -16,10 +15,10 @@ from apps.deployments.models import PlacementState
 from apps.registry.models import ModelVersion
 from apps.teams import services as teams
 from apps.teams.models import Membership, Role
-from tests.conftest import PASSWORD, SCREENSHOTS, requires_chromium
-from tests.deployments.conftest import instance, make_version, model, shared_host  # noqa: F401
-from tests.fleet.conftest import artifact_root  # noqa: F401
-from tests.registry.test_version_lifecycle import with_files
+from tests.conftest import SCREENSHOTS, requires_chromium
+from tests.registry.builders import with_files
+from tests.support.browser import sign_in
+from tests.support.models import make_version
 
 pytestmark = [pytest.mark.browser, requires_chromium]
 
@@ -63,14 +62,6 @@ def estate(owner, other_team, model, instance, artifact_root):
     deployments.placement_finished(deployment.placements.get())
     teams.create_token(actor=owner, team=model.team, name="ci pipeline token", read_only=True)
     return {"model": model, "version": v1, "job": job, "deployment": deployment, "instance": instance}
-
-
-def sign_in(page, url: str) -> None:
-    page.goto(f"{url}/login/")
-    page.fill("input[name=username]", "olivia")
-    page.fill("input[name=password]", PASSWORD)
-    page.click("button[type=submit]")
-    page.wait_for_selector("h1")
 
 
 def main_pages(estate) -> dict[str, str]:

@@ -3,7 +3,6 @@
 classifier's result. The inference itself is covered with a real Triton in tests/deployments/test_browser.py;
 here the result partial is the one the server renders, put in place as htmx would."""
 
-# ruff: noqa: F811 - the fixtures imported below are test arguments
 from __future__ import annotations
 
 import json
@@ -16,10 +15,9 @@ from django.template.loader import render_to_string
 
 from apps.deployments import services as deployments
 from apps.deployments.models import PlacementState
-from tests.browser.test_phone_layout import sign_in
 from tests.conftest import requires_chromium
-from tests.deployments.conftest import instance, make_version, model, shared_host  # noqa: F401
-from tests.fleet.conftest import artifact_root  # noqa: F401
+from tests.support.browser import sign_in
+from tests.support.models import make_version
 
 pytestmark = [pytest.mark.browser, requires_chromium]
 

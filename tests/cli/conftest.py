@@ -10,8 +10,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.fleet.conftest import artifact_root, make_ready_version, start_agent  # noqa: F401 - shared fixtures
-from tests.gateway.conftest import gateway_env, start_gateway  # noqa: F401 - shared fixtures
 from tgp import cli
 
 

@@ -24,9 +24,8 @@ from apps.deployments.models import Deployment, PlacementState
 from apps.fleet.models import Host
 from apps.registry.models import RegisteredModel, UploadSession, VersionState
 from backend_ge.runtime import free_port
-from tests.deployments.conftest import add_instance
-from tests.deployments.test_state_machine import finish
-from tests.fleet.conftest import classifier_onnx
+from tests.deployments.helpers import finish
+from tests.support.models import add_instance, classifier_onnx
 from tgp.client import Client, UploadJournal
 
 ROOT = Path(__file__).resolve().parents[2]

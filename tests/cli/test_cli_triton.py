@@ -11,7 +11,7 @@ import pytest
 
 from apps.fleet.models import InstanceState, TritonInstance
 from tests.conftest import wait_for
-from tests.fleet.conftest import expected_output
+from tests.support.models import expected_output
 
 pytestmark = [pytest.mark.triton, pytest.mark.servers]
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -16,17 +15,9 @@ from django.db import connection
 
 from apps.registry.models import ModelVersion, RegisteredModel, SourceFormat, VersionState
 from backend_ge import examples
-from tests.conftest import subprocess_database_url
+from tests.conftest import subprocess_database_url, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def artifact_root(tmp_path, settings):
-    root = tmp_path / "artifacts"
-    root.mkdir()
-    settings.ARTIFACT_ROOT = root
-    return root
 
 
 @pytest.fixture
@@ -69,10 +60,15 @@ def mlp_bytes() -> bytes:
     return examples.build_mlp(sizes=(16, 32, 4)).SerializeToString()
 
 
+WORKER_APP = "test-celery-worker"
+
+
 def worker_env(artifact_root: Path, **extra) -> dict:
     """The environment of a worker subprocess: the test database, the test's artifact root, the test's PATH."""
     env = os.environ.copy()
-    env["DATABASE_URL"] = subprocess_database_url()
+    url = subprocess_database_url()
+    # Named, so the teardown waits for the worker's sessions only (not the live server's or the test's own).
+    env["DATABASE_URL"] = f"{url}?application_name={WORKER_APP}" if url.startswith("postgres") else url
     env["ARTIFACT_ROOT"] = str(artifact_root)
     env.setdefault("DEBUG", "1")
     env.update({k: str(v) for k, v in extra.items()})
@@ -168,16 +164,15 @@ def start_worker(tmp_path, artifact_root, celery_queue):
         worker.stop()
     if workers and connection.vendor == "postgresql":
         # A worker's pool processes may outlive it by a moment; their sessions would block dropping the test DB.
-        def others() -> int:
+        def sessions() -> int:
             with connection.cursor() as cursor:
                 cursor.execute(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = %s",
+                    [WORKER_APP],
                 )
                 return cursor.fetchone()[0]
 
-        deadline = time.monotonic() + 15
-        while others() and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for(lambda: sessions() == 0, 15, "the stopped workers' database sessions to end", interval=0.2)
 
 
 def onnx_model_bytes(model: onnx.ModelProto) -> bytes:

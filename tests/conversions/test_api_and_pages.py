@@ -11,6 +11,7 @@ from django.urls import reverse
 from apps.conversions import runner, services
 from apps.conversions.models import ConversionJob, JobState
 from apps.registry.models import VersionState
+from tests.conversions.helpers import config_url, converted
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -18,17 +19,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 @pytest.fixture
 def no_atc(monkeypatch):
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
-
-
-def converted(make_version, files, owner, *, fail=False):
-    version = make_version(files)
-    with mock.patch("apps.conversions.services.enqueue_conversion"):
-        job = services.start_conversion(actor=owner, version=version)
-    runner.execute_job(job.pk)
-    job.refresh_from_db()
-    version.refresh_from_db()
-    assert version.state == (VersionState.FAILED if fail else VersionState.READY)
-    return version, job
 
 
 @pytest.fixture
@@ -43,10 +33,6 @@ def failed(make_version, owner, no_atc):
 
 def jobs_url(*rest) -> str:
     return "/api/v1/teams/vision/conversion-jobs/" + "".join(f"{r}/" for r in rest)
-
-
-def config_url(version) -> str:
-    return f"/api/v1/teams/vision/models/{version.model.slug}/versions/{version.number}/config/"
 
 
 def test_jobs_list_filters_and_detail_carries_the_log(ready, viewer_client):

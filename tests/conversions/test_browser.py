@@ -3,8 +3,6 @@ progress bar advance to READY, then polling stops. Screenshot under var/screensh
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from django.db import transaction
 
@@ -59,7 +57,9 @@ def test_job_page_shows_live_progress_until_ready(
     # No more requests for the partial once it has finished.
     requests = []
     page.on("request", lambda r: requests.append(r.url) if "/progress/" in r.url else None)
-    time.sleep(3)
+    # Nothing may happen: a page still polling asks every 2 s (progress.html's hx-trigger), so one period and
+    # a margin for the request is the shortest wait that would see it.
+    page.wait_for_timeout(2_500)
     assert requests == []
 
     page.click("text=View / edit config")

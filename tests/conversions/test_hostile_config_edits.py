@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from apps.audit.models import AuditEvent
-from tests.conversions.test_api_and_pages import config_url, converted
+from tests.conversions.helpers import config_url, converted
 from tests.registry.hostile_configs import CASES, instances
 
 pytestmark = pytest.mark.django_db(transaction=True)

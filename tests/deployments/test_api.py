@@ -10,8 +10,8 @@ from apps.fleet.models import Host
 from apps.registry.models import VersionState
 from apps.teams.models import Role
 from tests.conftest import bearer_client, client_for
-from tests.deployments.conftest import add_instance, make_version
 from tests.factories import MembershipFactory, UserFactory
+from tests.support.models import add_instance, make_version
 
 pytestmark = pytest.mark.django_db
 

@@ -17,9 +17,9 @@ from apps.teams import services as teams
 from backend_ge import examples
 from backend_ge.convert import prepare_onnx
 from tests.conftest import wait_for
-from tests.gateway.conftest import deploy, ready_instance
-from tests.registry.conftest import upload
 from tests.registry.ensemble_builders import ensemble_model, seed_ensemble_dir, tar_of
+from tests.registry.uploads import upload
+from tests.support.servers import deploy, ready_instance
 
 pytestmark = [
     pytest.mark.triton,

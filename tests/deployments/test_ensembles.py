@@ -11,10 +11,10 @@ from apps.deployments.agent_api import desired_state_of
 from apps.deployments.models import DeploymentState
 from apps.registry import ensembles
 from hostagent.protocol import check_desired_state
-from tests.deployments.conftest import add_instance
-from tests.deployments.test_state_machine import serving
-from tests.registry.conftest import models_url
+from tests.deployments.helpers import serving
 from tests.registry.ensemble_builders import ensemble_model, ready_step, seed_spec, seed_steps
+from tests.registry.uploads import models_url
+from tests.support.models import add_instance
 
 pytestmark = pytest.mark.django_db
 

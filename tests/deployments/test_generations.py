@@ -8,7 +8,7 @@ import pytest
 
 from apps.deployments import services
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
-from tests.deployments.conftest import add_instance, make_version
+from tests.support.models import add_instance, make_version
 
 pytestmark = pytest.mark.django_db
 

@@ -16,7 +16,7 @@ import pytest
 from apps.deployments.models import Deployment, DeploymentState
 from apps.fleet.models import InstanceState, TritonInstance
 from tests.conftest import wait_for
-from tests.fleet.conftest import expected_output
+from tests.support.models import expected_output
 
 pytestmark = [pytest.mark.triton, pytest.mark.django_db(transaction=True)]
 

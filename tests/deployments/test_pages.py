@@ -8,8 +8,8 @@ import pytest
 from apps.deployments import services
 from apps.deployments.models import Deployment, DeploymentState, PlacementState
 from apps.teams.models import Role
-from tests.deployments.conftest import make_version
 from tests.factories import MembershipFactory, UserFactory
+from tests.support.models import make_version
 
 pytestmark = pytest.mark.django_db
 

@@ -16,7 +16,7 @@ from apps.deployments import calling, services
 from apps.deployments.api import PlaygroundJSONParser
 from apps.deployments.models import Deployment, PlacementState
 from backend_ge.config import ModelSignature
-from tests.deployments.conftest import CLASSIFIER_SIGNATURE
+from tests.support.models import CLASSIFIER_SIGNATURE
 
 pytestmark = pytest.mark.django_db
 

@@ -11,7 +11,7 @@ from django.test.utils import CaptureQueriesContext
 
 from apps.deployments import services
 from apps.deployments.models import DeploymentInstance, DeploymentState, PlacementState
-from tests.deployments.conftest import add_instance
+from tests.support.models import add_instance
 
 pytestmark = pytest.mark.django_db
 

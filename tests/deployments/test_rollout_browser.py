@@ -11,19 +11,11 @@ from django.utils import timezone
 from apps.deployments import rollouts, services
 from apps.deployments.models import RolloutAnalysis, RolloutState
 from tests.conftest import SCREENSHOTS, requires_chromium
-from tests.deployments.conftest import make_version
-from tests.deployments.test_rollouts import report_canary
-from tests.deployments.test_state_machine import serving
+from tests.deployments.helpers import report_canary, serving
+from tests.support.browser import login
+from tests.support.models import make_version
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True), requires_chromium]
-
-
-def login(page, live_server, username: str) -> None:
-    page.goto(f"{live_server.url}/login/")
-    page.fill("input[name=username]", username)
-    page.fill("input[name=password]", "correct horse battery staple")
-    page.click("button[type=submit]")
-    page.wait_for_selector("nav.mainnav")
 
 
 def test_the_rollout_panel_draws_charts_and_its_controls_work_without_a_reload(
@@ -44,6 +36,7 @@ def test_the_rollout_panel_draws_charts_and_its_controls_work_without_a_reload(
                      "canary": {"requests_per_s": 1.0, "success_rate": rate, "p50_ms": 1.5, "p99_ms": 3.0, "queue_ms": 0.2}},
         )  # fmt: skip
 
+    page.clock.install()  # time flows, and the panel's 10 s poll can be run forward below
     login(page, live_server, maintainer.username)
     page.goto(f"{live_server.url}/teams/vision/deployments/{deployment.pk}/")
     page.wait_for_selector("#rollout-state")
@@ -79,9 +72,14 @@ def test_the_rollout_panel_draws_charts_and_its_controls_work_without_a_reload(
     # The idle panel polls every 10 s, but not while the start form is open: what is typed stays.
     page.click("#rollout-start summary")
     page.fill("#rollout-start input[name=steps]", "5 100")
-    page.wait_for_timeout(11_000)
+    polls: list[str] = []
+    page.on("request", lambda r: polls.append(r.url) if r.url.endswith("/rollout/") else None)
+    page.clock.run_for(11_000)  # past the idle panel's 10 s poll: it would have asked for the panel now
+    assert polls == []
     assert page.locator("#rollout-start input[name=steps]").input_value() == "5 100"
     page.click("#rollout-start summary")  # closed: polling resumes
     # A rollout started elsewhere shows up on the page without a reload (the panel polls).
     rollouts.start_rollout(actor=owner, deployment=deployment, canary=make_version(model, 3))
+    page.clock.run_for(10_000)  # to the idle panel's next poll
     page.wait_for_selector("#rollout-canary:has-text('v3')", timeout=20_000)
+    assert polls, "the panel's poll was not seen (the check above that it does not poll could not fail)"

@@ -5,10 +5,11 @@ the beat task run in a thread of the test process (``Beat``) the way celery beat
 from __future__ import annotations
 
 import threading
-import time
+from datetime import timedelta
 
 import pytest
 from django.db import connections
+from django.utils import timezone
 
 from apps.audit.models import AuditEvent
 from apps.deployments import rollouts
@@ -18,23 +19,18 @@ from apps.registry.models import ModelVersion, RegisteredModel
 from tests.conftest import wait_for
 from tests.deployments.rollout_models import flaky_scaler_onnx, slow_scaler_onnx
 from tests.factories import ready_onnx_version
-from tests.gateway.conftest import (  # noqa: F401 - shared fixtures
-    Load,
-    deploy,
-    make_scaler_version,
-    ready_instance,
-    requires_haproxy,
-    scaler_onnx,
-)
+from tests.support.models import scaler_onnx
+from tests.support.servers import Load, deploy, ready_instance, requires_haproxy
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 INTERVAL = 2
+BEAT_TICK = 0.25  # seconds between two runs of the rollout checks in ``Beat``
 
 
 class Beat:
     """``rollouts.check_rollouts`` every ``tick`` seconds in a thread, as the beat task runs it."""
 
-    def __init__(self, tick: float = 0.25) -> None:
+    def __init__(self, tick: float = BEAT_TICK) -> None:
         self.tick, self.errors = tick, []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -98,6 +94,13 @@ def scaler(owner_client, owner, team, start_agent, make_onnx_version, start_gate
         return model, deployment, gateway, secret, agent
 
     return _setup
+
+
+def past(moment, what: str) -> None:
+    """Wait (bounded) until ``moment`` - a time something is due - has passed."""
+    assert moment is not None, f"no time for {what}"
+    bound = (moment - timezone.now()).total_seconds() + 5
+    wait_for(lambda: timezone.now() > moment, max(bound, 1), what, interval=0.05)
 
 
 def start(client, deployment, version: int, **options):
@@ -245,9 +248,12 @@ def test_pause_resume_promote_and_abort_through_the_api(scaler, owner_client, ma
         wait_for(
             lambda: Rollout.objects.get(pk=rollout.pk).current_weight == 40, 60, "weight 40", interval=0.2
         )
+        due = Rollout.objects.get(pk=rollout.pk).next_check_at
         assert owner_client.post(f"{url}{rollout.pk}/pause/").json()["state"] == "PAUSED"
         checks = rollout.analyses.count()
-        time.sleep(3 * INTERVAL)
+        # Nothing may happen while paused: wait past the check the running rollout was due for, and two beat
+        # ticks more (the beat would have run it by then).
+        past(due + timedelta(seconds=2 * BEAT_TICK), "the check the paused rollout was due for")
         paused = Rollout.objects.get(pk=rollout.pk)
         assert paused.state == RolloutState.PAUSED and paused.current_weight == 40
         assert rollout.analyses.count() == checks  # no check while paused
@@ -291,7 +297,11 @@ def test_a_platform_restart_mid_rollout_resumes_it_and_the_gateway_restores_the_
     # The platform goes down: beat and gateway stop; the agents keep serving.
     beat.stop()
     gateway.stop()
-    time.sleep(2 * 4)
+    # Down until the step's check is overdue (and a beat tick more): it must run after the restart.
+    due = Rollout.objects.get(pk=rollout.pk).next_check_at
+    past(
+        due + timedelta(seconds=BEAT_TICK), "the rollout's next check to fall due while the platform is down"
+    )
     assert Rollout.objects.get(pk=rollout.pk).state == RolloutState.RUNNING
     gateway = start_gateway()
     wait_for(lambda: gateway.infer("vision__scaler", secret)[0] == 200, 15, "the restarted gateway")

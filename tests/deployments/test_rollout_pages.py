@@ -8,9 +8,8 @@ from django.test import Client
 
 from apps.deployments import rollouts, services
 from apps.deployments.models import RolloutAnalysis, RolloutState
-from tests.deployments.conftest import make_version
-from tests.deployments.test_rollouts import report_canary
-from tests.deployments.test_state_machine import serving
+from tests.deployments.helpers import report_canary, serving
+from tests.support.models import make_version
 
 pytestmark = pytest.mark.django_db
 HX = {"HTTP_HX_REQUEST": "true"}

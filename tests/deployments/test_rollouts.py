@@ -18,8 +18,8 @@ from apps.deployments.models import (
     Rollout,
     RolloutState,
 )
-from tests.deployments.conftest import make_version
-from tests.deployments.test_state_machine import finish, serving
+from tests.deployments.helpers import finish, report_canary, serving
+from tests.support.models import make_version
 
 pytestmark = pytest.mark.django_db
 
@@ -47,13 +47,6 @@ def url(deployment, suffix=""):
 
 def start(client, deployment, **body):
     return client.post(url(deployment), {"version": 2, **body}, format="json")
-
-
-def report_canary(rollout: Rollout) -> None:
-    for placement in rollout.deployment.placements.all():
-        services.placement_canary_loaded(
-            placement.pk, placement.generation, rollout.stable_version, rollout.canary_version
-        )
 
 
 def test_maintainer_starts_a_rollout_at_weight_0_and_every_placement_gets_a_decision(

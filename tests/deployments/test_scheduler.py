@@ -16,7 +16,7 @@ from apps.fleet.models import ExecutorKind, Host, InstanceState, Pool, TritonIns
 from apps.fleet.services import record_heartbeat
 from apps.registry.models import RegisteredModel
 from backend_ge import npu_smi
-from tests.deployments.conftest import add_instance, make_version
+from tests.support.models import add_instance, make_version
 
 BASE = "/api/v1/teams/vision/deployments/"
 MB = 2**20

@@ -11,8 +11,8 @@ from apps.deployments import services
 from apps.deployments.models import Deployment, PlacementState
 from apps.fleet.models import Host, Pool, TritonInstance
 from apps.registry.models import RegisteredModel
-from tests.deployments.conftest import add_instance, make_version
 from tests.factories import UserFactory
+from tests.support.models import add_instance, make_version
 
 pytestmark = pytest.mark.django_db
 NEW = "/teams/vision/deployments/new/"

@@ -6,33 +6,16 @@ from __future__ import annotations
 import pytest
 
 from apps.deployments import services
-from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
-from tests.deployments.conftest import add_instance, make_version
+from apps.deployments.models import DeploymentState, PlacementState
+from tests.deployments.helpers import finish, serving
+from tests.support.models import add_instance, make_version
 
 pytestmark = pytest.mark.django_db
-
-
-def finish(deployment: Deployment, instance, **fields) -> Deployment:
-    placement = DeploymentInstance.objects.get(deployment=deployment, instance=instance)
-    DeploymentInstance.objects.filter(pk=placement.pk).update(**fields)
-    placement.refresh_from_db()
-    services.placement_finished(placement)
-    return Deployment.objects.get(pk=deployment.pk)
 
 
 @pytest.fixture
 def two_instances(shared_host):
     return add_instance(shared_host, "cpu-0", 18100), add_instance(shared_host, "cpu-1", 18110)
-
-
-def serving(owner, version, instances) -> Deployment:
-    deployment = services.deploy_version(
-        actor=owner, model=version.model, version=version, instances=list(instances)
-    )
-    for instance in instances:
-        deployment = finish(deployment, instance, state=PlacementState.READY, served_version=version)
-    assert deployment.state == DeploymentState.SERVING
-    return deployment
 
 
 def test_deploy_is_serving_only_when_every_placement_is_ready(owner, version, two_instances):

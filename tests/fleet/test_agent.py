@@ -19,50 +19,10 @@ from apps.fleet.services import notify_hosts
 from apps.registry.models import ModelVersion
 from backend_ge import config as gc
 from tests.conftest import wait_for
-from tests.fleet.conftest import expected_output, instance_key_headers
+from tests.support.models import expected_output
+from tests.support.servers import deployment_settled, instance_key_headers, instance_of, seed_example_3
 
 pytestmark = [pytest.mark.triton, pytest.mark.django_db(transaction=True)]
-
-
-def instance_of(agent) -> TritonInstance:
-    return wait_for(
-        lambda: TritonInstance.objects.filter(host__name=agent.name, state=InstanceState.READY).first(),
-        120,
-        f"{agent.name}'s instance to be READY\n{agent.output()}",
-    )
-
-
-def deployment_settled(deployment: Deployment, timeout: float = 120) -> Deployment:
-    def settled():
-        row = Deployment.objects.get(pk=deployment.pk)
-        return (
-            row
-            if row.state in (DeploymentState.SERVING, DeploymentState.FAILED)
-            and row.target_version_id is None
-            else None
-        )
-
-    return wait_for(settled, timeout, f"deployment {deployment.pk} to settle")
-
-
-def seed_example_3(url: str, model_name: str) -> np.ndarray:
-    """Seed example 3, unchanged but for the model name the platform gave the model."""
-    client = httpclient.InferenceServerClient(url=url)
-    assert client.is_server_ready()
-    assert client.is_model_ready(model_name)
-    input_data = np.random.randn(1, 3, 224, 224).astype(np.float32)
-    inputs = [httpclient.InferInput("input", input_data.shape, "FP32")]
-    inputs[0].set_data_from_numpy(input_data)
-    outputs = [httpclient.InferRequestedOutput("output")]
-    results = client.infer(
-        model_name=model_name, inputs=inputs, outputs=outputs, headers=instance_key_headers(url)
-    )
-    output_data = results.as_numpy("output")
-    assert output_data.shape == (1, 1000)
-    top5 = np.argsort(output_data[0])[-5:][::-1]
-    assert len(top5) == 5
-    np.testing.assert_allclose(output_data, expected_output(1.0, input_data), rtol=1e-4, atol=1e-5)
-    return output_data
 
 
 def test_deploy_to_two_hosts_and_the_seed_client_works_against_each(start_agent, make_ready_version, owner):
@@ -228,6 +188,8 @@ def test_a_model_that_crashes_the_server_at_every_start_quarantines_the_instance
         f"quarantine\n{agent.output()}",
     )
     assert len(row.crash_times) == 3 and "quarantined" in row.last_error
-    time.sleep(3)  # quarantined means no more restarts
+    # Quarantined means no more restarts. Nothing may happen: unquarantined, the 4th start would come after
+    # a back-off of 0.4 s (100 ms doubled per crash: 0.1 * 2 ** (3 - 1)); 1.5 s leaves room for it and its report.
+    time.sleep(1.5)
     assert TritonInstance.objects.get(pk=instance.pk).restarts == row.restarts
     assert host.pk == row.host_id

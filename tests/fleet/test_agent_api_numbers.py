@@ -10,7 +10,7 @@ import pytest
 
 from apps.fleet.models import Device, TritonInstance
 from hostagent.protocol import MAX_INT
-from tests.fleet.test_agent_identity import joined
+from tests.fleet.helpers import joined_client
 
 pytestmark = pytest.mark.django_db
 
@@ -36,7 +36,7 @@ def heartbeat_cases():
 
 @pytest.mark.parametrize(("body", "field"), list(heartbeat_cases()))
 def test_a_heartbeat_number_out_of_range_is_a_400_naming_it_and_writes_nothing(body, field):
-    host, agent, _ = joined("npu-host")
+    host, agent, _ = joined_client("npu-host")
     answer = agent.post("/agent/v1/heartbeat", body, content_type="application/json")
     assert answer.status_code == 400 and field in answer.json()["message"], answer.content
     assert not Device.objects.filter(host=host).exists()
@@ -47,7 +47,7 @@ def test_a_heartbeat_number_out_of_range_is_a_400_naming_it_and_writes_nothing(b
 @pytest.mark.parametrize("field", ["pid", "restarts"])
 @pytest.mark.parametrize("value", [*TOO_BIG, -1])
 def test_an_instance_state_number_out_of_range_is_a_400_naming_it(field, value):
-    _, agent, instance = joined("npu-host")
+    _, agent, instance = joined_client("npu-host")
     answer = agent.post(
         f"/agent/v1/instances/{instance.pk}/state", {field: value}, content_type="application/json"
     )
@@ -58,7 +58,7 @@ def test_an_instance_state_number_out_of_range_is_a_400_naming_it(field, value):
 
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
 def test_nan_and_infinity_are_not_json_numbers(constant):
-    host, agent, instance = joined("npu-host")
+    host, agent, instance = joined_client("npu-host")
     bodies = {
         "/agent/v1/heartbeat": f'{{"npu": {{"chips": [{json.dumps(CHIP)[:-1]}, "power_w": {constant}}}]}}}}',
         f"/agent/v1/instances/{instance.pk}/state": f'{{"restarts": {constant}}}',
@@ -71,7 +71,7 @@ def test_nan_and_infinity_are_not_json_numbers(constant):
 
 
 def test_the_largest_values_in_range_are_taken():
-    host, agent, instance = joined("npu-host")
+    host, agent, instance = joined_client("npu-host")
     chip = CHIP | {"memory_total_mb": MAX_INT, "power_w": 1e9, "temperature_c": -40.5}
     answer = agent.post(
         "/agent/v1/heartbeat",

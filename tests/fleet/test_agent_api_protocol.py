@@ -10,7 +10,7 @@ import pytest
 from apps.deployments import services
 from apps.deployments.agent_api import desired_state_of
 from hostagent import protocol
-from tests.fleet.test_agent_identity import joined
+from tests.fleet.helpers import joined_client as joined
 
 pytestmark = pytest.mark.django_db
 

@@ -15,6 +15,7 @@ from apps.fleet import services
 from apps.fleet.models import Host, TritonInstance, hash_host_secret
 from tests.conftest import client_for
 from tests.factories import UserFactory
+from tests.fleet.helpers import joined_client
 
 pytestmark = pytest.mark.django_db
 
@@ -22,15 +23,6 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture
 def staff_client(db):
     return client_for(UserFactory(username="ops", is_staff=True))
-
-
-def joined(name: str, port: int = 18100) -> tuple[Host, Client, TritonInstance]:
-    host, token = services.create_host(actor=None, name=name, address="127.0.0.1")
-    host, credential = services.join_host(token)
-    instance = services.create_instance(
-        actor=None, host=host, name="cpu-0", http_port=port, grpc_port=port + 1, metrics_port=port + 2
-    )
-    return host, Client(HTTP_AUTHORIZATION=f"Bearer {credential}"), instance
 
 
 def test_staff_add_a_host_and_its_join_token_is_shown_once_and_stored_as_a_hash(staff_client):
@@ -59,7 +51,7 @@ def test_members_cannot_add_hosts_or_revoke_them(owner_client):
 
 
 def test_a_revoked_host_gets_401_at_once_and_a_new_join_token_brings_it_back(staff_client):
-    host, agent, _ = joined("edge-1")
+    host, agent, _ = joined_client("edge-1")
     assert agent.post("/agent/v1/heartbeat", {}, content_type="application/json").status_code == 200
     assert staff_client.post("/api/v1/hosts/edge-1/revoke/").json()["identity"] == "revoked"
     refused = agent.get("/agent/v1/desired-state")
@@ -75,7 +67,7 @@ def test_a_revoked_host_gets_401_at_once_and_a_new_join_token_brings_it_back(sta
 def test_management_credentials_do_not_open_the_agent_api_and_the_host_credential_not_the_management_api(
     staff_client, owner_client, make_token
 ):
-    _, agent, _ = joined("edge-2")
+    _, agent, _ = joined_client("edge-2")
     assert staff_client.get("/agent/v1/desired-state").status_code == 401
     assert owner_client.get("/agent/v1/desired-state").status_code == 401
     _, secret = make_token()
@@ -88,7 +80,7 @@ def test_management_credentials_do_not_open_the_agent_api_and_the_host_credentia
 
 
 def test_heartbeat_records_facts_and_the_npu_inventory_and_refuses_bad_bodies():
-    host, agent, instance = joined("npu-host")
+    host, agent, instance = joined_client("npu-host")
     chip = {"npu_id": 0, "chip_id": 0, "device_id": 0, "name": "310P3", "health": "OK", "bus_id": "0000:01:00.0",
             "aicore_percent": 7, "memory_used_mb": 100, "memory_total_mb": 1000, "hbm_used_mb": 5,
             "hbm_total_mb": 21534, "power_w": 12.5, "temperature_c": 40}  # fmt: skip
@@ -108,8 +100,8 @@ def test_heartbeat_records_facts_and_the_npu_inventory_and_refuses_bad_bodies():
 
 
 def test_instance_state_reports_are_checked_and_only_for_own_instances():
-    _, agent, instance = joined("host-a")
-    _, _, other = joined("host-b", port=18200)
+    _, agent, instance = joined_client("host-a")
+    _, _, other = joined_client("host-b", port=18200)
     url = f"/agent/v1/instances/{instance.pk}/state"
     ok = agent.post(url, {"state": "READY", "pid": 4242, "restarts": 1}, content_type="application/json")
     assert ok.status_code == 200
@@ -124,7 +116,7 @@ def test_instance_state_reports_are_checked_and_only_for_own_instances():
 def test_desired_state_is_304_until_something_changes_for_the_host(
     owner, make_ready_version, django_capture_on_commit_callbacks
 ):
-    host, agent, instance = joined("host-c")
+    host, agent, instance = joined_client("host-c")
     first = agent.get("/agent/v1/desired-state")
     etag = first["ETag"]
     assert first.json()["instances"][0]["api_key"] == instance.api_key and first.json()["placements"] == []
@@ -149,7 +141,7 @@ def _deploy(owner, version, instance):
 
 
 def test_reports_move_the_placement_and_a_stale_generation_is_dropped(owner, make_ready_version):
-    _, agent, instance = joined("host-d")
+    _, agent, instance = joined_client("host-d")
     version = make_ready_version()
     placement = _deploy(owner, version, instance).placements.get()
     url = f"/agent/v1/placements/{placement.pk}/report"
@@ -175,8 +167,8 @@ def test_reports_move_the_placement_and_a_stale_generation_is_dropped(owner, mak
 def test_another_hosts_placement_and_unplaced_versions_are_404_and_placed_files_match_their_sha256(
     owner, make_ready_version
 ):
-    _, agent, instance = joined("host-e")
-    _, intruder, _ = joined("host-f", port=18300)
+    _, agent, instance = joined_client("host-e")
+    _, intruder, _ = joined_client("host-f", port=18300)
     version = make_ready_version()
     unplaced = make_ready_version(model=version.model, scale=2.0)
     placement = _deploy(owner, version, instance).placements.get()

@@ -17,8 +17,8 @@ from apps.deployments.models import PlacementState
 from apps.fleet.models import Host, InstanceState, TritonInstance
 from backend_ge.errors import public_error
 from tests.conftest import client_for
-from tests.deployments.conftest import make_version
 from tests.factories import UserFactory
+from tests.support.models import make_version
 
 pytestmark = pytest.mark.django_db
 

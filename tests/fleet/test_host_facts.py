@@ -8,7 +8,7 @@ import pytest
 from apps.fleet.models import TritonInstance
 from backend_ge import fakes
 from hostagent.host_facts import host_facts, npu_inventory
-from tests.fleet.test_agent_identity import joined
+from tests.fleet.helpers import joined_client
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def test_an_npu_hosts_inventory_and_facts_are_taken_by_the_heartbeat(npu_host, d
     assert len(inventory["chips"]) == 8 and {c["name"] for c in inventory["chips"]} == {"910B3"}
     facts = host_facts()
     assert facts["cpus"] >= 1 and facts["memory_mb"] > 0 and facts["python"].count(".") == 2
-    host, agent, instance = joined("npu-host")
+    host, agent, instance = joined_client("npu-host")
     body = {"facts": facts, "npu": inventory, "instances": [{"id": instance.pk, "log_tail": ""}]}
     answer = agent.post("/agent/v1/heartbeat", body, content_type="application/json")
     assert answer.status_code == 200, answer.content

@@ -20,12 +20,11 @@ from django.test.utils import CaptureQueriesContext
 from apps.deployments import services as deployment_services
 from apps.fleet import long_poll, services
 from apps.fleet.agent_fastpath import AgentPollFastPath, DatabaseSlots, database_slots
-from apps.fleet.models import Device, Host, TritonInstance
+from apps.fleet.models import Device, TritonInstance
 from hostagent.client import PlatformClient
+from tests.fleet.helpers import DESIRED, etag_of, joined
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-DESIRED = "/agent/v1/desired-state"
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -50,16 +49,6 @@ def platform_url(request):
     database_slots().close_idle()  # the fast path's pooled connections
 
 
-def joined(name: str, port: int = 18100) -> tuple[Host, str, TritonInstance]:
-    host, token = services.create_host(actor=None, name=name, address="127.0.0.1")
-    host, credential = services.join_host(token)
-    instance = services.create_instance(
-        actor=None, host=host, name="cpu-0", http_port=port, grpc_port=port + 1, metrics_port=port + 2
-    )
-    host.refresh_from_db()
-    return host, credential, instance
-
-
 def poll(url: str, credential: str, etag: str, wait: str | None) -> tuple[requests.Response, float]:
     started = time.monotonic()
     response = requests.get(
@@ -76,11 +65,6 @@ def wait_for(condition, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
-
-
-def etag_of(host: Host) -> str:
-    host.refresh_from_db()
-    return f'"{host.desired_generation}"'
 
 
 def test_a_held_poll_answers_304_when_the_wait_ends_without_a_change(platform_url):

@@ -19,8 +19,7 @@ from apps.fleet import services as fleet_services
 from apps.fleet.models import InstanceState, TritonInstance
 from hostagent.client import ArtifactDownloadError, CredentialRefused, PlatformClient, VersionSpec
 from tests.conftest import wait_for
-from tests.fleet.conftest import PLATFORM_ONLY_ENV
-from tests.fleet.test_agent import seed_example_3
+from tests.support.servers import PLATFORM_ONLY_ENV, seed_example_3
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -98,6 +97,8 @@ def test_a_revoked_host_is_refused_and_gets_no_more_work(start_agent, make_ready
         actor=owner, model=version.model, version=version, instances=[instance]
     )
     wait_for(lambda: "no more work" in agent.output(), 15, f"the agent to be refused\n{agent.output()}")
+    # Nothing may happen: an agent that still took work would fetch the new state within its poll interval
+    # (FLEET_POLL_INTERVAL_MS, 1 s) and report the placement LOADING at once; two intervals.
     time.sleep(2)
     placement = deployment.placements.get()
     assert placement.state == PlacementState.PENDING and placement.applied_generation == 0
@@ -159,7 +160,7 @@ def test_a_revoked_host_given_a_new_join_token_joins_again_and_its_old_credentia
 
     from apps.fleet.models import Host
     from hostagent.client import save_credential
-    from tests.fleet.conftest import ROOT, agent_command, agent_environment
+    from tests.support.servers import ROOT, agent_command, agent_env
 
     host, token = fleet_services.create_host(actor=None, name="again", address="127.0.0.1")
     _, old = fleet_services.join_host(token)
@@ -167,7 +168,7 @@ def test_a_revoked_host_given_a_new_join_token_joins_again_and_its_old_credentia
     save_credential(credential_file, old)
     fleet_services.revoke_host(actor=None, host=host)
     new_token = fleet_services.issue_join_token(actor=None, host=host)
-    env = agent_environment({"FLEET_ROOT": artifact_root.parent / "fleet"})
+    env = agent_env(tmp_path / "var", artifact_root.parent / "fleet")
     log = tmp_path / "again.log"
     with log.open("wb") as out:
         agent = subprocess.Popen(

@@ -39,7 +39,7 @@ from apps.deployments.models import Deployment, DeploymentInstance, DeploymentSt
 from apps.fleet.models import InstanceState, TritonInstance
 from apps.registry.models import RegisteredModel
 from tests.conftest import wait_for
-from tests.fleet.conftest import instance_key_headers
+from tests.support.servers import instance_key_headers
 
 pytestmark = [pytest.mark.triton, pytest.mark.django_db(transaction=True)]
 

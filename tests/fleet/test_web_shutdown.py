@@ -18,7 +18,7 @@ import requests
 from apps.fleet.long_poll import GenerationWatcher
 from backend_ge.runtime import free_port
 from tests.conftest import subprocess_database_url
-from tests.fleet.test_long_poll import DESIRED, etag_of, joined
+from tests.fleet.helpers import DESIRED, etag_of, joined
 
 ROOT = Path(__file__).resolve().parents[2]
 

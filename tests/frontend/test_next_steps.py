@@ -2,7 +2,6 @@
 Deploy (or the deployment) once READY; "already deployed" links the deployment; a flash describing a state
 goes once the state has settled."""
 
-# ruff: noqa: F811 - the fixtures imported below are test arguments
 from __future__ import annotations
 
 from datetime import timedelta
@@ -13,7 +12,6 @@ from django.utils import timezone
 from apps.conversions.models import ConversionJob, JobState
 from apps.deployments import services
 from apps.deployments.models import Deployment, PlacementState
-from tests.deployments.conftest import instance, make_version, model, shared_host, version  # noqa: F401
 
 pytestmark = pytest.mark.django_db
 

@@ -26,7 +26,7 @@ from apps.registry.models import RegisteredModel
 from backend_ge.runtime import TritonServer
 from hostagent.repository import materialize_model
 from tests.conftest import wait_for
-from tests.gateway.conftest import Load, requires_haproxy, server_status, slot_of, worker_pid
+from tests.support.servers import Load, requires_haproxy, server_status, slot_of, worker_pid
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 

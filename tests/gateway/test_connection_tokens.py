@@ -19,7 +19,8 @@ from apps.fleet.models import Host
 from apps.registry.models import RegisteredModel
 from apps.teams import services as team_services
 from tests.conftest import wait_for
-from tests.gateway.conftest import INFER_BODY, deploy, ready_instance, requires_haproxy
+from tests.support.models import INFER_BODY
+from tests.support.servers import deploy, ready_instance, requires_haproxy
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 
@@ -124,6 +125,8 @@ def test_one_grpc_channel_with_several_tokens(
 
     try:
         wait_for(lambda: call(vision_token) == "OK", 15, "gRPC routing")
+        # Both tokens were made after the gateway's start: the other team's is known there once it is not a 401.
+        wait_for(lambda: call(speech_token) != "StatusCode.UNAUTHENTICATED", 15, "the other team's token")
         assert call(None) == "StatusCode.UNAUTHENTICATED"
         assert call(vision_token) == "OK"
         assert call(vision_token[:-2] + "xx") == "StatusCode.UNAUTHENTICATED"

@@ -16,7 +16,7 @@ from apps.deployments.models import Deployment, DeploymentState
 from apps.fleet.models import TritonInstance
 from apps.registry.models import RegisteredModel
 from tests.conftest import wait_for
-from tests.gateway.conftest import Load, deploy, ready_instance, requires_haproxy, server_status, worker_pid
+from tests.support.servers import Load, deploy, ready_instance, requires_haproxy, server_status, worker_pid
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 

@@ -22,7 +22,7 @@ from backend_ge.config import ModelSignature
 from backend_ge.examples import build_bert, build_mlp
 from tests.conftest import wait_for
 from tests.factories import ready_onnx_version
-from tests.gateway.conftest import deploy, ready_instance, requires_haproxy
+from tests.support.servers import deploy, ready_instance, requires_haproxy
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 SERVICE = "/inference.GRPCInferenceService/"

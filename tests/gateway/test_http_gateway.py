@@ -11,11 +11,11 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from apps.registry.models import RegisteredModel
 from apps.teams import services as team_services
 from backend_ge.runtime import API_KEY_HEADER
 from tests.conftest import wait_for
-from tests.gateway.conftest import INFER_BODY, deploy, output_of, ready_instance, requires_haproxy
+from tests.support.models import INFER_BODY, output_of
+from tests.support.servers import requires_haproxy, team_rate_drained
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 
@@ -50,22 +50,6 @@ PATH_TRICKS = [
     ("GET", "/v2/models/vision__scaler/"),
     ("GET", "/metrics"),
 ]
-
-
-@pytest.fixture
-def two_teams_on_a_shared_instance(
-    owner_client, outsider_client, outsider, other_team, team, owner, start_agent, make_scaler_version
-):
-    _, instance = ready_instance(start_agent, "shared-a")
-    vision = RegisteredModel.objects.create(team=team, name="Scaler", slug="scaler", created_by=owner)
-    speech = RegisteredModel.objects.create(
-        team=other_team, name="Scaler", slug="scaler", created_by=outsider
-    )
-    make_scaler_version(vision, 2.0)
-    make_scaler_version(speech, 3.0)
-    deploy(owner_client, "vision", "scaler", 1, [instance])
-    deploy(outsider_client, "speech", "scaler", 1, [instance])
-    return instance
 
 
 def test_tokens_tenancy_and_allow_list(
@@ -142,7 +126,7 @@ def test_team_rate_limit_answers_429_naming_the_limit(
     gateway = start_gateway()
     _, secret = make_token(name="client")
     wait_for(lambda: gateway.infer("vision__scaler", secret)[0] == 200, 5, "the first request")
-    time.sleep(1.5)  # a fresh second
+    team_rate_drained(gateway, "vision")  # the whole limit for the requests below
     statuses = [gateway.get("/v2/models/vision__scaler/ready", secret) for _ in range(12)]
     codes = [status for status, _ in statuses]
     assert codes.count(200) >= 4 and codes.count(429) >= 5, codes

@@ -7,38 +7,21 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 import tritonclient.grpc as grpcclient
 from django.urls import reverse
 from tritonclient.utils import InferenceServerException
 
-from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.gateway.metrics import scrape_gateway
 from apps.gateway.models import GatewayMetrics, GatewayScrapeState
 from apps.monitoring.tasks import scrape_instances
 from apps.teams import services as team_services
 from tests.conftest import client_for, wait_for
-from tests.deployments.conftest import add_instance, make_version, model, shared_host  # noqa: F401
-from tests.gateway.conftest import requires_haproxy
-from tests.gateway.test_grpc import grpc_error
+from tests.support.servers import grpc_error, requires_haproxy, team_rate_drained
 
 pytestmark = [requires_haproxy, pytest.mark.django_db(transaction=True)]
 MODEL = "vision__classifier"
-
-
-@pytest.fixture
-def down_deployment(team, owner, shared_host, model):  # noqa: F811 - the imported fixtures
-    version = make_version(model, 1)
-    instance = add_instance(shared_host, port=1)  # nothing listens on port 1: the server is DOWN
-    deployment = Deployment.objects.create(
-        team=team, model=model, active_version=version, state=DeploymentState.SERVING, created_by=owner
-    )
-    DeploymentInstance.objects.create(
-        deployment=deployment, instance=instance, served_version=version, state=PlacementState.READY
-    )
-    return deployment
 
 
 @pytest.fixture
@@ -78,10 +61,10 @@ def test_refusals_are_counted_exactly_per_code_per_deployment_and_gateway_wide(
     send("wrong token", lambda: gateway.infer(MODEL, "tgp_0123abcd_not-a-secret"), 2)  # 401 too
     send("no token, unknown model", lambda: gateway.infer("vision__ghost", None), 1)  # 401, gateway-wide
     send("off the allow-list", lambda: gateway.get("/v2/repository/index", secret), 2)  # 404, gateway-wide
-    time.sleep(2.2)  # two whole rate periods: nothing of the wait above is left in the team's rate
+    team_rate_drained(gateway, "vision")  # nothing of the wait above is left in the team's rate
     send("unknown model", lambda: gateway.infer("vision__ghost", secret), 1)  # 404 (within the 2/s)
     send("another team's model", lambda: gateway.infer(MODEL, speech_secret), 1)  # 404 for speech
-    time.sleep(2.2)
+    team_rate_drained(gateway, "vision")
     send("burst", lambda: gateway.infer(MODEL, secret), 8)  # 2 forwarded (503), then 429
 
     assert statuses["no token"] == [401] * 3 and statuses["wrong token"] == [401] * 2

@@ -23,8 +23,8 @@ from apps.gateway.metrics import (
 from apps.gateway.models import GatewayMetrics
 from apps.monitoring import rollups
 from tests.conftest import client_for
-from tests.deployments.conftest import make_version, model  # noqa: F401 - the shared fixture
 from tests.factories import UserFactory
+from tests.support.models import make_version
 
 # `show table gateway_counts` from HAProxy 2.6.12 after 7 requests (see apps.gateway.haproxy for the stages).
 RECORDED_TABLE = """# table: gateway_counts, type: string, size:102400, used:3
@@ -84,7 +84,7 @@ def test_pooled_backends_count_for_the_deployment_that_owns_them(settings, tmp_p
 
 
 @pytest.fixture
-def deployment(team, owner, model):  # noqa: F811 - the imported fixture
+def deployment(team, owner, model):
     return Deployment.objects.create(
         team=team,
         model=model,

@@ -9,14 +9,13 @@ from apps.deployments.models import Deployment
 from apps.gateway.metrics import scrape_gateway
 from apps.gateway.models import GatewayMetrics, GatewayScrapeState
 from tests.conftest import wait_for
-from tests.gateway.conftest import requires_haproxy
-from tests.gateway.test_http_gateway import two_teams_on_a_shared_instance  # noqa: F401 - the shared fixture
+from tests.support.servers import requires_haproxy
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 
 
 def test_an_instances_404_counts_on_its_deployment_and_successes_by_class(
-    two_teams_on_a_shared_instance,  # noqa: F811 - the imported fixture
+    two_teams_on_a_shared_instance,
     start_gateway,
     gateway_env,
     make_token,

@@ -11,7 +11,7 @@ import pytest
 
 from apps.gateway.process import pid_alive
 from tests.conftest import wait_for
-from tests.gateway.conftest import requires_haproxy
+from tests.support.servers import requires_haproxy
 
 pytestmark = [pytest.mark.servers, requires_haproxy, pytest.mark.django_db(transaction=True)]
 

@@ -12,11 +12,10 @@ from apps.audit.models import AuditEvent
 from apps.teams import services
 from apps.teams.models import Team
 from tests.conftest import bearer_client, client_for, wait_for
-from tests.deployments.conftest import model, shared_host  # noqa: F401 - fixtures of down_deployment
 from tests.factories import MembershipFactory, UserFactory
-from tests.gateway.conftest import requires_haproxy
-from tests.gateway.test_grpc import grpc_error
-from tests.gateway.test_metrics import MODEL, down_deployment  # noqa: F401 - the shared fixture
+from tests.support.servers import grpc_error, requires_haproxy, team_rate_drained
+
+MODEL = "vision__classifier"  # the model of down_deployment
 
 URL = "/api/v1/teams/vision/"
 
@@ -98,7 +97,7 @@ def test_settings_page_shows_the_quota_and_staff_set_it(client, owner, team, sta
 @pytest.mark.servers
 @pytest.mark.django_db(transaction=True)
 def test_a_changed_quota_takes_effect_at_the_gateway_within_5_seconds(
-    down_deployment,  # noqa: F811 - the imported fixture
+    down_deployment,
     start_gateway,
     make_token,
     staff,
@@ -136,7 +135,7 @@ def test_the_admin_shows_the_quota_but_changes_go_through_the_audited_service(cl
 @pytest.mark.servers
 @pytest.mark.django_db(transaction=True)
 def test_grpc_over_the_quota_is_resource_exhausted_naming_the_limit(
-    down_deployment,  # noqa: F811 - the imported fixture
+    down_deployment,
     start_gateway,
     make_token,
     team,
@@ -146,7 +145,7 @@ def test_grpc_over_the_quota_is_resource_exhausted_naming_the_limit(
     gateway = start_gateway()
     _, secret = make_token(name="client")
     wait_for(lambda: gateway.infer(MODEL, secret)[0] in (503, 429), 10, "the route")
-    time.sleep(2.2)  # two whole rate periods
+    team_rate_drained(gateway, "vision")  # the route's wait is not part of the team's rate below
     statuses = [grpc_error(gateway.grpc_url, "vision__missing", secret) for _ in range(3)]
     codes = [error.status() for error in statuses]
     # Admitted (an unknown model), then over the limit.

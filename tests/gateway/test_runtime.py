@@ -13,10 +13,9 @@ from apps.deployments.models import Deployment, DeploymentInstance, DeploymentSt
 from apps.fleet.models import InstanceState, TritonInstance
 from apps.gateway.haproxy import Slots
 from apps.gateway.services import Gateway
-from apps.registry.models import RegisteredModel
 from backend_ge.runtime import free_port
-from tests.deployments.conftest import add_instance, make_version, shared_host  # noqa: F401
-from tests.gateway.conftest import requires_haproxy
+from tests.support.models import add_instance, serving_rows
+from tests.support.servers import requires_haproxy
 
 pytestmark = [pytest.mark.servers, requires_haproxy, pytest.mark.django_db(transaction=True)]
 
@@ -31,18 +30,6 @@ def gateway(settings, tmp_path):
     gateway = Gateway()
     yield gateway
     gateway.stop()
-
-
-def deploy(team, owner, slug: str, instance: TritonInstance) -> Deployment:
-    model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)
-    version = make_version(model, 1)
-    deployment = Deployment.objects.create(
-        team=team, model=model, active_version=version, state=DeploymentState.SERVING, created_by=owner
-    )
-    DeploymentInstance.objects.create(
-        deployment=deployment, instance=instance, served_version=version, state=PlacementState.READY
-    )
-    return deployment
 
 
 def servers(gateway: Gateway) -> dict[str, dict[str, str]]:
@@ -63,16 +50,16 @@ def test_deployments_take_slots_at_run_time_and_only_an_exhausted_pool_reloads(
     gateway,
     team,
     owner,
-    shared_host,  # noqa: F811 - the imported fixture
+    shared_host,
 ):
     first_instance = add_instance(shared_host, "cpu-0", port=1)
     second_instance = add_instance(shared_host, "cpu-1", port=3)
-    a = deploy(team, owner, "a", first_instance)
+    a = serving_rows(team, owner, "a", first_instance)
     gateway.start()
     assert owners(gateway) == {"s0": f"d{a.pk}"}
     assert servers(gateway) == {"s0": {first_instance.api_key: "ready"}}
 
-    b = deploy(team, owner, "b", first_instance)
+    b = serving_rows(team, owner, "b", first_instance)
     DeploymentInstance.objects.create(
         deployment=b, instance=second_instance, served_version=b.active_version, state=PlacementState.READY
     )
@@ -98,7 +85,7 @@ def test_deployments_take_slots_at_run_time_and_only_an_exhausted_pool_reloads(
     assert gateway.draining == set()
 
     # Pool of 2 full: the third deployment grows it by a chunk, with the one reload.
-    c = deploy(team, owner, "c", first_instance)
+    c = serving_rows(team, owner, "c", first_instance)
     assert gateway.sync() == "reloaded"
     assert gateway.reloads == 1 and gateway.slots.size == 4
     slot = next(s for s, o in owners(gateway).items() if o == f"d{c.pk}")
@@ -110,7 +97,7 @@ def test_deployments_take_slots_at_run_time_and_only_an_exhausted_pool_reloads(
     assert gateway.sync() == "runtime"
     assert f"d{b.pk}" not in owners(gateway).values()
     assert "s1" not in servers(gateway)
-    d = deploy(team, owner, "d", first_instance)
+    d = serving_rows(team, owner, "d", first_instance)
     assert gateway.sync() == "runtime"
     assert f"d{d.pk}" in owners(gateway).values()
     assert gateway.reloads == 1

@@ -17,7 +17,7 @@ from apps.fleet import pools
 from apps.fleet.models import Host, InstanceState, Pool, TritonInstance
 from apps.registry.models import RegisteredModel
 from tests.conftest import wait_for
-from tests.gateway.conftest import Load, requires_haproxy, server_status
+from tests.support.servers import Load, requires_haproxy, server_status
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 

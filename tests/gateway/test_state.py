@@ -6,8 +6,7 @@ import pytest
 
 from apps.fleet import services as fleet_services
 from apps.gateway.state import backend_name, desired_state
-from tests.deployments.conftest import add_instance, shared_host  # noqa: F401
-from tests.gateway.test_runtime import deploy
+from tests.support.models import add_instance, serving_rows
 
 pytestmark = pytest.mark.django_db
 
@@ -16,12 +15,12 @@ def test_a_revoked_hosts_instances_leave_rotation_while_the_others_stay(
     team,
     owner,
     admin_user,
-    shared_host,  # noqa: F811 - the imported fixture
+    shared_host,
 ):
     trusted = add_instance(shared_host, "cpu-0", port=18100)
     edge, _ = fleet_services.create_host(actor=admin_user, name="edge-1", address="127.0.0.2")
     revoked = add_instance(edge, "cpu-0", port=18200)
-    deployment = deploy(team, owner, "a", trusted)
+    deployment = serving_rows(team, owner, "a", trusted)
     deployment.placements.create(instance=revoked, served_version=deployment.active_version, state="READY")
     name = backend_name(deployment.pk)
     before = desired_state().weights
@@ -40,7 +39,7 @@ def test_a_replica_told_to_unload_leaves_rotation_before_its_agent_unloads_it(
 ):
     staying = add_instance(shared_host, "cpu-0", port=18100)
     leaving = add_instance(shared_host, "cpu-1", port=18200)
-    deployment = deploy(team, owner, "a", staying)
+    deployment = serving_rows(team, owner, "a", staying)
     retired = deployment.placements.create(
         instance=leaving, served_version=deployment.active_version, state="READY", retiring_reason="drain"
     )

@@ -36,3 +36,24 @@ def reshaping_onnx() -> bytes:
 def infer_body(width: int) -> dict:
     """A KServe v2 JSON request: ``width`` 1 succeeds, anything else fails in the backend."""
     return {"inputs": [{"name": "input", "shape": [1, width], "datatype": "FP32", "data": [0.5] * width}]}
+
+
+def reshaper_version(model, owner, tmp_path):
+    """The model's next version, READY: the reshaping ONNX model prepared for the CPU executor."""
+    from tests.factories import ready_onnx_version
+
+    return ready_onnx_version(model, reshaping_onnx(), tmp_path, created_by=owner)
+
+
+HOSTILE = '</pre><script>alert("x")</script><img src=x onerror=alert(1)>'
+
+
+def signature(dims, dtype="FP32", extra=False) -> dict:
+    outputs = [{"name": "output", "dtype": "FP32", "dims": [10], "format": ""}]
+    if extra:
+        outputs.append({"name": "scores", "dtype": "FP16", "dims": [10], "format": ""})
+    return {
+        "inputs": [{"name": "input", "dtype": dtype, "dims": dims, "format": ""}],
+        "outputs": outputs,
+        "batched": True,
+    }

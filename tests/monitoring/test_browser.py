@@ -7,20 +7,13 @@ import re
 import pytest
 
 from tests.conftest import SCREENSHOTS, requires_chromium
+from tests.support.browser import login
 
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.django_db(transaction=True),
     requires_chromium,
 ]
-
-
-def login(page, live_server, username: str) -> None:
-    page.goto(f"{live_server.url}/login/")
-    page.fill("input[name=username]", username)
-    page.fill("input[name=password]", "correct horse battery staple")
-    page.click("button[type=submit]")
-    page.wait_for_selector("nav.mainnav")
 
 
 def test_model_metrics_page_draws_a_line_per_version_with_data(page, live_server, metrics_setup, viewer):

@@ -13,7 +13,6 @@ from apps.fleet.models import Host, TritonInstance
 from apps.monitoring.scraper import scrape_all
 from apps.monitoring.services import AVERAGE_LABEL
 from apps.registry.models import ModelVersion, RegisteredModel
-from tests.monitoring.test_scrape_cycle import recorded_triton  # noqa: F401 - fixture
 
 API = "/api/v1/teams/vision/models/classifier/metrics/"
 
@@ -35,7 +34,7 @@ def test_fifteen_minute_range_has_one_point_per_minute(metrics_setup, viewer_cli
     assert data["totals"]["requests"] == 60
 
 
-def test_percentiles_come_from_the_recorded_triton_summaries(db, team, owner, viewer_client, recorded_triton):  # noqa: F811
+def test_percentiles_come_from_the_recorded_triton_summaries(db, team, owner, viewer_client, recorded_triton):
     model = RegisteredModel.objects.create(team=team, name="Mlp", slug="mlp", created_by=owner)
     ModelVersion.objects.create(model=model, number=1, state="READY", created_by=owner)
     port = recorded_triton.server_address[1]

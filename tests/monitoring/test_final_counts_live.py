@@ -10,10 +10,9 @@ from apps.deployments.models import DeploymentState, PlacementState
 from apps.monitoring.models import ModelMetrics, ScrapeState
 from apps.monitoring.scraper import scrape_instance
 from tests.conftest import wait_for
-from tests.fleet.test_agent import deployment_settled, instance_of
-from tests.monitoring.builders import infer_body
-from tests.monitoring.conftest import reshaper_version
-from tests.monitoring.test_live_scrape import post, send, totals
+from tests.monitoring.builders import infer_body, reshaper_version
+from tests.monitoring.live import post, send, totals
+from tests.support.servers import deployment_settled, instance_of
 
 pytestmark = [pytest.mark.triton, pytest.mark.django_db(transaction=True)]
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import urllib.error
-import urllib.request
 
 import pytest
 from django.db.models import Sum
@@ -17,33 +14,11 @@ from apps.fleet.models import InstanceState, TritonInstance
 from apps.monitoring.models import InstanceMetrics, ModelMetrics, ScrapeState
 from apps.monitoring.scraper import scrape_instance
 from tests.conftest import wait_for
-from tests.fleet.conftest import instance_key_headers
-from tests.fleet.test_agent import deployment_settled, instance_of
 from tests.monitoring.builders import infer_body
+from tests.monitoring.live import post, send, totals
+from tests.support.servers import deployment_settled, instance_of
 
 pytestmark = [pytest.mark.triton, pytest.mark.django_db(transaction=True)]
-
-
-def post(url: str, body: dict) -> int:
-    headers = {"Content-Type": "application/json", **instance_key_headers(url.split("://", 1)[1])}
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-
-
-def send(instance: TritonInstance, model: str, ok: int, failing: int) -> None:
-    url = f"{instance.endpoint_url()}/v2/models/{model}/infer"
-    codes = [post(url, infer_body(1)) for _ in range(ok)] + [post(url, infer_body(2)) for _ in range(failing)]
-    assert codes == [200] * ok + [500] * failing
-
-
-def totals(version) -> dict:
-    return ModelMetrics.objects.filter(version=version).aggregate(
-        success=Sum("success"), failure=Sum("failure"), inferences=Sum("inferences")
-    )
 
 
 def ready_instance(pk: int, old_pid: int | None = None) -> TritonInstance:

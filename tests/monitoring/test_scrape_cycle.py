@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import socket
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -16,44 +14,6 @@ from apps.monitoring.scraper import scrape_all
 from apps.registry.models import ModelVersion, RegisteredModel
 
 FIXTURES = Path(__file__).parent / "fixtures"
-
-
-class RecordedTriton(BaseHTTPRequestHandler):
-    """Serves the recorded payloads with every counter multiplied by ``server.factor``."""
-
-    def do_GET(self):  # noqa: N802 - http.server's name
-        factor = self.server.factor
-        if self.path == "/metrics":
-            lines = []
-            for line in (FIXTURES / "triton_metrics.txt").read_text().splitlines():
-                if line.startswith(("nv_inference_request_success", "ge_inference_request_failure")):
-                    name, value = line.rsplit(" ", 1)
-                    line = f"{name} {float(value) * factor:g}"
-                lines.append(line)
-            body = ("\n".join(lines) + "\n").encode()
-        elif self.path == "/v2/models/stats":
-            body = (FIXTURES / "triton_stats.json").read_bytes()
-        else:
-            self.send_error(404)
-            return
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def recorded_triton():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), RecordedTriton)
-    server.factor = 1
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
 
 
 @pytest.fixture

@@ -4,14 +4,12 @@ config text rendered escaped."""
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 from django.test import Client
 from django.urls import reverse
-from django.utils import timezone
 
-from apps.conversions.models import ConversionJob, JobState
+from apps.conversions.models import ConversionJob
+from tests.monitoring.builders import HOSTILE
 
 API = "/api/v1/teams/vision/models/classifier/compare/"
 
@@ -20,49 +18,6 @@ def browser(user) -> Client:
     client = Client()
     client.force_login(user)
     return client
-
-
-HOSTILE = '</pre><script>alert("x")</script><img src=x onerror=alert(1)>'
-
-
-def _signature(dims, dtype="FP32", extra=False) -> dict:
-    outputs = [{"name": "output", "dtype": "FP32", "dims": [10], "format": ""}]
-    if extra:
-        outputs.append({"name": "scores", "dtype": "FP16", "dims": [10], "format": ""})
-    return {
-        "inputs": [{"name": "input", "dtype": dtype, "dims": dims, "format": ""}],
-        "outputs": outputs,
-        "batched": True,
-    }
-
-
-@pytest.fixture
-def compared(metrics_setup):
-    v1, v2 = metrics_setup["versions"]
-    v1.signature = _signature([3, 224, 224])
-    v1.config_text = 'name: "vision__classifier"\nmax_batch_size: 8\ndynamic_batching { max_queue_delay_microseconds: 2000 }\n'
-    v1.source_format, v1.sha256, v1.size_bytes, v1.source_filename = "onnx", "a" * 64, 1000, "resnet.onnx"
-    v1.save()
-    v2.signature = _signature([3, 256, 256], dtype="FP16", extra=True)
-    v2.config_text = f'name: "vision__classifier"\nmax_batch_size: 16\n# {HOSTILE}\ndynamic_batching {{ max_queue_delay_microseconds: 2000 }}\n'
-    v2.source_format, v2.sha256, v2.size_bytes, v2.source_filename = "om", "b" * 64, 2500, "resnet.om"
-    v2.save()
-    started = timezone.now() - timedelta(hours=1)
-    ConversionJob.objects.create(
-        version=v1, state=JobState.SUCCEEDED, toolchain="onnx", options={"precision_mode": "fp32"},
-        started_at=started, finished_at=started + timedelta(seconds=12),
-    )  # fmt: skip
-    ConversionJob.objects.create(
-        version=v2, state=JobState.SUCCEEDED, toolchain="atc",
-        options={"precision_mode": "allow_fp32_to_fp16", "soc_version": "Ascend310P3"},
-        command=["atc", "--model=model.onnx", "--framework=5", "--soc_version=Ascend310P3"],
-        started_at=started, finished_at=started + timedelta(seconds=42),
-    )  # fmt: skip
-    write = metrics_setup["write"]
-    write(v1, 3, success=90, failure=10, p50_us=1000.0, p99_us=4000.0, quantile_requests=100)
-    write(v1, 90, success=500)  # outside the hour
-    write(v2, 2, success=198, failure=2, p50_us=2000.0, p99_us=6000.0, quantile_requests=200)
-    return v1, v2
 
 
 def test_member_gets_both_versions_side_by_side(compared, viewer_client):

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import SCREENSHOTS, requires_chromium
-from tests.monitoring.test_browser import login
-from tests.monitoring.test_version_comparison import HOSTILE, compared  # noqa: F401 - fixture
+from tests.monitoring.builders import HOSTILE
+from tests.support.browser import login
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True), requires_chromium]
 
 
-def test_compare_from_the_versions_list(page, live_server, compared, viewer):  # noqa: F811
+def test_compare_from_the_versions_list(page, live_server, compared, viewer):
     dialogs: list[str] = []
     page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
     login(page, live_server, viewer.username)

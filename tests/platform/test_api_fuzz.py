@@ -24,7 +24,7 @@ from apps.deployments.models import PlacementState
 from apps.fleet.models import Host, InstanceState, TritonInstance
 from apps.registry.models import ModelVersion, RegisteredModel, VersionState
 from apps.teams import services as team_services
-from tests.deployments.conftest import CLASSIFIER_SIGNATURE
+from tests.support.models import CLASSIFIER_SIGNATURE
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.django_db]
 

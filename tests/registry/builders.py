@@ -140,3 +140,26 @@ def graphdef_bytes() -> bytes:
 
 def om_bytes(size: int = 4096) -> bytes:
     return b"IMOD" + bytes(range(256)) * ((size - 4) // 256) + b"\0" * ((size - 4) % 256)
+
+
+def with_files(version):
+    """``version`` with a weights file in its servable and its source directory."""
+    weights = version.servable_dir() / "1" / "model.onnx"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"weights")
+    (version.source_dir()).mkdir(parents=True)
+    (version.source_dir() / "model.onnx").write_bytes(b"weights")
+    return version
+
+
+def serve(owner, version, instance):
+    """Deploy ``version`` on ``instance`` and mark its placement served: a SERVING deployment."""
+    from apps.deployments import services as deployments
+    from apps.deployments.models import Deployment, PlacementState
+
+    deployment = deployments.deploy_version(
+        actor=owner, model=version.model, version=version, instances=[instance]
+    )
+    deployment.placements.update(state=PlacementState.READY, served_version=version)
+    deployments.placement_finished(deployment.placements.get())
+    return Deployment.objects.get(pk=deployment.pk)

@@ -6,7 +6,7 @@ from django.utils import timezone
 from apps.audit.models import AuditEvent
 from apps.registry import services
 from apps.registry.models import ModelVersion, UploadSession
-from tests.registry.conftest import files_under
+from tests.registry.uploads import files_under
 
 pytestmark = pytest.mark.django_db
 

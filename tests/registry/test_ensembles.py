@@ -10,8 +10,8 @@ import pytest
 from apps.registry import services
 from apps.registry.models import VersionState
 from backend_ge import config as gc
-from tests.registry.conftest import models_url, upload
 from tests.registry.ensemble_builders import ensemble_model, seed_ensemble_dir, seed_spec, seed_steps, tar_of
+from tests.registry.uploads import models_url, upload
 
 pytestmark = pytest.mark.django_db
 

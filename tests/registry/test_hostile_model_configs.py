@@ -10,8 +10,8 @@ import pytest
 
 from apps.registry.models import ModelVersion, UploadSession, UploadState, VersionState
 from tests.registry import builders
-from tests.registry.conftest import start, upload
 from tests.registry.hostile_configs import CASES, instances
+from tests.registry.uploads import start, upload
 
 pytestmark = pytest.mark.django_db
 

@@ -8,7 +8,7 @@ import pytest
 
 from apps.registry.models import ModelVersion, UploadSession, UploadState, VersionState
 from tests.registry import builders
-from tests.registry.conftest import upload
+from tests.registry.uploads import upload
 
 pytestmark = pytest.mark.django_db
 

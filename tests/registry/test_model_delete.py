@@ -21,9 +21,8 @@ from apps.deployments.models import (
 )
 from apps.registry import services as registry
 from apps.registry.models import ModelVersion, RegisteredModel
-from tests.deployments.conftest import instance, make_version, model, shared_host  # noqa: F401 - fixtures
-from tests.fleet.conftest import artifact_root  # noqa: F401 - fixture
-from tests.registry.test_version_lifecycle import serve, with_files
+from tests.registry.builders import serve, with_files
+from tests.support.models import make_version
 
 pytestmark = pytest.mark.django_db
 
@@ -32,13 +31,14 @@ PAGE = "/teams/vision/models/classifier/"
 
 
 @pytest.fixture
-def v1(model, artifact_root):
-    return with_files(make_version(model, 1))
+def v1(classifier, artifact_root):
+    # The classifier (tests/registry's own ``model`` fixture is another model).
+    return with_files(make_version(classifier, 1))
 
 
 @pytest.fixture
-def v2(model, artifact_root):
-    return with_files(make_version(model, 2))
+def v2(classifier, artifact_root):
+    return with_files(make_version(classifier, 2))
 
 
 def undeployed(owner, deployment: Deployment) -> Deployment:
@@ -153,7 +153,8 @@ def test_a_failed_delete_keeps_the_history_rows_and_files(owner, v1, instance, m
     assert_kept(v1.model, v1)
 
 
-def test_the_delete_confirmation_quotes_the_model_name_for_javascript(client, owner, model):
+def test_the_delete_confirmation_quotes_the_model_name_for_javascript(client, owner, classifier):
+    model = classifier
     model.name = "O'Brien');alert(1);('"
     model.save()
     client.force_login(owner)

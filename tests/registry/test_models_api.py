@@ -2,7 +2,7 @@ import pytest
 
 from apps.audit.models import AuditEvent
 from apps.registry.models import RegisteredModel
-from tests.registry.conftest import models_url
+from tests.registry.uploads import models_url
 
 pytestmark = pytest.mark.django_db
 
@@ -88,7 +88,7 @@ def test_delete_model_removes_rows_and_files(
     owner_client, model, artifact_root, django_capture_on_commit_callbacks
 ):
     from tests.registry.builders import onnx_bytes
-    from tests.registry.conftest import upload
+    from tests.registry.uploads import upload
 
     with django_capture_on_commit_callbacks(execute=False):
         assert upload(owner_client, "m.onnx", onnx_bytes()).status_code == 200

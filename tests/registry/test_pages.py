@@ -3,7 +3,7 @@ import pytest
 from apps.registry import services
 from apps.registry.models import RegisteredModel
 from tests.registry import builders
-from tests.registry.conftest import upload
+from tests.registry.uploads import upload
 
 pytestmark = pytest.mark.django_db
 

@@ -9,7 +9,7 @@ from apps.audit.models import AuditEvent
 from apps.conversions.models import ConversionJob
 from apps.registry.models import ModelVersion, SourceFormat, UploadSession, VersionState
 from tests.registry import builders
-from tests.registry.conftest import files_under, models_url, send, start, upload
+from tests.registry.uploads import files_under, models_url, send, start, upload
 
 pytestmark = pytest.mark.django_db
 

@@ -1,7 +1,6 @@
 """A version's note and tags, archive and restore, delete: refused while it serves or is rolled out,
 audited, files removed only once the row is gone; roles and tenancy on the API."""
 
-# ruff: noqa: F811 - the fixtures imported below are test arguments
 from __future__ import annotations
 
 import pytest
@@ -9,59 +8,31 @@ from django.core.exceptions import ValidationError
 
 from apps.audit.models import AuditEvent
 from apps.deployments import services as deployments
-from apps.deployments.models import Deployment, DeploymentState, PlacementState
+from apps.deployments.models import Deployment, DeploymentState
 from apps.registry import versions
 from apps.registry.models import ModelVersion, RegisteredModel
-from tests.deployments.conftest import instance, make_version, model, shared_host  # noqa: F401 - fixtures
-from tests.fleet.conftest import artifact_root  # noqa: F401 - fixture
+from tests.registry.builders import serve
+from tests.support.models import make_version
 
 pytestmark = pytest.mark.django_db
 
 URL = "/api/v1/teams/vision/models/classifier/versions/"
 
 
-def with_files(version: ModelVersion) -> ModelVersion:
-    weights = version.servable_dir() / "1" / "model.onnx"
-    weights.parent.mkdir(parents=True)
-    weights.write_bytes(b"weights")
-    (version.source_dir()).mkdir(parents=True)
-    (version.source_dir() / "model.onnx").write_bytes(b"weights")
-    return version
-
-
-@pytest.fixture
-def v1(model, artifact_root):
-    return with_files(make_version(model, 1))
-
-
-@pytest.fixture
-def v2(model, artifact_root):
-    return with_files(make_version(model, 2))
-
-
-def serve(owner, version, instance):
-    deployment = deployments.deploy_version(
-        actor=owner, model=version.model, version=version, instances=[instance]
-    )
-    deployment.placements.update(state=PlacementState.READY, served_version=version)
-    deployments.placement_finished(deployment.placements.get())
-    return Deployment.objects.get(pk=deployment.pk)
-
-
-def test_archived_version_is_not_latest_nor_deployable_but_kept(owner, model, v1, v2, maintainer_client):
-    assert model.latest_version() == v2
+def test_archived_version_is_not_latest_nor_deployable_but_kept(owner, classifier, v1, v2, maintainer_client):
+    assert classifier.latest_version() == v2
     response = maintainer_client.post(f"{URL}2/archive/")
     assert response.status_code == 200, response.json()
     assert response.json()["archived_at"]
-    assert model.latest_version() == v1
-    assert ModelVersion.objects.latest_ready_by_model([model.pk]) == {model.pk: v1}
+    assert classifier.latest_version() == v1
+    assert ModelVersion.objects.latest_ready_by_model([classifier.pk]) == {classifier.pk: v1}
     v2.refresh_from_db()
     assert v2.is_archived() and not v2.is_servable() and v2.servable_dir().is_dir()
     assert AuditEvent.objects.filter(action="version.archived", target_id=str(v2.pk)).exists()
     assert [v["number"] for v in maintainer_client.get(URL, {"archived": "true"}).json()["results"]] == [2]
     assert [v["number"] for v in maintainer_client.get(URL, {"archived": "false"}).json()["results"]] == [1]
     restored = maintainer_client.post(f"{URL}2/unarchive/")
-    assert restored.json()["archived_at"] is None and model.latest_version() == v2
+    assert restored.json()["archived_at"] is None and classifier.latest_version() == v2
 
 
 def test_archive_refused_with_409_while_the_version_serves(owner, v1, instance, maintainer_client):
@@ -126,8 +97,8 @@ def test_a_failed_delete_keeps_the_files(v1, monkeypatch):
     assert not AuditEvent.objects.filter(action="version.deleted").exists()  # rolled back with the row
 
 
-def test_delete_refused_while_converting(model, maintainer_client, artifact_root):
-    make_version(model, 1, state="CONVERTING")
+def test_delete_refused_while_converting(classifier, maintainer_client, artifact_root):
+    make_version(classifier, 1, state="CONVERTING")
     response = maintainer_client.delete(f"{URL}1/")
     assert response.status_code == 409 and "while it is converting" in response.json()["message"]
 
@@ -168,18 +139,18 @@ def test_outsider_gets_404_for_every_version_action(v1, outsider_client):
     assert ModelVersion.objects.filter(pk=v1.pk).exists() and v1.servable_dir().is_dir()
 
 
-def test_deploy_choices_skip_archived_versions(owner, model, v1, v2, instance):
+def test_deploy_choices_skip_archived_versions(owner, classifier, v1, v2, instance):
     v2 = versions.archive_version(actor=owner, version=v2)
     with pytest.raises(Exception, match="archived; restore it"):
-        deployments.deploy_version(actor=owner, model=model, version=v2, instances=[instance])
-    assert list(RegisteredModel.objects.get(pk=model.pk).versions.ready()) == [v1]
+        deployments.deploy_version(actor=owner, model=classifier, version=v2, instances=[instance])
+    assert list(RegisteredModel.objects.get(pk=classifier.pk).versions.ready()) == [v1]
 
 
-def test_a_version_archived_meanwhile_is_refused_by_deploy_and_switch(owner, model, v1, v2, instance):
+def test_a_version_archived_meanwhile_is_refused_by_deploy_and_switch(owner, classifier, v1, v2, instance):
     stale = ModelVersion.objects.get(pk=v2.pk)  # read before the archive, as a form or a request would have
     versions.archive_version(actor=owner, version=v2)
     with pytest.raises(ValidationError, match="archived; restore it"):
-        deployments.deploy_version(actor=owner, model=model, version=stale, instances=[instance])
+        deployments.deploy_version(actor=owner, model=classifier, version=stale, instances=[instance])
     deployment = serve(owner, v1, instance)
     with pytest.raises(ValidationError, match="archived; restore it"):
         deployments.switch_version(actor=owner, deployment=deployment, version=stale)

@@ -1,6 +1,5 @@
 """The version page: what the version is, how it was made, where it serves, and the maintainer's actions."""
 
-# ruff: noqa: F811 - the fixtures imported below are test arguments
 from __future__ import annotations
 
 import pytest
@@ -10,9 +9,7 @@ from apps.audit.models import AuditEvent
 from apps.conversions.models import ConversionJob, JobState
 from apps.monitoring.models import ModelMetrics
 from apps.registry.models import ModelVersion
-from tests.deployments.conftest import instance, make_version, model, shared_host  # noqa: F401 - fixtures
-from tests.fleet.conftest import artifact_root  # noqa: F401 - fixture
-from tests.registry.test_version_lifecycle import serve, v1, v2, with_files  # noqa: F401 - fixtures
+from tests.registry.builders import serve
 
 pytestmark = pytest.mark.django_db
 
