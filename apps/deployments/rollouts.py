@@ -33,7 +33,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from apps.audit.services import record
-from apps.deployments import analysis, services
+from apps.deployments import analysis, checks, services
 from apps.deployments.ensembles import check_no_ensemble_depends, check_steps_served
 from apps.deployments.models import (
     Deployment,
@@ -147,9 +147,9 @@ def start_rollout(
     check_gates(options)
     if canary.model_id != deployment.model_id:
         raise ValidationError({"version": [f"{canary} is not a version of {deployment.model}."]})
-    services.check_version_servable(canary)
+    checks.check_version_servable(canary)
     with transaction.atomic():
-        services._lock_servable(canary)
+        checks.lock_servable(canary)
         deployment = Deployment.objects.select_for_update().select_related("team").get(pk=deployment.pk)
         if deployment.state != DeploymentState.SERVING or deployment.active_version is None:
             raise ValidationError(
@@ -163,7 +163,7 @@ def start_rollout(
         check_no_ensemble_depends(deployment, "rolled out", keep=canary)
         if canary.pk == deployment.active_version_id:
             raise ValidationError({"version": [f"{canary} is already the served version; pick another one."]})
-        services.check_no_live_rollout(deployment)
+        checks.check_no_live_rollout(deployment)
         _latency_gate_needs_summaries(deployment, options)
         rollout = Rollout.objects.create(
             deployment=deployment,

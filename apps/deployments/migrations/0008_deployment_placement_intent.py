@@ -4,20 +4,21 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('deployments', '0007_rollout_tick_indexes'),
+        ("deployments", "0007_rollout_tick_indexes"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='deployment',
-            name='pending_reason',
-            field=models.TextField(blank=True, help_text="Why some replicas are not placed (the scheduler's last word)."),
+            model_name="deployment",
+            name="pending_reason",
+            field=models.TextField(
+                blank=True, help_text="Why some replicas are not placed (the scheduler's last word)."
+            ),
         ),
         migrations.AddField(
-            model_name='deployment',
-            name='pinned',
+            model_name="deployment",
+            name="pinned",
             field=models.BooleanField(default=True),
         ),
     ]

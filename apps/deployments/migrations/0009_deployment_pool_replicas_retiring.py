@@ -5,36 +5,49 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('deployments', '0008_deployment_placement_intent'),
-        ('fleet', '0005_pools_and_capacity'),
+        ("deployments", "0008_deployment_placement_intent"),
+        ("fleet", "0005_pools_and_capacity"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='deployment',
-            name='pool',
-            field=models.ForeignKey(blank=True, help_text='Empty: any pool the team may use.', null=True, on_delete=django.db.models.deletion.PROTECT, related_name='deployments', to='fleet.pool'),
+            model_name="deployment",
+            name="pool",
+            field=models.ForeignKey(
+                blank=True,
+                help_text="Empty: any pool the team may use.",
+                null=True,
+                on_delete=django.db.models.deletion.PROTECT,
+                related_name="deployments",
+                to="fleet.pool",
+            ),
         ),
         migrations.AddField(
-            model_name='deployment',
-            name='replicas',
+            model_name="deployment",
+            name="replicas",
             field=models.PositiveSmallIntegerField(default=1),
         ),
         migrations.AddField(
-            model_name='deployment',
-            name='spread',
-            field=models.CharField(choices=[('host', 'At most one replica per host while the pool has enough hosts'), ('none', 'Replicas may share a host')], default='host', max_length=10),
+            model_name="deployment",
+            name="spread",
+            field=models.CharField(
+                choices=[
+                    ("host", "At most one replica per host while the pool has enough hosts"),
+                    ("none", "Replicas may share a host"),
+                ],
+                default="host",
+                max_length=10,
+            ),
         ),
         migrations.AddField(
-            model_name='deploymentinstance',
-            name='retiring_reason',
+            model_name="deploymentinstance",
+            name="retiring_reason",
             field=models.CharField(blank=True, max_length=200),
         ),
         migrations.AddField(
-            model_name='deploymentinstance',
-            name='unload',
+            model_name="deploymentinstance",
+            name="unload",
             field=models.BooleanField(default=False),
         ),
     ]
