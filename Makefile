@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PYTHON ?= python3
 export DEBUG ?= 1
 
-.PHONY: run test test-fast install migrate demo lint deploy-check npu-check clean haproxy
+.PHONY: run test test-fast install migrate demo lint deploy-check npu-check clean haproxy docs
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,13 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
+
+## The documentation site (MkDocs + Material) on http://127.0.0.1:8001, rebuilt on every change; the generated
+## reference pages (settings, agent options) are written first. `make test` runs `mkdocs build --strict`.
+DOCS_BIND ?= 127.0.0.1:8001
+docs: $(VENV)/.installed
+	$(PY) docs/generate_reference.py
+	$(VENV)/bin/mkdocs serve --dev-addr $(DOCS_BIND)
 
 ## Production-settings check: what `manage.py check --deploy` says with DEBUG off.
 deploy-check: install

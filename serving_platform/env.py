@@ -1,7 +1,9 @@
 """Typed readers for settings that come from the environment.
 
 Each helper fails loudly with ImproperlyConfigured on a value it cannot read: a typo in a deployment's
-environment must stop the process at start, not surface later as odd behaviour.
+environment must stop the process at start, not surface later as odd behaviour. Each variable is declared
+once, with its type, default, minimum and meaning, in ``serving_platform.config_reference``; the helpers take
+them from there, and the documentation's configuration reference is generated from the same list.
 """
 
 from __future__ import annotations
@@ -10,15 +12,52 @@ import os
 
 from django.core.exceptions import ImproperlyConfigured
 
+from serving_platform.config_reference import DERIVED, VARIABLES, Variable
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+_UNSET = object()
+_HELPER_TYPES = {
+    "env_str": ("str", "path", "url"),
+    "env_bool": ("bool",),
+    "env_int": ("int",),
+    "env_list": ("list",),
+}
 
 
-def env_str(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(name, default)
+def _declared(helper: str, name: str, default: object, minimum: int | None) -> tuple[object, int | None]:
+    """The default and minimum of ``name``: its declaration's (serving_platform.config_reference).
+
+    A declared variable takes both from its declaration, so the documented default is the one in force; only a
+    DERIVED default (computed by settings from other settings) is passed by the caller. An undeclared name is
+    read with the caller's default - settings never do that (a test checks), the helpers' own tests do.
+    """
+    var: Variable | None = VARIABLES.get(name)
+    if var is None:
+        if default is _UNSET:
+            raise ImproperlyConfigured(f"{name} is not declared in serving_platform.config_reference")
+        return default, minimum
+    if var.type not in _HELPER_TYPES[helper]:
+        raise ImproperlyConfigured(f"{name} is declared as {var.type}; {helper} cannot read it")
+    if minimum is not None:
+        raise ImproperlyConfigured(f"{name}: its minimum is declared in serving_platform.config_reference")
+    if var.default is DERIVED:
+        if default is _UNSET:
+            raise ImproperlyConfigured(f"{name} has a derived default: pass it")
+        return default, var.minimum
+    if default is not _UNSET:
+        raise ImproperlyConfigured(f"{name}: its default is declared in serving_platform.config_reference")
+    return var.default, var.minimum
 
 
-def env_bool(name: str, default: bool) -> bool:
+def env_str(name: str, default: str | None | object = _UNSET) -> str | None:
+    """The variable's text; unset or empty gives the default."""
+    default, _ = _declared("env_str", name, default, None)
+    return os.environ.get(name) or default
+
+
+def env_bool(name: str, default: bool | object = _UNSET) -> bool:
+    default, _ = _declared("env_bool", name, default, None)
     raw = os.environ.get(name)
     if raw is None:
         return default
@@ -30,7 +69,8 @@ def env_bool(name: str, default: bool) -> bool:
     raise ImproperlyConfigured(f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off")
 
 
-def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
+def env_int(name: str, default: int | object = _UNSET, *, minimum: int | None = None) -> int:
+    default, minimum = _declared("env_int", name, default, minimum)
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -43,7 +83,8 @@ def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
     return value
 
 
-def env_list(name: str, default: list[str]) -> list[str]:
+def env_list(name: str, default: list[str] | object = _UNSET) -> list[str]:
+    default, _ = _declared("env_list", name, default, None)
     raw = os.environ.get(name)
     if raw is None:
         return list(default)

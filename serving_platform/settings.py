@@ -3,6 +3,10 @@
 Embedded default (no variables set, ``DEBUG=1``): SQLite and Celery's filesystem transport under
 ``var/``, so ``make run`` needs no external service. Production sets ``DATABASE_URL``,
 ``CELERY_BROKER_URL``, ``SECRET_KEY``, ``ALLOWED_HOSTS`` and leaves ``DEBUG`` off.
+
+Every variable read here is declared in ``serving_platform.config_reference`` (type, default, minimum,
+meaning) and read through ``serving_platform.env``'s helpers, which take its default from there: add a
+variable to that list first. The documentation's configuration reference is generated from it.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("VAR_DIR") or BASE_DIR / "var").resolve()
 VAR_DIR.mkdir(parents=True, exist_ok=True)
 
-DEBUG = env_bool("DEBUG", False)
+DEBUG = env_bool("DEBUG")
 
 
 def _secret_key() -> str:
@@ -48,8 +52,8 @@ def _secret_key() -> str:
 
 
 SECRET_KEY = _secret_key()
-ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost"])
-CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS")
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -117,7 +121,7 @@ TEMPLATES = [
 DATABASES = {
     "default": dj_database_url.parse(
         env_str("DATABASE_URL") or f"sqlite:///{VAR_DIR / 'db.sqlite3'}",
-        conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 60, minimum=0),
+        conn_max_age=env_int("DATABASE_CONN_MAX_AGE"),
         conn_health_checks=True,
     )
 }
@@ -152,13 +156,11 @@ AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",  # first: a locked-out sign-in is refused before the password check
     "django.contrib.auth.backends.ModelBackend",
 ]
-AXES_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT", 5, minimum=1)
-AXES_COOLOFF_TIME = timedelta(minutes=env_int("LOGIN_LOCKOUT_MINUTES", 15, minimum=1))
+AXES_FAILURE_LIMIT = env_int("LOGIN_FAILURE_LIMIT")
+AXES_COOLOFF_TIME = timedelta(minutes=env_int("LOGIN_LOCKOUT_MINUTES"))
 # The address is REMOTE_ADDR. Behind a reverse proxy every client has the proxy's address, and locking it
 # would lock everyone: set LOGIN_LOCK_BY_ADDRESS=0 there (usernames are still locked).
-AXES_LOCKOUT_PARAMETERS = (
-    ["username", "ip_address"] if env_bool("LOGIN_LOCK_BY_ADDRESS", True) else ["username"]
-)
+AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"] if env_bool("LOGIN_LOCK_BY_ADDRESS") else ["username"]
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_CALLABLE = "frontend.views.sign_in_locked"
 
@@ -194,18 +196,16 @@ WHITENOISE_USE_FINDERS = not STATIC_MANIFEST
 # --- Artifacts ------------------------------------------------------------------------------------
 ARTIFACT_ROOT = Path(env_str("ARTIFACT_ROOT") or VAR_DIR / "artifacts").resolve()
 # Largest model upload accepted (bytes); archives may unpack to twice that.
-UPLOAD_MAX_BYTES = env_int("UPLOAD_MAX_BYTES", 8 * 1024**3, minimum=1)
+UPLOAD_MAX_BYTES = env_int("UPLOAD_MAX_BYTES")
 # Archive bombs: an upload archive may hold at most this many members and unpack to at most this many bytes.
-UPLOAD_ARCHIVE_MAX_MEMBERS = env_int("UPLOAD_ARCHIVE_MAX_MEMBERS", 2000, minimum=1)
-UPLOAD_ARCHIVE_MAX_UNPACKED_BYTES = env_int(
-    "UPLOAD_ARCHIVE_MAX_UNPACKED_BYTES", 2 * UPLOAD_MAX_BYTES, minimum=1
-)
+UPLOAD_ARCHIVE_MAX_MEMBERS = env_int("UPLOAD_ARCHIVE_MAX_MEMBERS")
+UPLOAD_ARCHIVE_MAX_UNPACKED_BYTES = env_int("UPLOAD_ARCHIVE_MAX_UNPACKED_BYTES", 2 * UPLOAD_MAX_BYTES)
 
 # --- Playground: one inference from the web UI or the API, run inside a web worker ------------------
 # Largest request body (JSON or multipart with .npy files) and most input values per request, so one
 # request cannot grow a web worker by more than a few hundred MiB.
-PLAYGROUND_MAX_BYTES = env_int("PLAYGROUND_MAX_BYTES", 16 * 1024**2, minimum=1024)
-PLAYGROUND_MAX_ELEMENTS = env_int("PLAYGROUND_MAX_ELEMENTS", 4 * 1024**2, minimum=1)
+PLAYGROUND_MAX_BYTES = env_int("PLAYGROUND_MAX_BYTES")
+PLAYGROUND_MAX_ELEMENTS = env_int("PLAYGROUND_MAX_ELEMENTS")
 
 # --- Fleet: the platform's side of the agent API ----------------------------------------------------
 # The host agent is a program of its own (`python -m hostagent --help` lists its options and their
@@ -215,14 +215,14 @@ PLAYGROUND_MAX_ELEMENTS = env_int("PLAYGROUND_MAX_ELEMENTS", 4 * 1024**2, minimu
 # generations every AGENT_LONG_POLL_WATCH_MS. A held poll pins one of a web process's WEB_THREADS threads, so
 # one process holds at most AGENT_LONG_POLL_MAX_WAITERS (the rest is answered at once, as a short poll): the
 # UI and the API keep threads of their own.
-AGENT_LONG_POLL_MAX_WAIT = env_int("AGENT_LONG_POLL_MAX_WAIT", 30, minimum=1)
-AGENT_LONG_POLL_WATCH_MS = env_int("AGENT_LONG_POLL_WATCH_MS", 200, minimum=20)
-WEB_THREADS = env_int("WEB_THREADS", 64, minimum=1)
-AGENT_LONG_POLL_MAX_WAITERS = env_int("AGENT_LONG_POLL_MAX_WAITERS", max(0, WEB_THREADS - 16), minimum=0)
+AGENT_LONG_POLL_MAX_WAIT = env_int("AGENT_LONG_POLL_MAX_WAIT")
+AGENT_LONG_POLL_WATCH_MS = env_int("AGENT_LONG_POLL_WATCH_MS")
+WEB_THREADS = env_int("WEB_THREADS")
+AGENT_LONG_POLL_MAX_WAITERS = env_int("AGENT_LONG_POLL_MAX_WAITERS", max(0, WEB_THREADS - 16))
 # The database connections one web process shares among its threads (a pool in serving_platform.wsgi): at most
 # this many requests run in Django at once, so hundreds of threads for held polls do not open hundreds of
 # PostgreSQL connections.
-WEB_DATABASE_CONNECTIONS = env_int("WEB_DATABASE_CONNECTIONS", 24, minimum=1)
+WEB_DATABASE_CONNECTIONS = env_int("WEB_DATABASE_CONNECTIONS")
 
 # --- Security (checked by `manage.py check --deploy`) ---------------------------------------------
 SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG)
@@ -231,10 +231,10 @@ SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)
 # Load balancers probe health over plain HTTP inside the private network.
 # Prometheus scrapes /metrics the same way.
 SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics"]
-SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 31_536_000, minimum=0)
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 31_536_000)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", not DEBUG)
 SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", not DEBUG)
-if env_bool("SECURE_PROXY_SSL_HEADER", False):
+if env_bool("SECURE_PROXY_SSL_HEADER"):
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 X_FRAME_OPTIONS = "DENY"
 
@@ -285,21 +285,21 @@ SPECTACULAR_SETTINGS = {
 
 API_TOKEN_LAST_USED_RESOLUTION = timedelta(minutes=1)
 # How long a team invitation can be accepted.
-TEAM_INVITATION_DAYS = env_int("TEAM_INVITATION_DAYS", 14, minimum=1)
+TEAM_INVITATION_DAYS = env_int("TEAM_INVITATION_DAYS")
 
 # --- Celery -----------------------------------------------------------------------------------------
-CONVERSION_TIME_LIMIT = env_int("CONVERSION_TIME_LIMIT", 2 * 3600, minimum=60)
+CONVERSION_TIME_LIMIT = env_int("CONVERSION_TIME_LIMIT")
 CELERY_BROKER_URL = env_str("CELERY_BROKER_URL") or "filesystem://"
 CELERY_RESULT_BACKEND = env_str("CELERY_RESULT_BACKEND") or f"file://{VAR_DIR / 'celery' / 'results'}"
 _broker_scheme = urlsplit(CELERY_BROKER_URL).scheme
 # A task unacknowledged for longer than this is handed to another worker (acks_late): it must outlast
 # the longest job or a slow conversion would run twice.
 CELERY_BROKER_TRANSPORT_OPTIONS: dict = {
-    "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", CONVERSION_TIME_LIMIT + 3600, minimum=1)
+    "visibility_timeout": env_int("CELERY_VISIBILITY_TIMEOUT", CONVERSION_TIME_LIMIT + 3600)
 }
 # A RUNNING conversion whose worker has not written its heartbeat for this long is taken to be dead: a
 # redelivered or re-enqueued copy may claim it (apps.conversions.tasks.recover_stale_conversions).
-CONVERSION_HEARTBEAT_TIMEOUT = env_int("CONVERSION_HEARTBEAT_TIMEOUT", 120, minimum=2)
+CONVERSION_HEARTBEAT_TIMEOUT = env_int("CONVERSION_HEARTBEAT_TIMEOUT")
 # Broker messages, results and beat's schedule are the platform's alone.
 (VAR_DIR / "celery").mkdir(mode=0o700, exist_ok=True)
 (VAR_DIR / "celery").chmod(0o700)
@@ -345,30 +345,30 @@ CELERY_BEAT_SCHEDULE = {
         "options": {"queue": "default"},
     },
 }
-AUDIT_RETENTION_DAYS = env_int("AUDIT_RETENTION_DAYS", 365, minimum=1)
+AUDIT_RETENTION_DAYS = env_int("AUDIT_RETENTION_DAYS")
 
 # --- Scheduler (apps.deployments.scheduler): replicas placed by capacity, replaced when a host is lost ----
 # A host unheard of for longer is lost: its replicas are placed elsewhere in its pool.
-SCHEDULER_HOST_GRACE_S = env_int("SCHEDULER_HOST_GRACE_S", 60, minimum=1)
-SCHEDULER_MAX_REPLICAS = env_int("SCHEDULER_MAX_REPLICAS", 64, minimum=1)
-SCHEDULER_TICK_S = env_int("SCHEDULER_TICK_S", 5, minimum=1)
+SCHEDULER_HOST_GRACE_S = env_int("SCHEDULER_HOST_GRACE_S")
+SCHEDULER_MAX_REPLICAS = env_int("SCHEDULER_MAX_REPLICAS")
+SCHEDULER_TICK_S = env_int("SCHEDULER_TICK_S")
 CELERY_BEAT_SCHEDULE["scheduler-tick"] = {
     "task": "apps.deployments.tasks.scheduler_tick",
     "schedule": timedelta(seconds=SCHEDULER_TICK_S),
     # A tick older than its interval is superseded by the next one.
     "options": {"queue": "default", "expires": SCHEDULER_TICK_S},
 }
-UPLOAD_ABANDON_AFTER_HOURS = env_int("UPLOAD_ABANDON_AFTER_HOURS", 48, minimum=1)
+UPLOAD_ABANDON_AFTER_HOURS = env_int("UPLOAD_ABANDON_AFTER_HOURS")
 
 # --- Monitoring: Triton scraping, rollups, the platform's own /metrics -----------------------------
-METRICS_SCRAPE_INTERVAL = env_int("METRICS_SCRAPE_INTERVAL", 15, minimum=1)
-METRICS_SCRAPE_TIMEOUT = env_int("METRICS_SCRAPE_TIMEOUT", 5, minimum=1)
+METRICS_SCRAPE_INTERVAL = env_int("METRICS_SCRAPE_INTERVAL")
+METRICS_SCRAPE_TIMEOUT = env_int("METRICS_SCRAPE_TIMEOUT")
 # Minute rows become hourly rows after this many days; every row is dropped after the retention.
-METRICS_MINUTE_RETENTION_DAYS = env_int("METRICS_MINUTE_RETENTION_DAYS", 7, minimum=1)
-METRICS_RETENTION_DAYS = env_int("METRICS_RETENTION_DAYS", 90, minimum=1)
+METRICS_MINUTE_RETENTION_DAYS = env_int("METRICS_MINUTE_RETENTION_DAYS")
+METRICS_RETENTION_DAYS = env_int("METRICS_RETENTION_DAYS")
 # /metrics answers a Bearer METRICS_TOKEN, or else only these client addresses.
-METRICS_TOKEN = env_str("METRICS_TOKEN") or ""
-METRICS_ALLOWED_IPS = env_list("METRICS_ALLOWED_IPS", ["127.0.0.1", "::1"])
+METRICS_TOKEN = env_str("METRICS_TOKEN")
+METRICS_ALLOWED_IPS = env_list("METRICS_ALLOWED_IPS")
 CELERY_BEAT_SCHEDULE.update(
     {
         "scrape-triton-metrics": {
@@ -386,10 +386,10 @@ CELERY_BEAT_SCHEDULE.update(
 )
 
 # --- Inference gateway: HAProxy in front of every Triton instance (apps.gateway) ------------------
-GATEWAY_BIND = env_str("GATEWAY_BIND") or "127.0.0.1:8080"
-GATEWAY_GRPC_BIND = env_str("GATEWAY_GRPC_BIND") or "127.0.0.1:8081"
+GATEWAY_BIND = env_str("GATEWAY_BIND")
+GATEWAY_GRPC_BIND = env_str("GATEWAY_GRPC_BIND")
 # HAProxy's Prometheus exporter; the platform scrapes it (keep it private).
-GATEWAY_STATS_BIND = env_str("GATEWAY_STATS_BIND") or "127.0.0.1:8404"
+GATEWAY_STATS_BIND = env_str("GATEWAY_STATS_BIND")
 GATEWAY_METRICS_URL = (
     env_str("GATEWAY_METRICS_URL")
     or f"http://{address_of_bind('GATEWAY_STATS_BIND', GATEWAY_STATS_BIND)}/metrics"
@@ -403,27 +403,27 @@ GATEWAY_PUBLIC_GRPC = env_str("GATEWAY_PUBLIC_GRPC") or address_of_bind(
     "GATEWAY_GRPC_BIND", GATEWAY_GRPC_BIND
 )
 GATEWAY_DIR = Path(env_str("GATEWAY_DIR") or VAR_DIR / "gateway").resolve()
-GATEWAY_HAPROXY = env_str("GATEWAY_HAPROXY") or "haproxy"
-GATEWAY_THREADS = env_int("GATEWAY_THREADS", 1, minimum=1)
-GATEWAY_SYNC_INTERVAL_MS = env_int("GATEWAY_SYNC_INTERVAL_MS", 1000, minimum=50)
-GATEWAY_CHECK_INTERVAL_MS = env_int("GATEWAY_CHECK_INTERVAL_MS", 500, minimum=100)
+GATEWAY_HAPROXY = env_str("GATEWAY_HAPROXY")
+GATEWAY_THREADS = env_int("GATEWAY_THREADS")
+GATEWAY_SYNC_INTERVAL_MS = env_int("GATEWAY_SYNC_INTERVAL_MS")
+GATEWAY_CHECK_INTERVAL_MS = env_int("GATEWAY_CHECK_INTERVAL_MS")
 # HAProxy's buffer (tune.bufsize): a gRPC request message must fit in it, less 4 KiB, to be read and forwarded.
 # Larger buffers cost CPU per request (HAProxy copies the buffer for retries) and memory per connection.
-GATEWAY_BUFFER_BYTES = env_int("GATEWAY_BUFFER_BYTES", 16384, minimum=16384)
+GATEWAY_BUFFER_BYTES = env_int("GATEWAY_BUFFER_BYTES")
 # Deployments (and rollout canaries) take pre-declared backend slots at run time; the pool grows by this many,
 # with a graceful reload, only when every slot is taken.
-GATEWAY_SLOT_CHUNK = env_int("GATEWAY_SLOT_CHUNK", 64, minimum=1)
+GATEWAY_SLOT_CHUNK = env_int("GATEWAY_SLOT_CHUNK")
 # Team.quota_requests_per_second of a new team.
-GATEWAY_DEFAULT_REQUESTS_PER_SECOND = env_int("GATEWAY_DEFAULT_REQUESTS_PER_SECOND", 1000, minimum=1)
+GATEWAY_DEFAULT_REQUESTS_PER_SECOND = env_int("GATEWAY_DEFAULT_REQUESTS_PER_SECOND")
 
 # --- Progressive rollouts (apps.deployments.rollouts) ---------------------------------------------
 # How often beat looks for rollout checks that are due (each check claims its rollout, so two beats are safe).
-ROLLOUT_TICK_MS = env_int("ROLLOUT_TICK_MS", 1000, minimum=200)
+ROLLOUT_TICK_MS = env_int("ROLLOUT_TICK_MS")
 # An ended rollout's canary is unloaded this long after its weight went to 0: the gateway syncs first.
-ROLLOUT_UNLOAD_DELAY_S = env_int("ROLLOUT_UNLOAD_DELAY_S", 3, minimum=0)
+ROLLOUT_UNLOAD_DELAY_S = env_int("ROLLOUT_UNLOAD_DELAY_S")
 # Bounds of a rollout's step interval a user may choose (tests use 2 s).
-ROLLOUT_MIN_INTERVAL_S = env_int("ROLLOUT_MIN_INTERVAL_S", 2, minimum=1)
-ROLLOUT_MAX_INTERVAL_S = env_int("ROLLOUT_MAX_INTERVAL_S", 3600, minimum=1)
+ROLLOUT_MIN_INTERVAL_S = env_int("ROLLOUT_MIN_INTERVAL_S")
+ROLLOUT_MAX_INTERVAL_S = env_int("ROLLOUT_MAX_INTERVAL_S")
 CELERY_BEAT_SCHEDULE["check-rollouts"] = {
     "task": "apps.deployments.tasks.check_rollouts",
     "schedule": timedelta(milliseconds=ROLLOUT_TICK_MS),
@@ -433,27 +433,27 @@ CELERY_BEAT_SCHEDULE["check-rollouts"] = {
 # --- Alerts and notifications (apps.alerts) -------------------------------------------------------
 # Links in notifications (generatorURL, the email's page link) start with this; it follows the web process's
 # bind (WEB_BIND, as the Procfile reads it) unless set.
-WEB_BIND = env_str("WEB_BIND") or "127.0.0.1:8000"
+WEB_BIND = env_str("WEB_BIND")
 PLATFORM_PUBLIC_URL = env_str("PLATFORM_PUBLIC_URL") or f"http://{address_of_bind('WEB_BIND', WEB_BIND)}"
 # Webhook URLs are tenant input: loopback/private/link-local destinations only when this is on (DEBUG, tests).
 ALERT_WEBHOOK_ALLOW_PRIVATE = env_bool("ALERT_WEBHOOK_ALLOW_PRIVATE", DEBUG)
-ALERT_WEBHOOK_TIMEOUT = env_int("ALERT_WEBHOOK_TIMEOUT", 10, minimum=1)
-ALERT_DELIVERY_MAX_RETRIES = env_int("ALERT_DELIVERY_MAX_RETRIES", 6, minimum=0)
+ALERT_WEBHOOK_TIMEOUT = env_int("ALERT_WEBHOOK_TIMEOUT")
+ALERT_DELIVERY_MAX_RETRIES = env_int("ALERT_DELIVERY_MAX_RETRIES")
 # Seconds before the first retry; doubles each time (capped at 10 min), with jitter.
-ALERT_DELIVERY_RETRY_BACKOFF = env_int("ALERT_DELIVERY_RETRY_BACKOFF", 15, minimum=1)
-ALERT_MAX_RULES_PER_TEAM = env_int("ALERT_MAX_RULES_PER_TEAM", 200, minimum=1)
-ALERT_MAX_CHANNELS_PER_TEAM = env_int("ALERT_MAX_CHANNELS_PER_TEAM", 20, minimum=1)
-ALERT_MAX_SILENCE_DAYS = env_int("ALERT_MAX_SILENCE_DAYS", 30, minimum=1)
+ALERT_DELIVERY_RETRY_BACKOFF = env_int("ALERT_DELIVERY_RETRY_BACKOFF")
+ALERT_MAX_RULES_PER_TEAM = env_int("ALERT_MAX_RULES_PER_TEAM")
+ALERT_MAX_CHANNELS_PER_TEAM = env_int("ALERT_MAX_CHANNELS_PER_TEAM")
+ALERT_MAX_SILENCE_DAYS = env_int("ALERT_MAX_SILENCE_DAYS")
 # Email notifications: Django's mail backend (the console in development, SMTP otherwise).
 _DEFAULT_EMAIL_BACKEND = "console" if DEBUG else "smtp"
 EMAIL_BACKEND = env_str("EMAIL_BACKEND") or f"django.core.mail.backends.{_DEFAULT_EMAIL_BACKEND}.EmailBackend"
-EMAIL_HOST = env_str("EMAIL_HOST") or "localhost"
-EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
-EMAIL_HOST_USER = env_str("EMAIL_HOST_USER") or ""
-EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD") or ""
-EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
-EMAIL_TIMEOUT = env_int("EMAIL_TIMEOUT", 10, minimum=1)
-DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL") or "alerts@triton-ge.invalid"
+EMAIL_HOST = env_str("EMAIL_HOST")
+EMAIL_PORT = env_int("EMAIL_PORT")
+EMAIL_HOST_USER = env_str("EMAIL_HOST_USER")
+EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD")
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS")
+EMAIL_TIMEOUT = env_int("EMAIL_TIMEOUT")
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL")
 CELERY_BEAT_SCHEDULE["evaluate-alert-rules"] = {
     "task": "apps.alerts.tasks.evaluate_alert_rules",
     "schedule": timedelta(minutes=1),
@@ -462,14 +462,14 @@ CELERY_BEAT_SCHEDULE["evaluate-alert-rules"] = {
 }
 
 # --- Demo account created by `manage.py bootstrap_demo` (make run) ---------------------------------
-DEMO_USERNAME = env_str("DEMO_USERNAME") or "admin"
+DEMO_USERNAME = env_str("DEMO_USERNAME")
 DEMO_PASSWORD = env_str("DEMO_PASSWORD")
-DEMO_TEAM = env_str("DEMO_TEAM") or "Demo"
+DEMO_TEAM = env_str("DEMO_TEAM")
 
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL") or "INFO"},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL")},
 }
