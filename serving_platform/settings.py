@@ -358,6 +358,14 @@ CELERY_BEAT_SCHEDULE["scheduler-tick"] = {
     # A tick older than its interval is superseded by the next one.
     "options": {"queue": "default", "expires": SCHEDULER_TICK_S},
 }
+# --- Autoscaling (apps.deployments.autoscaling, fed by apps.gateway.autoscaling) -------------------------
+# How often the gateway's in-flight requests are read and each autoscaled deployment's replicas decided.
+AUTOSCALE_TICK_S = env_int("AUTOSCALE_TICK_S", 3, minimum=1)
+CELERY_BEAT_SCHEDULE["autoscale"] = {
+    "task": "apps.gateway.tasks.autoscale",
+    "schedule": timedelta(seconds=AUTOSCALE_TICK_S),
+    "options": {"queue": "default", "expires": AUTOSCALE_TICK_S},
+}
 UPLOAD_ABANDON_AFTER_HOURS = env_int("UPLOAD_ABANDON_AFTER_HOURS", 48, minimum=1)
 
 # --- Monitoring: Triton scraping, rollups, the platform's own /metrics -----------------------------
@@ -406,6 +414,10 @@ GATEWAY_DIR = Path(env_str("GATEWAY_DIR") or VAR_DIR / "gateway").resolve()
 GATEWAY_HAPROXY = env_str("GATEWAY_HAPROXY") or "haproxy"
 GATEWAY_THREADS = env_int("GATEWAY_THREADS", 1, minimum=1)
 GATEWAY_SYNC_INTERVAL_MS = env_int("GATEWAY_SYNC_INTERVAL_MS", 1000, minimum=50)
+# A request for a model scaled to zero is held this long while a replica loads, then answered 503.
+GATEWAY_ACTIVATION_TIMEOUT_S = env_int("GATEWAY_ACTIVATION_TIMEOUT_S", 60, minimum=1)
+# How often the gateway command reads the wake-ups its Lua action signals (between syncs).
+GATEWAY_WAKE_POLL_MS = env_int("GATEWAY_WAKE_POLL_MS", 200, minimum=20)
 GATEWAY_CHECK_INTERVAL_MS = env_int("GATEWAY_CHECK_INTERVAL_MS", 500, minimum=100)
 # HAProxy's buffer (tune.bufsize): a gRPC request message must fit in it, less 4 KiB, to be read and forwarded.
 # Larger buffers cost CPU per request (HAProxy copies the buffer for retries) and memory per connection.
