@@ -283,6 +283,13 @@ SECTIONS: dict[str, tuple[Variable, ...]] = {
         ),
         _v("SCHEDULER_MAX_REPLICAS", "int", 64, "the most replicas one deployment may ask for", 1),
         _v("SCHEDULER_TICK_S", "int", 5, "how often beat runs the scheduler's tick", 1),
+        _v(
+            "AUTOSCALE_TICK_S",
+            "int",
+            3,
+            "how often the gateway's in-flight requests are read and each autoscaled deployment's replicas decided",
+            1,
+        ),
     ),
     "Monitoring": (
         _v("METRICS_SCRAPE_INTERVAL", "int", 15, "seconds between beat's scrapes of the Triton instances", 1),
@@ -342,6 +349,20 @@ SECTIONS: dict[str, tuple[Variable, ...]] = {
             1000,
             "how often the gateway process brings HAProxy's maps and weights up to date",
             50,
+        ),
+        _v(
+            "GATEWAY_ACTIVATION_TIMEOUT_S",
+            "int",
+            60,
+            "how long a request for a model scaled to zero is held while a replica loads, then answered 503",
+            1,
+        ),
+        _v(
+            "GATEWAY_WAKE_POLL_MS",
+            "int",
+            200,
+            "how often the gateway command reads the wake-ups its Lua action signals (between syncs)",
+            20,
         ),
         _v(
             "GATEWAY_CHECK_INTERVAL_MS", "int", 500, "HAProxy's health-check interval per backend server", 100

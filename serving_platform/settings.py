@@ -358,6 +358,14 @@ CELERY_BEAT_SCHEDULE["scheduler-tick"] = {
     # A tick older than its interval is superseded by the next one.
     "options": {"queue": "default", "expires": SCHEDULER_TICK_S},
 }
+# --- Autoscaling (apps.deployments.autoscaling, fed by apps.gateway.autoscaling) -------------------------
+# How often the gateway's in-flight requests are read and each autoscaled deployment's replicas decided.
+AUTOSCALE_TICK_S = env_int("AUTOSCALE_TICK_S")
+CELERY_BEAT_SCHEDULE["autoscale"] = {
+    "task": "apps.gateway.tasks.autoscale",
+    "schedule": timedelta(seconds=AUTOSCALE_TICK_S),
+    "options": {"queue": "default", "expires": AUTOSCALE_TICK_S},
+}
 UPLOAD_ABANDON_AFTER_HOURS = env_int("UPLOAD_ABANDON_AFTER_HOURS")
 
 # --- Monitoring: Triton scraping, rollups, the platform's own /metrics -----------------------------
@@ -406,6 +414,8 @@ GATEWAY_DIR = Path(env_str("GATEWAY_DIR") or VAR_DIR / "gateway").resolve()
 GATEWAY_HAPROXY = env_str("GATEWAY_HAPROXY")
 GATEWAY_THREADS = env_int("GATEWAY_THREADS")
 GATEWAY_SYNC_INTERVAL_MS = env_int("GATEWAY_SYNC_INTERVAL_MS")
+GATEWAY_ACTIVATION_TIMEOUT_S = env_int("GATEWAY_ACTIVATION_TIMEOUT_S")
+GATEWAY_WAKE_POLL_MS = env_int("GATEWAY_WAKE_POLL_MS")
 GATEWAY_CHECK_INTERVAL_MS = env_int("GATEWAY_CHECK_INTERVAL_MS")
 # HAProxy's buffer (tune.bufsize): a gRPC request message must fit in it, less 4 KiB, to be read and forwarded.
 # Larger buffers cost CPU per request (HAProxy copies the buffer for retries) and memory per connection.

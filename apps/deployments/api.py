@@ -19,7 +19,7 @@ from rest_framework.parsers import BaseParser, FormParser, MultiPartParser
 from rest_framework.response import Response
 
 from apps.core.body_limits import PLAYGROUND_HINT, RequestTooLarge, limit_body, too_large_message
-from apps.deployments import calling, services
+from apps.deployments import autoscaling, calling, services
 from apps.deployments.models import Deployment, DeploymentEvent, DeploymentInstance, Spread
 from apps.fleet.models import Pool, TritonInstance, is_platform_staff
 from apps.registry.models import ModelVersion, RegisteredModel
@@ -126,6 +126,13 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "spread",
             "replicas_ready",
             "pending_reason",
+            "min_replicas",
+            "max_replicas",
+            "target_in_flight",
+            "scale_down_window_s",
+            "idle_period_s",
+            "asleep_since",
+            "last_cold_start_ms",
             "endpoints",
             "instance_endpoints",
             "placements",
@@ -196,6 +203,27 @@ class DeploymentCreateSerializer(serializers.Serializer):
                 {"instances": ["Give instances (pinned) or replicas and a pool, not both."]}
             )
         return attrs
+
+
+class AutoscalingSerializer(serializers.Serializer):
+    """Only the fields given change; ``min_replicas: null`` turns autoscaling off. Bounds are checked by
+    ``apps.deployments.autoscaling.check_settings`` (a 400 naming the field)."""
+
+    min_replicas = serializers.IntegerField(
+        required=False, allow_null=True, help_text="0: scale to zero when idle."
+    )
+    max_replicas = serializers.IntegerField(
+        required=False, allow_null=True, help_text="Bounded by the team's quota."
+    )
+    target_in_flight = serializers.FloatField(
+        required=False, help_text="In-flight requests per replica (default 4)."
+    )
+    scale_down_window_s = serializers.IntegerField(
+        required=False, help_text="Stabilisation window (default 300)."
+    )
+    idle_period_s = serializers.IntegerField(
+        required=False, help_text="Idle time before scaling to zero (900)."
+    )
 
 
 class SwitchSerializer(serializers.Serializer):
@@ -335,6 +363,7 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamSc
     ordering_fields = ["created_at", "updated_at", "state"]
     action_requirements = {
         "switch": Action.CHANGE,
+        "autoscaling": Action.CHANGE,
         "undeploy": Action.CHANGE,
         "snippets": Action.VIEW,
         "playground": Action.VIEW,
@@ -415,6 +444,17 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamSc
         if version is None:
             raise ValidationError({"version": [f"{deployment.model} has no version {number}."]})
         services.switch_version(actor=request.user, deployment=deployment, version=version)
+        return self._detail(deployment)
+
+    @extend_schema(request=AutoscalingSerializer, responses={200: DeploymentDetailSerializer, 400: ERROR})
+    @action(detail=True, methods=["post"])
+    def autoscaling(self, request, team_slug=None, pk=None):
+        deployment = self.get_object()
+        serializer = AutoscalingSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        autoscaling.configure(
+            actor=request.user, deployment=deployment, values=dict(serializer.validated_data)
+        )
         return self._detail(deployment)
 
     @extend_schema(request=None, responses={200: DeploymentDetailSerializer})

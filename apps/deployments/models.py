@@ -73,6 +73,18 @@ class Deployment(models.Model):
     pending_reason = models.TextField(
         blank=True, help_text="Why some replicas are not placed (the scheduler's last word)."
     )
+    # Autoscaling (apps.deployments.autoscaling): on while min_replicas is set; replicas then follows the
+    # gateway's in-flight requests between min and max. min_replicas 0: scale to zero after the idle period.
+    min_replicas = models.PositiveSmallIntegerField(null=True, blank=True)
+    max_replicas = models.PositiveSmallIntegerField(null=True, blank=True)
+    target_in_flight = models.FloatField(default=4.0, help_text="In-flight requests per replica.")
+    scale_down_window_s = models.PositiveIntegerField(default=300)
+    idle_period_s = models.PositiveIntegerField(default=900)
+    asleep_since = models.DateTimeField(null=True, blank=True)
+    last_cold_start_ms = models.PositiveIntegerField(
+        null=True, blank=True, help_text="How long the gateway held the request that woke it last."
+    )
+    scaling_memory = models.JSONField(default=dict, blank=True, help_text="The autoscaler's last figures.")
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
@@ -99,6 +111,9 @@ class Deployment(models.Model):
 
     def is_live(self) -> bool:
         return self.state != DeploymentState.UNDEPLOYED
+
+    def autoscaled(self) -> bool:
+        return self.min_replicas is not None and not self.pinned
 
     def replicas_ready(self) -> int:
         """Replicas READY now; those being replaced do not count (reads prefetched placements)."""

@@ -366,6 +366,29 @@ def release_retired(deployment: Deployment) -> list[DeploymentInstance]:
     return list(DeploymentInstance.objects.filter(pk__in=pks).select_related("instance__host"))
 
 
+def remove_replicas(deployment: Deployment, keep: int, reason: str) -> list[DeploymentInstance]:
+    """Scaling down: the replicas beyond ``keep`` leave the rotation and unload - those not serving yet first,
+    then the newest. Their memory counts until their agents report them unloaded. Returns the placements
+    decided, for ``enqueue``."""
+    current = list(counted(deployment))
+    surplus = sorted(current, key=lambda p: (p.state == PlacementState.READY, -p.pk))[
+        : max(0, len(current) - keep)
+    ]
+    pks = [p.pk for p in surplus]
+    DeploymentInstance.objects.filter(pk__in=pks).update(
+        generation=F("generation") + 1, retiring_reason=reason[:200], unload=True
+    )
+    removed = list(DeploymentInstance.objects.filter(pk__in=pks).select_related("instance__host"))
+    for placement in removed:
+        deployment.events.create(
+            kind="replica_removed",
+            message=f"unloading the replica on {placement.instance}: {reason}",
+            instance_id=placement.instance_id,
+            details={"reason": reason},
+        )
+    return removed
+
+
 def enqueue(placements: Iterable[DeploymentInstance]) -> None:
     """After commit: the placements' hosts fetch the new decisions on their next desired-state poll."""
     notify_hosts({placement.instance.host_id for placement in placements})

@@ -51,6 +51,8 @@ MODEL_NAME = TRITON_MODEL_NAME_PATTERN
 # The only inference paths a tenant may call. Slugs are [a-z0-9-], so `_`, `.`, `%` and `//` cannot match
 # (and a candidate name, `<name>__candidate`, is no model name).
 ALLOWED_PATH = rf"^/v2/models/{MODEL_NAME}(/versions/[1-9][0-9]{{0,8}})?(/infer|/ready|/config)?$"
+WAKE_LUA_FILE = Path(__file__).with_name("wake.lua")
+RETRY_AFTER_S = 10
 SERVER_NAME = re.compile(r"^[A-Za-z0-9_-]{16,128}$")
 
 
@@ -119,6 +121,9 @@ class GatewayState:
     checks: dict[str, str] = field(default_factory=dict)
     tokens: dict[str, str] = field(default_factory=dict)  # "<prefix>:<sha256>" -> "<team>:<expires>"
     limits: dict[str, str] = field(default_factory=dict)  # team -> requests per second
+    # model -> deployment key (``d12``) of deployments that may sleep (min_replicas 0): their requests are
+    # held by ``wake.lua`` while the deployment's slot has no usable server.
+    sleepy: dict[str, str] = field(default_factory=dict)
 
     def structure(self) -> tuple:
         return tuple(sorted(self.grpc_backends))
@@ -131,6 +136,7 @@ class GatewayState:
             "limits": self.limits,
             "grpc": self.grpc_routes,
             "checks": {slots.slot_of(name): check for name, check in self.checks.items()},
+            "sleepy": self.sleepy,
         }
 
     def servers(self, slots: Slots) -> dict[str, dict[str, Server]]:
@@ -264,6 +270,10 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         # buffers cost ~10 us of CPU per request more than these (benchmarks/gateway.py).
         f"    tune.bufsize {o.buffer_size}",
         f"    lua-load '{grpc_frontend.LUA_FILE}'",
+        # wake.lua signals wake-ups and cold starts in these maps (read and cleared by apps.gateway.wake).
+        f"    presetenv TGP_WAKEUPS_MAP {o.map_file('wakeups')}",
+        f"    presetenv TGP_COLDSTART_MAP {o.map_file('coldstart')}",
+        f"    lua-load '{WAKE_LUA_FILE}'",
         # A port another process listens on is an error, not shared: with SO_REUSEPORT (HAProxy's default) a
         # second HAProxy bound to the same port (another gateway, an orphan, a stats port equal to the
         # inference port) silently got a share of the connections, e.g. the stats frontend's empty 404 for an
@@ -382,6 +392,12 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         "    http-request set-var(txn.tail) path,regsub('^/v2/models/[^/]+','') if pinned !explicit_version",
         "    http-request set-uri /v2/models/%[var(txn.model)]/versions/%[var(txn.version)]%[var(txn.tail)] if pinned !explicit_version",
         "    http-request set-uri %[path] if !pinned or explicit_version",
+        # Scale to zero: a sleeping model's request waits here until a replica serves (wake.lua).
+        f"    http-request set-var(txn.sleepy) var(txn.model),map({o.map_file('sleepy')})",
+        f"    http-request lua.hold_asleep {o.activation_timeout_s * 1000} if {{ var(txn.sleepy) -m found }}",
+        f"    http-request return status 503 content-type application/json hdr retry-after {RETRY_AFTER_S} lf-string "
+        f"""\"{{\\\"error\\\":\\\"model '%[var(txn.model)]' is scaled to zero and no replica became ready within """
+        f"""the activation timeout ({o.activation_timeout_s} s); retry later\\\"}}\" if {{ var(txn.wake_failed) -m found }}""",
         "    http-request del-header authorization",
         "    use_backend %[var(txn.backend)]",
         "    default_backend no_route",
@@ -433,6 +449,9 @@ def write_files(state: GatewayState, slots: Slots, o: Options) -> None:
     for name, entries in state.maps(slots).items():
         atomic_write(o.map_file(name), render_map(entries))
     atomic_write(o.map_file("slots"), slots.render())
+    for name in ("wakeups", "coldstart"):  # written by wake.lua at run time; HAProxy loads them at start
+        if not o.map_file(name).exists():
+            atomic_write(o.map_file(name), "")
     atomic_write(o.config_file, render_config(state, slots, o))
 
 

@@ -26,6 +26,8 @@ class Options:
     hard_stop_after_s: int = 60
     # HAProxy's tune.bufsize: the largest request kept whole (for retries, and for reading a gRPC message).
     buffer_size: int = 16384
+    # How long a request for a sleeping model is held while a replica loads (then 503 with Retry-After).
+    activation_timeout_s: int = 60
 
     @property
     def admin_socket(self) -> Path:

@@ -95,7 +95,7 @@ def runtime_plan(
                 )  # fmt: skip
             if was is None or old_weights.get((backend, key), 100) != weight:
                 _put_in_rotation(plan, backend, key, weight)
-    _map_commands(plan, old_maps, new_maps, o, ("models", "tokens", "limits", "grpc"))
+    _map_commands(plan, old_maps, new_maps, o, ("models", "tokens", "limits", "grpc", "sleepy"))
     for backend, servers in sorted(before.items()):
         for key in sorted(servers.keys() - after.get(backend, {}).keys()):
             plan.add(f"set server {backend}/{key} state maint")

@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 import shutil
 import socket
+import time
 from pathlib import Path
 
 from django.conf import settings
 from django.db import close_old_connections
 
+from apps.gateway.autoscaling import poll_wakeups
 from apps.gateway.haproxy import GatewayError, GatewayState, Options, Slots, write_files
 from apps.gateway.process import HAProxyProcess
 from apps.gateway.runtime import Plan, runtime_plan
@@ -136,24 +138,37 @@ def run_gateway(stop, interval: float | None = None) -> None:
     gateway.o.make_directory()
     poke_path = poke_socket_path()
     poke_path.unlink(missing_ok=True)
+    # Between syncs the loop wakes every GATEWAY_WAKE_POLL_MS to read the wake-ups of held requests (a
+    # sleeping model's first request waits for them), and syncs on a poke or once the interval has passed.
+    step = min(interval, settings.GATEWAY_WAKE_POLL_MS / 1000)
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as poke:
         poke.bind(str(poke_path))
-        poke.settimeout(interval)
+        poke.settimeout(step)
         try:
             gateway.start()
             log.info("gateway listening on %s (gRPC %s)", settings.GATEWAY_BIND, settings.GATEWAY_GRPC_BIND)
+            next_sync = time.monotonic() + interval
             while not stop.is_set():
+                poked = False
                 try:
                     poke.recv(64)
+                    poked = True
                     while True:  # several pokes at once are one sync
                         poke.setblocking(False)
                         poke.recv(64)
                 except (TimeoutError, BlockingIOError, InterruptedError):
                     pass
                 finally:
-                    poke.settimeout(interval)
+                    poke.settimeout(step)
                 if stop.is_set():
                     break
+                try:
+                    poll_wakeups(gateway.process.admin, gateway.o)
+                except Exception:
+                    log.exception("reading the gateway's wake-ups failed")
+                if not poked and time.monotonic() < next_sync:
+                    continue
+                next_sync = time.monotonic() + interval
                 try:
                     outcome = gateway.sync()
                     if outcome not in ("unchanged", "runtime"):

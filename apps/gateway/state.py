@@ -56,6 +56,7 @@ def options() -> Options:
         threads=settings.GATEWAY_THREADS,
         check_interval_ms=settings.GATEWAY_CHECK_INTERVAL_MS,
         buffer_size=settings.GATEWAY_BUFFER_BYTES,
+        activation_timeout_s=settings.GATEWAY_ACTIVATION_TIMEOUT_S,
     )
 
 
@@ -162,6 +163,8 @@ def _add_http_routes(state: GatewayState) -> None:
                     canary_weight=weight,
                 )
         state.routes[model] = route
+        if deployment.min_replicas == 0 and not deployment.pinned:
+            state.sleepy[model] = name
 
 
 def _add_grpc_routes(state: GatewayState) -> None:

@@ -26,6 +26,9 @@ OWNERS = {
     # becomes from its placements' reports stays with services.
     "apps/deployments/scheduler.py": {"Deployment", "DeploymentInstance", "DeploymentEvent"},
     "apps/deployments/rollouts.py": {"Rollout", "RolloutAnalysis"},
+    # The autoscaler's decisions are replica counts (sleep and wake too), each with its event; the
+    # placements they lead to are the scheduler's.
+    "apps/deployments/autoscaling.py": {"Deployment", "DeploymentEvent"},
 }
 MODELS = {"Deployment", "DeploymentInstance", "DeploymentEvent", "Rollout", "RolloutAnalysis"}
 # Related managers and foreign keys that reach the five models' rows (from a team, a model, an instance or

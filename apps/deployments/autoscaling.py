@@ -1,0 +1,252 @@
+"""Replicas follow the traffic: the autoscaler's settings, its evaluation, sleep and wake.
+
+``evaluate`` is handed what the gateway sees per deployment (requests in flight and the cumulative count;
+``apps.gateway.autoscaling`` reads them from HAProxy every ``AUTOSCALE_TICK_S``) and applies
+``apps.deployments.scaling_policy.decide`` to each autoscaled deployment under its row lock: more replicas
+are placed by the scheduler where they fit (a deployment that cannot grow says why: the quota, or the
+scheduler's pending reason); fewer are unloaded (``scheduler.remove_replicas``); zero puts it to sleep.
+``wake`` is called by the gateway when a request for a sleeping deployment is held there.
+
+Writes: the deployment's replica count, its autoscaling settings and memory, asleep_since and the cold
+start, and one event per decision with its figures - an owner beside ``services`` and ``scheduler``
+(``tests/deployments/test_one_writer.py``). Placements are the scheduler's.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.db import transaction
+
+from apps.audit.services import record
+from apps.deployments import scheduler
+from apps.deployments.models import ACTIVE_STATES, Deployment, DeploymentInstance, DeploymentState, Rollout
+from apps.deployments.scaling_policy import Memory, Observation, Policy, decide
+
+FIELDS = ("min_replicas", "max_replicas", "target_in_flight", "scale_down_window_s", "idle_period_s")
+BOUNDS = {
+    "target_in_flight": (0.1, 10_000.0),
+    "scale_down_window_s": (0, 86_400),
+    "idle_period_s": (1, 7 * 86_400),
+}
+DECIDED_IN = (DeploymentState.SERVING, DeploymentState.DEPLOYING, DeploymentState.PENDING)
+
+
+def policy_of(deployment: Deployment) -> Policy:
+    return Policy(
+        min_replicas=deployment.min_replicas or 0,
+        max_replicas=max(1, deployment.max_replicas or 1),
+        target=deployment.target_in_flight,
+        down_window_s=deployment.scale_down_window_s,
+        idle_period_s=deployment.idle_period_s,
+    )
+
+
+def quota_room(deployment: Deployment) -> int:
+    """Instances the team's quota leaves for this deployment's replicas: the quota less the instances its
+    pinned deployments use and the replicas (or, autoscaled, the maximum) its other scheduled ones ask for."""
+    team = deployment.team
+    others = Deployment.objects.filter(team=team, state__in=ACTIVE_STATES).exclude(pk=deployment.pk)
+    pinned = (
+        DeploymentInstance.objects.filter(deployment__in=others.filter(pinned=True))
+        .values_list("instance_id", flat=True)
+        .distinct()
+        .count()
+    )
+    scheduled = sum(
+        max(replicas, high or 0) if low is not None else replicas
+        for replicas, low, high in others.filter(pinned=False).values_list(
+            "replicas", "min_replicas", "max_replicas"
+        )
+    )
+    return team.quota_instances - pinned - scheduled
+
+
+def check_settings(deployment: Deployment, values: dict) -> dict:
+    """The settings a request gives, merged over the deployment's; a 400 naming the field otherwise.
+    ``min_replicas: null`` turns autoscaling off."""
+    merged = {name: values.get(name, getattr(deployment, name)) for name in FIELDS}
+    if deployment.pinned:
+        raise ValidationError({"min_replicas": ["A pinned deployment (instances picked by hand) is not autoscaled; deploy it with replicas."]})  # fmt: skip
+    if merged["min_replicas"] is None:
+        return merged
+    limit = settings.SCHEDULER_MAX_REPLICAS
+    low, high = merged["min_replicas"], merged["max_replicas"]
+    if not isinstance(low, int) or isinstance(low, bool) or not 0 <= low <= limit:
+        raise ValidationError(
+            {"min_replicas": [f"Give 0 to {limit} (got {low!r}); 0 scales to zero when idle."]}
+        )
+    if high is None:
+        high = merged["max_replicas"] = max(low, deployment.replicas, 1)
+    if not isinstance(high, int) or isinstance(high, bool) or not 1 <= high <= limit:
+        raise ValidationError({"max_replicas": [f"Give 1 to {limit} (got {high!r})."]})
+    if high < low:
+        raise ValidationError({"max_replicas": [f"max_replicas ({high}) is below min_replicas ({low})."]})
+    room = quota_room(deployment)
+    if high > room:
+        raise ValidationError({"max_replicas": [f"Team quota: {deployment.team.name} may use {deployment.team.quota_instances} instances; {max(room, 0)} are left for this deployment."]})  # fmt: skip
+    for name, (least, most) in BOUNDS.items():
+        value = merged[name]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not least <= value <= most:
+            raise ValidationError({name: [f"Give {least:g} to {most:g} (got {value!r})."]})
+    return merged
+
+
+def configure(*, actor, deployment: Deployment, values: dict) -> Deployment:
+    """Set (or turn off) autoscaling. The next evaluation applies the bounds."""
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().select_related("team").get(pk=deployment.pk)
+        if deployment.state not in ACTIVE_STATES:
+            raise ValidationError({"non_field_errors": [f"The deployment is {deployment.state}."]})
+        merged = check_settings(deployment, values)
+        for name, value in merged.items():
+            setattr(deployment, name, value)
+        fields = [*FIELDS, "updated_at"]
+        if merged["min_replicas"] is None and deployment.replicas == 0:
+            # Autoscaling off while asleep: it serves again with one replica.
+            deployment.replicas, deployment.asleep_since = 1, None
+            fields += ["replicas", "asleep_since"]
+        deployment.save(update_fields=fields)
+        summary = (
+            "autoscaling off"
+            if merged["min_replicas"] is None
+            else "autoscaling {min_replicas}..{max_replicas} replicas, target {target_in_flight:g} in flight per "
+            "replica, down after {scale_down_window_s} s, idle period {idle_period_s} s".format(**merged)
+        )
+        deployment.events.create(kind="autoscaling", message=summary, details=merged)
+        record(
+            actor=actor,
+            team=deployment.team,
+            action="deployment.autoscaling",
+            target=deployment,
+            details=merged,
+        )
+        placed = scheduler.place_replicas(deployment)
+        transaction.on_commit(lambda: scheduler.enqueue(placed))
+    return deployment
+
+
+def autoscaled_ids() -> list[int]:
+    rollouts = Rollout.objects.live().values_list("deployment_id", flat=True)
+    return list(
+        Deployment.objects.filter(min_replicas__isnull=False, pinned=False, state__in=DECIDED_IN)
+        .exclude(pk__in=rollouts)
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
+
+
+def evaluate(load: dict[int, tuple[float, int | None]], now: float | None = None) -> dict[str, int]:
+    """One evaluation: ``load`` is deployment id -> (in flight, cumulative requests) as the gateway sees it.
+    A deployment the gateway did not report on is left alone (no decision on missing figures)."""
+    now = time.time() if now is None else now
+    counts = {"up": 0, "down": 0, "asleep": 0, "unchanged": 0}
+    for deployment_id in autoscaled_ids():
+        if deployment_id not in load:
+            continue
+        in_flight, total = load[deployment_id]
+        with transaction.atomic():
+            deployment = (
+                Deployment.objects.select_for_update().select_related("team").filter(pk=deployment_id).first()
+            )
+            if deployment is None or not deployment.autoscaled() or deployment.state not in DECIDED_IN:
+                continue
+            outcome = _apply(deployment, Observation(now, in_flight, total))
+        counts[outcome] += 1
+    return counts
+
+
+def _apply(deployment: Deployment, observation: Observation) -> str:
+    memory = Memory.load(deployment.scaling_memory)
+    decision = decide(policy_of(deployment), deployment.replicas, observation, memory)
+    current, wanted = deployment.replicas, decision.replicas
+    figures = {
+        "in_flight": observation.in_flight,
+        "per_replica": round(decision.per_replica, 2),
+        "target": deployment.target_in_flight,
+        "recommended": decision.recommended,
+    }
+    saved = decision.memory.dump()
+    saved["figures"] = {**figures, "at": observation.at, "replicas": current}
+    deployment.scaling_memory = saved
+    fields = ["scaling_memory"]
+    outcome = "unchanged"
+    if wanted > current:
+        room = quota_room(deployment)
+        if wanted > room:
+            reason = f"cannot grow to {wanted} replicas: team quota leaves {max(room, 0)} instances"
+            if saved.get("capped") != reason:
+                deployment.events.create(kind="autoscale_capped", message=reason, details=figures)
+            saved["capped"] = reason
+            wanted = max(current, room)
+    if wanted != current:
+        deployment.replicas = wanted
+        fields += ["replicas", "updated_at"]
+        message = (
+            decision.message if wanted == decision.replicas else f"{current} -> {wanted} replicas (quota)"
+        )
+        if wanted == 0:
+            deployment.asleep_since = datetime.fromtimestamp(observation.at, UTC)
+            fields.append("asleep_since")
+        deployment.save(update_fields=fields)
+        deployment.events.create(
+            kind="autoscaled", message=message, details={**figures, "from": current, "to": wanted}
+        )
+        if wanted > current:
+            decided = scheduler.place_replicas(deployment)
+            outcome = "up"
+        else:
+            reason = "asleep (scaled to zero)" if wanted == 0 else "scaled down"
+            decided = scheduler.remove_replicas(deployment, wanted, reason)
+            outcome = "asleep" if wanted == 0 else "down"
+        transaction.on_commit(lambda: scheduler.enqueue(decided))
+        return outcome
+    deployment.save(update_fields=fields)
+    return outcome
+
+
+def wake(deployment_id: int, now: float | None = None) -> bool:
+    """A request for a sleeping deployment is held at the gateway: place its replicas now. Returns whether
+    it was asleep (a second signal for the same wake-up changes nothing)."""
+    now = time.time() if now is None else now
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
+        if deployment is None or not deployment.autoscaled() or deployment.replicas > 0:
+            return False
+        if deployment.state not in DECIDED_IN:
+            return False
+        wanted = max(1, deployment.min_replicas or 0)
+        memory = Memory.load(deployment.scaling_memory)
+        # It just served: the idle period counts from now, so it does not go back to sleep at once.
+        memory.last_traffic_at, memory.recommendations = now, [[now, wanted]]
+        deployment.scaling_memory = {**deployment.scaling_memory, **memory.dump(), "woken_at": now}
+        asleep = deployment.asleep_since
+        deployment.replicas, deployment.asleep_since = wanted, None
+        deployment.save(update_fields=["replicas", "asleep_since", "scaling_memory", "updated_at"])
+        slept = f" (asleep since {asleep:%Y-%m-%d %H:%M:%S} UTC)" if asleep else ""
+        deployment.events.create(
+            kind="woken",
+            message=f"0 -> {wanted} replicas: a request is held at the gateway{slept}",
+            details={"to": wanted},
+        )
+        placed = scheduler.place_replicas(deployment)
+        transaction.on_commit(lambda: scheduler.enqueue(placed))
+    return True
+
+
+def record_cold_start(deployment_id: int, held_ms: int) -> None:
+    """The gateway held the request that woke the deployment this long (its extra latency)."""
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
+        if deployment is None:
+            return
+        deployment.last_cold_start_ms = max(0, int(held_ms))
+        deployment.save(update_fields=["last_cold_start_ms", "updated_at"])
+        deployment.events.create(
+            kind="cold_start",
+            message=f"the first request waited {held_ms / 1000:.1f} s at the gateway while a replica loaded",
+            details={"held_ms": held_ms},
+        )

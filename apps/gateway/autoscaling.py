@@ -1,0 +1,93 @@
+"""What the autoscaler reads from the gateway, and the wake-ups the gateway's Lua action signals.
+
+* ``read_load``: per deployment, the requests in flight at the gateway (HAProxy's current plus queued sessions
+  of its backends: the slot, its canary slot and their gRPC twins) and the cumulative request count, from
+  HAProxy's Prometheus exporter (the ``slots.map`` beside it says which slot is whose).
+* ``poll_wakeups``: ``wake.lua`` writes ``<d12> <epoch>`` into ``wakeups.map`` while it holds a request for a
+  sleeping deployment, and ``<d12> <ms>`` into ``coldstart.map`` once the request went on. The gateway
+  command reads both between syncs (every ``GATEWAY_WAKE_POLL_MS``), removes what it read and hands it to
+  ``apps.deployments.autoscaling``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import urllib.request
+
+from django.conf import settings
+
+from apps.deployments import autoscaling
+from apps.gateway.haproxy import AdminSocket, Options
+from apps.gateway.metrics import read_slot_owners
+
+log = logging.getLogger(__name__)
+
+_METRIC = re.compile(
+    r'^haproxy_backend_(current_sessions|current_queue|http_requests_total)\{proxy="([^"]+)"\} ([0-9.e+-]+)$'
+)
+_SLOT = re.compile(r"^g?(s\d+)$")
+_KEY = re.compile(r"^d(\d+)$")
+_MAP_ROW = re.compile(r"^0x[0-9a-f]+ (d\d+) (\d+)$")
+
+
+def parse_load(text: str, owners: dict[str, str]) -> dict[int, tuple[float, int]]:
+    """Exporter text -> {deployment id: (in flight, requests)}; ``owners``: slot -> ``d12`` or ``d12c``."""
+    out: dict[int, list[float]] = {}
+    for line in text.splitlines():
+        match = _METRIC.match(line)
+        if match is None:
+            continue
+        metric, proxy, value = match.groups()
+        slot = _SLOT.match(proxy)
+        owner = owners.get(slot.group(1)) if slot else proxy
+        key = _KEY.match((owner or "").removesuffix("c"))
+        if key is None:
+            continue
+        entry = out.setdefault(int(key.group(1)), [0.0, 0.0])
+        entry[1 if metric == "http_requests_total" else 0] += float(value)
+    return {pk: (in_flight, int(total)) for pk, (in_flight, total) in out.items()}
+
+
+def read_load(timeout: float = 2.0) -> dict[int, tuple[float, int]] | None:
+    """None when the gateway cannot be read (then nothing is decided)."""
+    owners = read_slot_owners()
+    if owners is None:
+        return None
+    url = settings.GATEWAY_METRICS_URL + "?scope=backend"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            text = response.read().decode("utf-8", errors="replace")
+    except OSError as exc:
+        log.warning("autoscaler: the gateway's exporter did not answer: %s", exc)
+        return None
+    return parse_load(text, owners)
+
+
+def autoscale() -> dict[str, int]:
+    """One evaluation of every autoscaled deployment (the beat task)."""
+    load = read_load()
+    if load is None:
+        return {"skipped": 1}
+    return autoscaling.evaluate(load)
+
+
+def parse_map(text: str) -> dict[str, int]:
+    rows = (_MAP_ROW.match(line.strip()) for line in text.splitlines())
+    return {m.group(1): int(m.group(2)) for m in rows if m}
+
+
+def poll_wakeups(admin: AdminSocket, o: Options) -> int:
+    """Wake the deployments whose requests are held, record finished cold starts. Returns the wake-ups."""
+    woken = 0
+    for name in ("wakeups", "coldstart"):
+        path = o.map_file(name)
+        entries = parse_map(admin.ask(f"show map {path}"))
+        for key, value in entries.items():
+            admin.ask(f"del map {path} {key}")
+            deployment_id = int(key[1:])
+            if name == "wakeups":
+                woken += autoscaling.wake(deployment_id)
+            else:
+                autoscaling.record_cold_start(deployment_id, value)
+    return woken

@@ -1,0 +1,54 @@
+-- Scale to zero: hold a request for a sleeping model at the gateway until a replica serves it (HAProxy 2.6,
+-- Lua 5.3), loaded by the config apps/gateway/haproxy.py renders.
+--
+-- The action `hold_asleep` runs for models whose deployment may sleep (sleepy.map gives their deployment
+-- key, e.g. d12, in txn.sleepy). While the deployment's backend slot (txn.backend) has no usable server
+-- (the nbsrv fetch: servers up and in rotation) it signals the platform - an entry <key> in wakeups.map,
+-- which the gateway command reads every few hundred ms and answers by placing a replica - and sleeps in
+-- short steps (core.msleep yields: no thread is blocked, and sleeping does not count against Lua's
+-- execution timeout). Once a server is usable the request goes on, and how long it was held is written to
+-- coldstart.map (<key> <ms>) for the deployment's page. Past the activation timeout it sets txn.wake_failed
+-- and the config answers 503 with Retry-After. The signal is repeated every second: a gateway restart or a
+-- lost entry only delays the wake-up.
+
+local WAKEUPS = os.getenv("TGP_WAKEUPS_MAP")
+local COLDSTART = os.getenv("TGP_COLDSTART_MAP")
+-- core.set_map only writes maps HAProxy has loaded; loading them here makes sure they are.
+Map.new(WAKEUPS, Map._str)
+Map.new(COLDSTART, Map._str)
+
+local STEP_MS = 50
+local SIGNAL_EVERY_MS = 1000
+
+local function elapsed_ms(start)
+    local now = core.now()
+    return (now.sec - start.sec) * 1000 + (now.usec - start.usec) // 1000
+end
+
+core.register_action("hold_asleep", {"http-req"}, function(txn, timeout_ms)
+    local slot = txn:get_var("txn.backend")
+    local key = txn:get_var("txn.sleepy")
+    if slot == nil or key == nil or txn.f:nbsrv(slot) > 0 then
+        return
+    end
+    timeout_ms = tonumber(timeout_ms)
+    local start = core.now()
+    local signalled = -SIGNAL_EVERY_MS
+    while true do
+        local waited = elapsed_ms(start)
+        if txn.f:nbsrv(slot) > 0 then
+            txn:set_var("txn.held_ms", waited)
+            core.set_map(COLDSTART, key, tostring(waited))
+            return
+        end
+        if waited >= timeout_ms then
+            txn:set_var("txn.wake_failed", 1)
+            return
+        end
+        if waited - signalled >= SIGNAL_EVERY_MS then
+            core.set_map(WAKEUPS, key, tostring(start.sec))
+            signalled = waited
+        end
+        core.msleep(STEP_MS)
+    end
+end, 1)

@@ -1,0 +1,152 @@
+"""Autoscaling without agents or a gateway: the API's settings with their bounds, the page, and each
+evaluation's decision applied to the rows (placements by the scheduler, events with the figures), sleep and
+wake. The decision function itself is tested in ``test_scaling_policy.py``."""
+
+from __future__ import annotations
+
+import pytest
+from django.utils import timezone
+
+from apps.deployments import autoscaling, services
+from apps.deployments.models import Deployment, PlacementState
+from apps.fleet.models import Host, Pool
+from apps.gateway.autoscaling import parse_load, parse_map
+from apps.registry.models import RegisteredModel
+from tests.support.models import add_instance, make_version
+
+BASE = "/api/v1/teams/vision/deployments/"
+
+
+@pytest.fixture
+def scheduled(owner, team):
+    pool = Pool.objects.create(name="cpu", memory_budget_mb=1000)
+    for i in range(3):
+        host = Host.objects.create(
+            name=f"h{i}", address="127.0.0.1", last_heartbeat_at=timezone.now(), pool=pool
+        )
+        add_instance(host, "cpu-0", 18100 + i)
+    model = RegisteredModel.objects.create(team=team, name="M", slug="m", created_by=owner)
+    version = make_version(model)
+    version.footprint_mb = 100
+    version.save(update_fields=["footprint_mb"])
+    return services.deploy_version(actor=owner, model=model, version=version, replicas=1, pool=pool)
+
+
+def live(deployment) -> int:
+    return deployment.placements.filter(retiring_reason="").exclude(state=PlacementState.UNLOADED).count()
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"min_replicas": -1, "max_replicas": 2}, "min_replicas"),
+        ({"min_replicas": 1, "max_replicas": 0}, "max_replicas"),
+        ({"min_replicas": 3, "max_replicas": 2}, "max_replicas"),
+        ({"min_replicas": 1, "max_replicas": 500}, "max_replicas"),
+        ({"min_replicas": 1, "max_replicas": 2, "target_in_flight": 0}, "target_in_flight"),
+        ({"min_replicas": 1, "max_replicas": 2, "scale_down_window_s": -5}, "scale_down_window_s"),
+        ({"min_replicas": 0, "max_replicas": 2, "idle_period_s": 0}, "idle_period_s"),
+        ({"min_replicas": "x"}, "min_replicas"),
+    ],
+)
+def test_bad_settings_are_a_400_naming_the_field(maintainer_client, scheduled, body, field):
+    response = maintainer_client.post(f"{BASE}{scheduled.pk}/autoscaling/", body, format="json")
+    assert response.status_code == 400, response.json()
+    assert field in response.json()["fields"], response.json()
+
+
+def test_max_replicas_is_bounded_by_the_quota(maintainer_client, scheduled, team):
+    team.quota_instances = 3
+    team.save()
+    response = maintainer_client.post(
+        f"{BASE}{scheduled.pk}/autoscaling/", {"min_replicas": 1, "max_replicas": 4}, format="json"
+    )
+    assert response.status_code == 400 and "Team quota" in response.json()["fields"]["max_replicas"][0]
+
+
+def test_settings_are_shown_in_the_api_and_on_the_page(maintainer_client, client, owner, scheduled):
+    body = {"min_replicas": 0, "max_replicas": 3, "target_in_flight": 2.5, "idle_period_s": 600}
+    response = maintainer_client.post(f"{BASE}{scheduled.pk}/autoscaling/", body, format="json")
+    assert response.status_code == 200, response.json()
+    data = response.json()
+    assert (data["min_replicas"], data["max_replicas"], data["target_in_flight"]) == (0, 3, 2.5)
+    assert data["scale_down_window_s"] == 300 and data["idle_period_s"] == 600
+    assert scheduled.events.filter(kind="autoscaling", message__contains="0..3 replicas").exists()
+    client.force_login(owner)
+    html = client.get(f"/teams/vision/deployments/{scheduled.pk}/").content.decode()
+    assert "Autoscaling: 0..3 replicas, target 2.5 in flight per replica" in html
+    assert "asleep after 600 s idle" in html
+
+
+def test_a_pinned_deployment_is_not_autoscaled(maintainer_client, owner, team):
+    host = Host.objects.create(name="p", address="127.0.0.1", last_heartbeat_at=timezone.now())
+    instance = add_instance(host, "cpu-0", 18200)
+    model = RegisteredModel.objects.create(team=team, name="P", slug="p", created_by=owner)
+    deployment = services.deploy_version(
+        actor=owner, model=model, version=make_version(model), instances=[instance]
+    )
+    response = maintainer_client.post(
+        f"{BASE}{deployment.pk}/autoscaling/", {"min_replicas": 1, "max_replicas": 2}, format="json"
+    )
+    assert response.status_code == 400 and "min_replicas" in response.json()["fields"]
+
+
+def test_evaluations_scale_up_at_once_down_after_the_window_and_to_zero_then_wake(owner, scheduled):
+    autoscaling.configure(actor=owner, deployment=scheduled, values={
+        "min_replicas": 0, "max_replicas": 3, "target_in_flight": 4, "scale_down_window_s": 60, "idle_period_s": 120})  # fmt: skip
+    assert autoscaling.evaluate({scheduled.pk: (19.2, 10)}, now=1000) == {
+        "up": 1,
+        "down": 0,
+        "asleep": 0,
+        "unchanged": 0,
+    }
+    deployment = Deployment.objects.get(pk=scheduled.pk)
+    assert deployment.replicas == 3 and live(deployment) == 3  # 5 wanted, capped at max
+    event = deployment.events.filter(kind="autoscaled").first()
+    assert event.message == "1 -> 3 replicas: 19.2 in flight per replica, target 4"
+    assert event.details["in_flight"] == 19.2 and event.details["to"] == 3
+    # Missing figures (the gateway did not answer) decide nothing.
+    assert autoscaling.evaluate({}, now=1010)["unchanged"] == 0
+    # Quiet: held for the window, then down to 1, then asleep after the idle period.
+    for at in range(1005, 1060, 5):
+        autoscaling.evaluate({scheduled.pk: (0, 10)}, now=at)
+    assert Deployment.objects.get(pk=scheduled.pk).replicas == 3
+    autoscaling.evaluate({scheduled.pk: (0, 10)}, now=1065)
+    deployment = Deployment.objects.get(pk=scheduled.pk)
+    assert deployment.replicas == 1 and live(deployment) == 1
+    assert deployment.placements.filter(unload=True).count() == 2
+    autoscaling.evaluate({scheduled.pk: (0, 10)}, now=1121)
+    deployment = Deployment.objects.get(pk=scheduled.pk)
+    assert deployment.replicas == 0 and live(deployment) == 0 and deployment.asleep_since is not None
+    # A held request wakes it once.
+    assert autoscaling.wake(deployment.pk) is True
+    assert autoscaling.wake(deployment.pk) is False
+    deployment = Deployment.objects.get(pk=scheduled.pk)
+    assert deployment.replicas == 1 and live(deployment) == 1 and deployment.asleep_since is None
+    autoscaling.record_cold_start(deployment.pk, 2046)
+    assert Deployment.objects.get(pk=deployment.pk).last_cold_start_ms == 2046
+
+
+def test_growth_beyond_the_quota_is_capped_and_says_why(owner, scheduled, team):
+    autoscaling.configure(actor=owner, deployment=scheduled, values={"min_replicas": 1, "max_replicas": 3})
+    team.quota_instances = 2
+    team.save()
+    autoscaling.evaluate({scheduled.pk: (40, 1)}, now=0)
+    deployment = Deployment.objects.get(pk=scheduled.pk)
+    assert deployment.replicas == 2
+    assert deployment.events.filter(kind="autoscale_capped", message__contains="team quota leaves 2").exists()
+
+
+def test_the_gateway_figures_are_read_per_deployment():
+    text = "\n".join([
+        'haproxy_backend_current_sessions{proxy="s0"} 3',
+        'haproxy_backend_current_queue{proxy="s0"} 2',
+        'haproxy_backend_current_sessions{proxy="gs0"} 1',
+        'haproxy_backend_current_sessions{proxy="s1"} 4',
+        'haproxy_backend_http_requests_total{proxy="s0"} 120',
+        'haproxy_backend_http_requests_total{proxy="s1"} 7',
+        'haproxy_backend_current_sessions{proxy="s2"} 9',
+    ])  # fmt: skip
+    # s1 is d7's canary slot (counted with d7); s2 is free.
+    assert parse_load(text, {"s0": "d7", "s1": "d7c"}) == {7: (10.0, 127)}
+    assert parse_map("0x55d1 d12 1796160737\n0x55d2 d3 2046\n") == {"d12": 1796160737, "d3": 2046}
