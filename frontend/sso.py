@@ -19,15 +19,20 @@ def sso_error(request, message: str, status: int = 400):
     return render(request, "registration/sso_error.html", {"message": message}, status=status)
 
 
+def sign_in_context() -> dict:
+    """What the sign-in page shows besides its form: the provider's button, the password form or not."""
+    return {
+        "sso_enabled": settings.OIDC_ENABLED,
+        "sso_name": settings.OIDC_PROVIDER_NAME,
+        "local_sign_in": settings.LOCAL_SIGN_IN,
+    }
+
+
 class SignInView(auth_views.LoginView):
     redirect_authenticated_user = True
 
     def get_context_data(self, **kwargs):
-        context = super().get_context_data(**kwargs)
-        context["sso_enabled"] = settings.OIDC_ENABLED
-        context["sso_name"] = settings.OIDC_PROVIDER_NAME
-        context["local_sign_in"] = settings.LOCAL_SIGN_IN
-        return context
+        return {**super().get_context_data(**kwargs), **sign_in_context()}
 
     def post(self, request, *args, **kwargs):
         if not settings.LOCAL_SIGN_IN:
