@@ -17,7 +17,12 @@ frontend/node_modules/.installed: frontend/package.json frontend/package-lock.js
 	cd frontend && npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
 
-install: $(VENV)/.installed frontend/node_modules/.installed haproxy
+## The single sign-on tests' OpenID Connect provider (npm's oidc-provider, run with node); test-only.
+tests/oidc/provider/node_modules/.installed: tests/oidc/provider/package.json tests/oidc/provider/package-lock.json
+	cd tests/oidc/provider && npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+install: $(VENV)/.installed frontend/node_modules/.installed tests/oidc/provider/node_modules/.installed haproxy
 
 ## The inference gateway is HAProxy (Debian package `haproxy`); installed here when we are root on Debian.
 haproxy:

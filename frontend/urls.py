@@ -10,13 +10,16 @@ from frontend import (
     monitoring,
     registry,
     rollouts,
+    sso,
     versions,
     views,
 )
 
 urlpatterns = [
     path("", views.dashboard, name="dashboard"),
-    path("login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
+    path("login/", sso.SignInView.as_view(), name="login"),
+    path("login/sso/", sso.SsoStartView.as_view(), name="sso-start"),
+    path("login/sso/callback/", sso.SsoCallbackView.as_view(), name="sso-callback"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("switch-team/", views.switch_team, name="switch-team"),
     path("teams/new/", views.team_new, name="team-new"),

@@ -22,6 +22,7 @@ from apps.teams.models import Action, ApiToken, Membership, Team, TeamInvitation
 from frontend.context_processors import current_team
 from frontend.forms import MemberForm, QuotaForm, RoleForm, TeamForm, TokenForm
 from frontend.pages import TeamPageView
+from frontend.sso import sign_in_context
 from frontend.status import team_status
 
 
@@ -35,7 +36,8 @@ def sign_in_locked(request, original_response=None, credentials=None):
         f"Too many failed sign-ins for this account or from your address: signing in is locked for "
         f"{minutes} minutes after the last failed try. Wait, or ask an operator to unlock it."
     )
-    return render(request, "registration/login.html", {"form": form, "locked_message": message}, status=429)
+    context = {"form": form, "locked_message": message, **sign_in_context()}
+    return render(request, "registration/login.html", context, status=429)
 
 
 def add_service_errors(form, error: ValidationError) -> None:

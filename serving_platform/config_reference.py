@@ -27,6 +27,7 @@ class Variable:
     meaning: str
     minimum: int | None = None
     default_text: str | None = None  # how the reference shows the default; required for DERIVED
+    maximum: int | None = None
 
     def shown_default(self) -> str:
         if self.default_text is not None:
@@ -40,8 +41,8 @@ class Variable:
         return f"`{self.default}`"
 
 
-def _v(name, type_, default, meaning, minimum=None, default_text=None) -> Variable:
-    return Variable(name, type_, default, meaning, minimum, default_text)
+def _v(name, type_, default, meaning, minimum=None, default_text=None, maximum=None) -> Variable:
+    return Variable(name, type_, default, meaning, minimum, default_text, maximum)
 
 
 # Sections in the order the reference lists them; each variable in the order settings read it.
@@ -448,6 +449,47 @@ SECTIONS: dict[str, tuple[Variable, ...]] = {
         ),
         _v("DEMO_TEAM", "str", "Demo", "the demo team's name"),
     ),
+    "Single sign-on (OpenID Connect)": (
+        _v(
+            "OIDC_ISSUER",
+            "str",
+            "",
+            "the identity provider's issuer URL; single sign-on is off while it is unset",
+        ),
+        _v(
+            "OIDC_PROVIDER_NAME",
+            "str",
+            "single sign-on",
+            "the provider's name on the button: Sign in with <name>",
+        ),
+        _v(
+            "OIDC_CLIENT_ID",
+            "str",
+            "",
+            "the platform's client id at the provider (required with OIDC_ISSUER)",
+        ),
+        _v("OIDC_CLIENT_SECRET", "str", "", "the platform's client secret (required with OIDC_ISSUER)"),
+        _v("OIDC_SCOPES", "str", "openid email profile", "the scopes a sign-in asks for"),
+        _v("OIDC_SIGN_ALGO", "str", "RS256", "the ID token's signing algorithm"),
+        _v("OIDC_GROUPS_CLAIM", "str", "groups", "the claim whose values map to team memberships"),
+        _v(
+            "OIDC_GROUP_PREFIX",
+            "str",
+            "tgp:",
+            "a claim value `<prefix><team>:<role>` grants that role in that team",
+        ),
+        _v("OIDC_USERNAME_CLAIM", "str", "preferred_username", "the claim a new user's username comes from"),
+        _v(
+            "OIDC_CLOCK_SKEW_S",
+            "int",
+            60,
+            "the clock skew allowed on the ID token's exp and iat",
+            0,
+            maximum=300,
+        ),
+        _v("OIDC_TIMEOUT_S", "int", 10, "the longest call to the provider, in seconds", 1),
+        _v("LOCAL_SIGN_IN", "bool", True, "sign-in with local passwords; off needs OIDC_ISSUER"),
+    ),
 }
 
 VARIABLES: dict[str, Variable] = {var.name: var for section in SECTIONS.values() for var in section}
@@ -476,6 +518,8 @@ def markdown() -> str:
         ]
         for var in variables:
             minimum = "" if var.minimum is None else str(var.minimum)
+            if var.maximum is not None:
+                minimum += f" (at most {var.maximum})"
             lines.append(
                 f"| `{var.name}` | {var.type} | {_cell(var.shown_default())} | {minimum} | {_cell(var.meaning)} |"
             )

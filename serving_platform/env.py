@@ -69,8 +69,17 @@ def env_bool(name: str, default: bool | object = _UNSET) -> bool:
     raise ImproperlyConfigured(f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, yes/no, on/off")
 
 
-def env_int(name: str, default: int | object = _UNSET, *, minimum: int | None = None) -> int:
+def env_int(
+    name: str, default: int | object = _UNSET, *, minimum: int | None = None, maximum: int | None = None
+) -> int:
     default, minimum = _declared("env_int", name, default, minimum)
+    var = VARIABLES.get(name)
+    if var is not None:
+        if maximum is not None:
+            raise ImproperlyConfigured(
+                f"{name}: its maximum is declared in serving_platform.config_reference"
+            )
+        maximum = var.maximum
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -80,6 +89,8 @@ def env_int(name: str, default: int | object = _UNSET, *, minimum: int | None = 
         raise ImproperlyConfigured(f"{name}={raw!r} is not an integer") from None
     if minimum is not None and value < minimum:
         raise ImproperlyConfigured(f"{name}={value} is below the minimum {minimum}")
+    if maximum is not None and value > maximum:
+        raise ImproperlyConfigured(f"{name}={value} is above the maximum {maximum}")
     return value
 
 

@@ -168,6 +168,40 @@ LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "dashboard"
 LOGOUT_REDIRECT_URL = "login"
 
+# --- Single sign-on (OpenID Connect, mozilla-django-oidc; apps.teams.oidc and apps.teams.sso) ------------
+# Off unless OIDC_ISSUER is set. Endpoints and keys come from the issuer's discovery document; the
+# authorization code flow always sends state, nonce and a PKCE challenge, and checks them on the way back.
+OIDC_ISSUER = env_str("OIDC_ISSUER").strip()
+OIDC_ENABLED = bool(OIDC_ISSUER)
+OIDC_PROVIDER_NAME = env_str("OIDC_PROVIDER_NAME")  # the button says "Sign in with ..."
+OIDC_RP_CLIENT_ID = env_str("OIDC_CLIENT_ID")
+OIDC_RP_CLIENT_SECRET = env_str("OIDC_CLIENT_SECRET")
+OIDC_RP_SCOPES = env_str("OIDC_SCOPES")
+OIDC_RP_SIGN_ALGO = env_str("OIDC_SIGN_ALGO")
+# Team membership and role from one claim: values "<prefix><team slug>:<role>", e.g. "tgp:vision:maintainer".
+OIDC_GROUPS_CLAIM = env_str("OIDC_GROUPS_CLAIM")
+OIDC_GROUP_PREFIX = env_str("OIDC_GROUP_PREFIX")
+OIDC_USERNAME_CLAIM = env_str("OIDC_USERNAME_CLAIM")
+# How far the ID token's exp/iat may be off from this machine's clock; bounded so a typo cannot turn the
+# expiry check off.
+OIDC_CLOCK_SKEW_S = env_int("OIDC_CLOCK_SKEW_S")
+OIDC_TIMEOUT = env_int("OIDC_TIMEOUT_S")
+OIDC_USE_PKCE = True
+OIDC_USE_NONCE = True
+OIDC_AUTHENTICATION_CALLBACK_URL = "sso-callback"
+# Off: the password form is gone and passwords are refused (API tokens still work).
+LOCAL_SIGN_IN = env_bool("LOCAL_SIGN_IN")
+if OIDC_ENABLED:
+    if not (OIDC_RP_CLIENT_ID and OIDC_RP_CLIENT_SECRET):
+        raise ImproperlyConfigured(
+            "OIDC_ISSUER is set: OIDC_CLIENT_ID and OIDC_CLIENT_SECRET are required too"
+        )
+    AUTHENTICATION_BACKENDS.append("apps.teams.oidc.PlatformOIDCBackend")
+elif not LOCAL_SIGN_IN:
+    raise ImproperlyConfigured("LOCAL_SIGN_IN=0 needs single sign-on: set OIDC_ISSUER (and its client) too")
+if not LOCAL_SIGN_IN:
+    AUTHENTICATION_BACKENDS.remove("django.contrib.auth.backends.ModelBackend")
+
 # --- Static files: our own under frontend/static, third-party ones from npm (frontend/node_modules) ---
 STATIC_URL = "/static/"
 STATIC_ROOT = VAR_DIR / "staticfiles"

@@ -78,6 +78,13 @@ class Team(models.Model):
         return self.memberships.filter(role=Role.OWNER).count()
 
 
+class MembershipSource(models.TextChoices):
+    # Granted in the platform (staff, an accepted invitation, team creation): single sign-on leaves it alone.
+    LOCAL = "local", "granted in the platform"
+    # Granted from the identity provider's group claim: it follows the claim at every sign-in.
+    SSO = "sso", "single sign-on group"
+
+
 class Membership(models.Model):
     """A user's role in a team: viewer reads; maintainer changes models and deployments; owner also
     manages members and tokens."""
@@ -85,6 +92,7 @@ class Membership(models.Model):
     team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="memberships")
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
     role = models.CharField(max_length=20, choices=Role.choices, default=Role.VIEWER)
+    source = models.CharField(max_length=8, choices=MembershipSource.choices, default=MembershipSource.LOCAL)
     created_at = models.DateTimeField(auto_now_add=True)
 
     objects = TeamScopedQuerySet.as_manager()
@@ -95,6 +103,25 @@ class Membership(models.Model):
 
     def __str__(self) -> str:
         return f"{self.user} in {self.team} ({self.role})"
+
+
+class SsoIdentity(models.Model):
+    """The identity provider's account behind a platform user: its subject is the stable link (usernames and
+    emails can be reused or changed at the provider, so they never link an account)."""
+
+    user = models.OneToOneField(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="sso_identity"
+    )
+    issuer = models.CharField(max_length=255)
+    subject = models.CharField(max_length=255)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_sign_in_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["issuer", "subject"], name="unique_sso_subject")]
+
+    def __str__(self) -> str:
+        return f"{self.subject} at {self.issuer}"
 
 
 TOKEN_SCHEME = TEAM_TOKEN_SCHEME
