@@ -1,7 +1,7 @@
 """Single sign-on through a real OpenID Connect provider (npm's oidc-provider) in headless Chromium: the
 redirect flow with state, nonce and PKCE, users created at the first sign-in, teams and roles from the group
-claim (and taken back at the next sign-in), sign-out, and the error pages of a tampered state and an expired
-ID token. One test: each sign-in costs the provider and the browser a few round trips."""
+claim (and taken back at the next sign-in), sign-out, and the error pages of a tampered state, an expired
+ID token and an issuer mismatch. One test: each sign-in costs the provider and the browser a few round trips."""
 
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ def _provider_answer(page, live_server) -> str:
     raise AssertionError(f"the provider never sent the browser back (last: {url})")
 
 
-def test_sign_in_through_the_provider_maps_groups_and_refuses_bad_answers(page, live_server, oidc_provider):
+def test_sign_in_through_the_provider_maps_groups_and_refuses_bad_answers(
+    page, live_server, oidc_provider, settings
+):
     vision = TeamFactory(name="Vision", slug="vision")
     nlp = TeamFactory(name="NLP", slug="nlp")
     groups = ["tgp:vision:maintainer", "tgp:nlp:viewer", "tgp:unknown-team:owner", "payroll"]
@@ -118,5 +120,16 @@ def test_sign_in_through_the_provider_maps_groups_and_refuses_bad_answers(page, 
     page.wait_for_selector("#sso-error")
     assert "ID token has expired" in page.inner_text("#sso-error")
     page.screenshot(path=str(SCREENSHOTS / "sso-expired-token.png"), full_page=True)
+    page.goto(f"{live_server.url}/")
+    assert "/login/" in page.url
+
+    # An issuer mismatch: the platform is configured with another spelling of the provider's address, whose
+    # discovery document names the provider's own issuer - refused before the browser leaves for it.
+    host = "localhost" if "127.0.0.1" in oidc_provider.issuer else "127.0.0.1"
+    settings.OIDC_ISSUER = re.sub(r"//[^:/]+", f"//{host}", oidc_provider.issuer, count=1)
+    assert oidc_provider.issuer != settings.OIDC_ISSUER
+    _sign_in_with_sso(page, live_server)
+    page.wait_for_selector("#sso-error")
+    assert "discovery document names the issuer" in page.inner_text("#sso-error")
     page.goto(f"{live_server.url}/")
     assert "/login/" in page.url
