@@ -189,7 +189,7 @@ def main() -> int:
     from apps.registry.models import RegisteredModel
     from apps.teams import services as teams
     from tests.deployments.rollout_models import flaky_scaler_onnx
-    from tests.gateway.conftest import scaler_onnx
+    from tests.support.models import scaler_onnx
 
     owner = get_user_model().objects.create_user("drill", password="drill-password")
     team = teams.create_team(actor=owner, name="Drill", slug="drill")
