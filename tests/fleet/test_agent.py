@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -173,7 +174,11 @@ def test_a_model_that_crashes_the_server_at_every_start_quarantines_the_instance
     runtime.mkdir(mode=0o755)
     (runtime / "acl.py").write_text(KILLER_ACL)
     agent = start_agent(
-        "host-a", FLEET_RESTART_BASE_DELAY_MS=100, FLEET_MAX_CRASHES=3, PYTHONPATH=str(runtime)
+        "host-a",
+        FLEET_RESTART_BASE_DELAY_MS=100,
+        FLEET_MAX_CRASHES=3,
+        PYTHONPATH=str(runtime),
+        AGENT_HEARTBEAT_INTERVAL=0.2,
     )
     host = agent.host
     instance = instance_of(agent)
@@ -188,8 +193,14 @@ def test_a_model_that_crashes_the_server_at_every_start_quarantines_the_instance
         f"quarantine\n{agent.output()}",
     )
     assert len(row.crash_times) == 3 and "quarantined" in row.last_error
-    # Quarantined means no more restarts. Nothing may happen: unquarantined, the 4th start would come after
-    # a back-off of 0.4 s (100 ms doubled per crash: 0.1 * 2 ** (3 - 1)); 1.5 s leaves room for it and its report.
-    time.sleep(1.5)
+    # Quarantined means no more restarts. Unquarantined, the 4th start would come after a back-off of 0.4 s
+    # (100 ms doubled per crash: 0.1 * 2 ** (3 - 1)): wait until the still-running agent's own heartbeat says
+    # 1.5 s have passed on its side (room for that start and its report), then nothing may have happened.
+    after = row.state_changed_at + timedelta(seconds=1.5)
+    wait_for(
+        lambda: Host.objects.get(pk=host.pk).last_heartbeat_at >= after,
+        30,
+        f"a heartbeat of the agent 1.5 s after the quarantine\n{agent.output()}",
+    )
     assert TritonInstance.objects.get(pk=instance.pk).restarts == row.restarts
     assert host.pk == row.host_id

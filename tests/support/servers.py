@@ -47,11 +47,12 @@ def agent_env(var_dir: Path, fleet_root: Path, **extra) -> dict:
     of the platform importable (``tests/without_django/sitecustomize.py`` refuses Django and the platform's
     packages, so an agent that reached for them fails in the test that started it)."""
     env = {k: v for k, v in os.environ.items() if k not in PLATFORM_ONLY_ENV}
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(ROOT / "tests" / "without_django"), env.get("PYTHONPATH")])
-    )
+    extra = {k: str(v) for k, v in extra.items()}
+    # A test's own PYTHONPATH (a fake runtime, say) comes after the guard, never instead of it.
+    path = extra.pop("PYTHONPATH", None) or env.get("PYTHONPATH")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests" / "without_django"), path]))
     env.update(VAR_DIR=str(var_dir), FLEET_ROOT=str(fleet_root))
-    env.update({k: str(v) for k, v in extra.items()})
+    env.update(extra)
     return env
 
 
