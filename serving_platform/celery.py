@@ -10,8 +10,12 @@ import os
 
 from celery import Celery
 from kombu import Queue
+from kombu.transport import TRANSPORT_ALIASES
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "serving_platform.settings")
+
+# ``filesystem://`` (the embedded default) with message files written whole: see celery_transport.
+TRANSPORT_ALIASES["filesystem"] = "serving_platform.celery_transport:Transport"
 
 app = Celery("serving_platform")
 app.config_from_object("django.conf:settings", namespace="CELERY")
