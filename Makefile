@@ -43,7 +43,7 @@ LOCAL_AGENT_ENV := FLEET_ROOT=$(LOCAL_FLEET_ROOT) AGENT_PRIVATE_PATHS=$(or $(ART
 
 demo: migrate
 	$(PY) manage.py bootstrap_demo
-	$(LOCAL_AGENT_ENV) $(PY) manage.py fleet_local_host --name local --address 127.0.0.1 \
+	$(LOCAL_AGENT_ENV) $(PY) manage.py fleet_local_host --name local --address 127.0.0.1 --pool local \
 		--instance cpu-0:$${TRITON_HTTP_PORT:-8100}:$${TRITON_GRPC_PORT:-8101}:$${TRITON_METRICS_PORT:-8102}
 
 ## Start web (http://127.0.0.1:8000), Celery worker and beat, the local host agent and the inference gateway

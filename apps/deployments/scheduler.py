@@ -266,7 +266,10 @@ def place_replicas(deployment: Deployment) -> list[DeploymentInstance]:
         if len(decided) == missing:
             break
     if not pools_for(deployment):
-        reasons.append(f"team {deployment.team.slug} may use no pool")
+        reasons.append(
+            f"team {deployment.team.slug} may use no pool (staff create one: POST /api/v1/pools/ or the hosts "
+            "page); or deploy on chosen instances"
+        )
     still = missing - len(decided)
     reason = f"{still} of {deployment.replicas} replica(s) pending: {'; '.join(reasons)}" if still else ""
     _set_pending(deployment, reason, need_mb=need)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 from django.core.management import call_command
+from django.utils import timezone
 
-from apps.fleet.models import Host, TritonInstance, hash_host_secret
+from apps.deployments import services as deployments
+from apps.deployments.models import DeploymentState
+from apps.fleet.models import Host, Pool, TritonInstance, hash_host_secret
+from tests.support.models import make_version
 
 pytestmark = pytest.mark.django_db
 
@@ -34,3 +38,26 @@ def test_an_explicit_credential_file_wins(monkeypatch, tmp_path):
     chosen = tmp_path / "chosen.credential"
     call_command("fleet_local_host", "--name", "local", "--credential-file", str(chosen))
     assert chosen.is_file() and not (tmp_path / "default.credential").exists()
+
+
+def test_the_local_host_joins_a_shared_pool_so_a_deploy_by_replicas_is_placed_on_it(
+    monkeypatch, tmp_path, team, owner, classifier
+):
+    """What ``make run`` does: a team's first ``tgp deploy M --version 1`` (replicas, no instance) must not
+    stay PENDING for want of a pool."""
+    monkeypatch.setenv("AGENT_CREDENTIAL_FILE", str(tmp_path / "agent.credential"))
+    call_command(
+        "fleet_local_host", "--name", "local", "--pool", "local", "--instance", "cpu-0:18100:18101:18102"
+    )
+    host = Host.objects.get(name="local")
+    assert host.pool == Pool.objects.get(name="local", team=None) and host.labels["pool"] == "local"
+    Host.objects.filter(pk=host.pk).update(last_heartbeat_at=timezone.now())
+    TritonInstance.objects.filter(host=host).update(state="READY")
+    deployment = deployments.deploy_version(
+        actor=owner, model=classifier, version=make_version(classifier, 1), replicas=1
+    )
+    deployment.refresh_from_db()
+    assert deployment.state == DeploymentState.DEPLOYING, deployment.pending_reason
+    assert [p.instance.name for p in deployment.placements.all()] == ["cpu-0"]
+    call_command("fleet_local_host", "--name", "local", "--pool", "local")  # again: nothing changes
+    assert Pool.objects.count() == 1 and TritonInstance.objects.filter(host=host).count() == 1

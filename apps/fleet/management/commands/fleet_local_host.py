@@ -13,8 +13,8 @@ from pathlib import Path
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
-from apps.fleet import services
-from apps.fleet.models import Host, TritonInstance, hash_host_secret
+from apps.fleet import pools, services
+from apps.fleet.models import Host, Pool, TritonInstance, hash_host_secret
 from hostagent import config as agent_config
 from hostagent.client import save_credential
 
@@ -33,6 +33,12 @@ class Command(BaseCommand):
             help="A CPU instance to create if the host has none by that name, e.g. cpu-0:8100:8101:8102.",
         )
         parser.add_argument(
+            "--pool",
+            default=None,
+            help="A shared CPU pool to put the host in (created if missing), so deployments that ask for "
+            "replicas rather than instances are placed on it.",
+        )
+        parser.add_argument(
             "--credential-file",
             default=None,
             help="Where the local agent's credential is kept (default: where `python -m hostagent` reads it with "
@@ -46,6 +52,8 @@ class Command(BaseCommand):
                 host, _ = services.create_host(actor=None, name=options["name"], address=options["address"])
             for spec in options["instance"]:
                 self._ensure_instance(host, spec)
+            if options["pool"]:
+                self._ensure_pool(host, options["pool"])
         except ValidationError as exc:
             raise CommandError("; ".join(exc.messages)) from None
         path = Path(options["credential_file"] or self._agents_credential_file())
@@ -56,6 +64,15 @@ class Command(BaseCommand):
         host, credential = services.join_host(services.issue_join_token(actor=None, host=host))
         save_credential(path, credential)
         self.stdout.write(f"host {host.name}: new credential written to {path}")
+
+    def _ensure_pool(self, host: Host, name: str) -> None:
+        """The host in the pool ``name`` (a shared CPU pool, created as staff would); a host already in
+        another pool stays there."""
+        if host.pool_id is not None:
+            return
+        pool = Pool.objects.filter(name=name).first() or pools.create_pool(actor=None, name=name)
+        Host.objects.filter(pk=host.pk).update(labels={**host.labels, pools.POOL_LABEL: name}, pool=pool)
+        self.stdout.write(f"host {host.name}: in pool {pool.name}")
 
     @staticmethod
     def _agents_credential_file() -> Path:
