@@ -139,22 +139,24 @@ def autoscaled_ids() -> list[int]:
     )
 
 
-def evaluate(load: dict[int, tuple[float, int | None]], now: float | None = None) -> dict[str, int]:
-    """One evaluation: ``load`` is deployment id -> (in flight, cumulative requests) as the gateway sees it.
-    A deployment the gateway did not report on is left alone (no decision on missing figures)."""
+def evaluate(load: dict[int, tuple], now: float | None = None) -> dict[str, int]:
+    """One evaluation: ``load`` is deployment id -> (in flight, cumulative requests[, average seconds per
+    request]) as the gateway sees it. A deployment the gateway did not report on is left alone (no decision
+    on missing figures)."""
     now = time.time() if now is None else now
     counts = {"up": 0, "down": 0, "asleep": 0, "unchanged": 0}
     for deployment_id in autoscaled_ids():
         if deployment_id not in load:
             continue
-        in_flight, total = load[deployment_id]
+        in_flight, total, *rest = load[deployment_id]
+        avg_time_s = rest[0] if rest else None
         with transaction.atomic():
             deployment = (
                 Deployment.objects.select_for_update().select_related("team").filter(pk=deployment_id).first()
             )
             if deployment is None or not deployment.autoscaled() or deployment.state not in DECIDED_IN:
                 continue
-            outcome = _apply(deployment, Observation(now, in_flight, total))
+            outcome = _apply(deployment, Observation(now, in_flight, total, avg_time_s))
         counts[outcome] += 1
     return counts
 
@@ -164,7 +166,8 @@ def _apply(deployment: Deployment, observation: Observation) -> str:
     decision = decide(policy_of(deployment), deployment.replicas, observation, memory)
     current, wanted = deployment.replicas, decision.replicas
     figures = {
-        "in_flight": observation.in_flight,
+        "in_flight": round(decision.in_flight, 2),
+        "snapshot": observation.in_flight,
         "per_replica": round(decision.per_replica, 2),
         "target": deployment.target_in_flight,
         "recommended": decision.recommended,

@@ -148,5 +148,12 @@ def test_the_gateway_figures_are_read_per_deployment():
         'haproxy_backend_current_sessions{proxy="s2"} 9',
     ])  # fmt: skip
     # s1 is d7's canary slot (counted with d7); s2 is free.
-    assert parse_load(text, {"s0": "d7", "s1": "d7c"}) == {7: (10.0, 127)}
+    assert parse_load(text, {"s0": "d7", "s1": "d7c"}) == {7: (10.0, 127, None)}
+    # HAProxy's average time per request, weighted by each backend's count.
+    timed = text + "\n" + "\n".join([
+        'haproxy_backend_total_time_average_seconds{proxy="s0"} 0.010',
+        'haproxy_backend_total_time_average_seconds{proxy="s1"} 0.100',
+    ])  # fmt: skip
+    in_flight, total, avg = parse_load(timed, {"s0": "d7", "s1": "d7c"})[7]
+    assert (in_flight, total) == (10.0, 127) and avg == pytest.approx((120 * 0.01 + 7 * 0.1) / 127)
     assert parse_map("0x55d1 d12 1796160737\n0x55d2 d3 2046\n") == {"d12": 1796160737, "d3": 2046}
