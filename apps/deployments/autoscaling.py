@@ -145,6 +145,33 @@ def configure(*, actor, deployment: Deployment, values: dict) -> Deployment:
     return deployment
 
 
+def sleep(*, actor, deployment: Deployment, now: float | None = None) -> Deployment:
+    """Put a scale-to-zero deployment to sleep now (its replicas unload; the next request wakes it) - e.g.
+    right after deploying many models that are called rarely, so none holds memory before its first call."""
+    now = time.time() if now is None else now
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().select_related("team").get(pk=deployment.pk)
+        if not deployment.autoscaled() or deployment.min_replicas != 0:
+            raise ValidationError({"min_replicas": ["Only a deployment with min_replicas 0 can sleep."]})
+        if deployment.state not in DECIDED_IN:
+            raise ValidationError({"non_field_errors": [f"The deployment is {deployment.state}."]})
+        if deployment.replicas == 0:
+            return deployment
+        current = deployment.replicas
+        memory = Memory.load(deployment.scaling_memory)
+        memory.recommendations, memory.last_traffic_at = [], now
+        deployment.scaling_memory = {**deployment.scaling_memory, **memory.dump()}
+        deployment.replicas, deployment.asleep_since = 0, datetime.fromtimestamp(now, UTC)
+        deployment.save(update_fields=["replicas", "asleep_since", "scaling_memory", "updated_at"])
+        deployment.events.create(kind="autoscaled", message=f"{current} -> 0 replicas: put to sleep",
+                                 details={"from": current, "to": 0})  # fmt: skip
+        record(actor=actor, team=deployment.team, action="deployment.sleep", target=deployment, details={})
+        removed = scheduler.remove_replicas(deployment, 0, "asleep (put to sleep)")
+        scheduler.place_replicas(deployment)  # nothing is missing now: clears a pending reason
+        transaction.on_commit(lambda: scheduler.enqueue(removed))
+    return deployment
+
+
 def autoscaled_ids() -> list[int]:
     rollouts = Rollout.objects.live().values_list("deployment_id", flat=True)
     return list(
@@ -188,6 +215,13 @@ def _apply(deployment: Deployment, observation: Observation) -> str:
         "target": deployment.target_in_flight,
         "recommended": decision.recommended,
     }
+    if (
+        wanted == 0 < current
+        and not scheduler.counted(deployment).filter(state=PlacementState.READY).exists()
+    ):
+        # Woken and still loading: the request that woke it is held at the gateway, where the backend's
+        # figures do not see it. Its idle period counts from when a replica serves.
+        decision.memory.last_traffic_at, wanted = observation.at, current
     saved = decision.memory.dump()
     saved["figures"] = {**figures, "at": observation.at, "replicas": current}
     deployment.scaling_memory = saved

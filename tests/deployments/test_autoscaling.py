@@ -115,7 +115,13 @@ def test_evaluations_scale_up_at_once_down_after_the_window_and_to_zero_then_wak
     deployment = Deployment.objects.get(pk=scheduled.pk)
     assert deployment.replicas == 1 and live(deployment) == 1
     assert deployment.placements.filter(unload=True).count() == 2
+    # Not while its replica is still loading (a request that woke it would be held at the gateway, unseen).
     autoscaling.evaluate({scheduled.pk: (0, 10)}, now=1121)
+    assert Deployment.objects.get(pk=scheduled.pk).replicas == 1
+    deployment.placements.filter(unload=False).update(state=PlacementState.READY)
+    autoscaling.evaluate({scheduled.pk: (0, 10)}, now=1122)
+    assert Deployment.objects.get(pk=scheduled.pk).replicas == 1  # the idle period counts from then
+    autoscaling.evaluate({scheduled.pk: (0, 10)}, now=1242)
     deployment = Deployment.objects.get(pk=scheduled.pk)
     assert deployment.replicas == 0 and live(deployment) == 0 and deployment.asleep_since is not None
     # A held request wakes it once.

@@ -165,3 +165,21 @@ def test_the_models_list_and_the_deployment_page_say_which_models_are_loaded_and
     page = client.get(f"/teams/vision/deployments/{d['old'].pk}/").content.decode()
     assert "asleep (not in memory)" in page and "evicted to make room for cold" in page
     assert "loaded now" in client.get(f"/teams/vision/deployments/{d['recent'].pk}/").content.decode()
+
+
+def test_a_pending_scale_to_zero_deployment_can_be_put_to_sleep_and_wakes_into_evicted_room(owner, full_pool):
+    pool, d = full_pool
+    version = d["cold"]
+    cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
+    autoscaling.configure(actor=owner, deployment=cold, values={"min_replicas": 0, "max_replicas": 1})
+    autoscaling.sleep(actor=owner, deployment=cold)
+    cold = Deployment.objects.get(pk=cold.pk)
+    assert cold.replicas == 0 and cold.asleep_since is not None and cold.pending_reason == ""
+    served(d["old"], 600)
+    served(d["recent"], 600)
+    Deployment.objects.filter(pk=d["recent"].pk).update(
+        scaling_memory={**d["recent"].scaling_memory, "last_traffic_at": timezone.now().timestamp() - 100}
+    )
+    assert autoscaling.wake(cold.pk) is True
+    assert Deployment.objects.get(pk=d["old"].pk).events.filter(kind="evicted").exists()
+    assert not Deployment.objects.get(pk=d["recent"].pk).events.filter(kind="evicted").exists()
