@@ -208,6 +208,7 @@ def main() -> int:
     team = teams.create_team(actor=owner, name="Density", slug="density")
     team.quota_requests_per_second = 1_000_000
     team.quota_instances = 10_000
+    team.quota_deployed_models = max(team.quota_deployed_models, args.models)
     team.save()
     budget_per_instance = args.footprint_mib * (args.resident // args.hosts)
     pool = Pool.objects.create(name="cpu", memory_budget_mb=budget_per_instance)
