@@ -10,6 +10,7 @@ from django.conf import settings
 from django.contrib import messages
 from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator
+from django.db import transaction
 from django.db.models import Exists, OuterRef
 from django.http import HttpResponse, HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, redirect, render
@@ -17,7 +18,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from apps.core.body_limits import PLAYGROUND_HINT, limit_body
-from apps.deployments import calling, services
+from apps.deployments import autoscaling, calling, services
 from apps.deployments.models import Deployment, DeploymentState, Spread
 from apps.fleet.models import Pool, TritonInstance
 from apps.gateway.metrics import deployment_summary
@@ -53,6 +54,14 @@ class DeployForm(forms.Form):
     instances = forms.TypedMultipleChoiceField(
         coerce=int, widget=forms.CheckboxSelectMultiple, label="Instances", required=False
     )
+    # Autoscaling (replicas in a pool only): the bounds are apps.deployments.autoscaling.check_settings's,
+    # applied with the deploy in one commit (a message names the field).
+    autoscale = forms.BooleanField(required=False, label="Follow the traffic (autoscaling)")
+    min_replicas = forms.IntegerField(required=False, label="Min replicas")
+    max_replicas = forms.IntegerField(required=False, label="Max replicas")
+    target_in_flight = forms.FloatField(required=False, label="Target in flight per replica")
+    scale_down_window_s = forms.IntegerField(required=False, label="Scale-down window (s)")
+    idle_period_s = forms.IntegerField(required=False, label="Idle period before sleeping (s)")
 
     def __init__(self, *args, team, model_slug: str | None, instances, pools=(), **kwargs):
         super().__init__(*args, **kwargs)
@@ -89,6 +98,21 @@ class DeployForm(forms.Form):
             name = data.get("pool")
             data["pool"] = next((p for p in self.pool_rows if p.name == name), None) if name else None
         return data
+
+    AUTOSCALING_PLACEHOLDERS = {"min_replicas": "1 (0: sleeps when idle)", "max_replicas": "the replicas",
+                                "target_in_flight": "4", "scale_down_window_s": "300", "idle_period_s": "900"}  # fmt: skip
+
+    def autoscaling_fields(self) -> list:
+        return [(self[name], self.AUTOSCALING_PLACEHOLDERS[name]) for name in autoscaling.FIELDS]
+
+    def autoscaling(self) -> dict | None:
+        """The autoscaling settings given (the others keep their defaults), or None: not autoscaled."""
+        data = self.cleaned_data
+        if data.get("placement") == "instances" or not data.get("autoscale"):
+            return None
+        values = {name: data[name] for name in autoscaling.FIELDS if data.get(name) is not None}
+        values.setdefault("min_replicas", 1)
+        return values
 
     def intent(self) -> dict:
         """The keyword arguments of ``services.deploy_version`` for where it goes."""
@@ -153,9 +177,13 @@ class DeploymentCreateView(TeamPageView):
             model = form.chosen_model
             version = model.versions.get(number=form.cleaned_data["version"])
             try:
-                deployment = services.deploy_version(
-                    actor=request.user, model=model, version=version, **form.intent()
-                )
+                # One commit: a deployment whose autoscaling settings are refused is not left behind.
+                with transaction.atomic():
+                    deployment = services.deploy_version(
+                        actor=request.user, model=model, version=version, **form.intent()
+                    )
+                    if (values := form.autoscaling()) is not None:
+                        autoscaling.configure(actor=request.user, deployment=deployment, values=values)
             except ValidationError as error:
                 add_service_errors(form, error)
                 # "already deployed" names a deployment: link it.

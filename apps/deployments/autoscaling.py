@@ -7,6 +7,13 @@ are placed by the scheduler where they fit (a deployment that cannot grow says w
 scheduler's pending reason); fewer are unloaded (``scheduler.remove_replicas``); zero puts it to sleep.
 ``wake`` is called by the gateway when a request for a sleeping deployment is held there.
 
+Under memory pressure (``make_room``, which the scheduler asks when a pool has no room for a replica): the
+least recently used replica of a scale-to-zero deployment on the pool that has served nothing for its whole
+idle period is evicted - its deployment goes to sleep now instead of at the next evaluation, and wakes like
+any sleeping one. A replica that served within its idle period, and a deployment with ``min_replicas`` above
+zero, are never evicted. The room counts once the evicted replicas are reported unloaded (memory is never
+overcommitted); the scheduler's next tick then places the waiting replica.
+
 Writes: the deployment's replica count, its autoscaling settings and memory, asleep_since and the cold
 start, and one event per decision with its figures - an owner beside ``services`` and ``scheduler``
 (``tests/deployments/test_one_writer.py``). Placements are the scheduler's.
@@ -15,6 +22,8 @@ start, and one event per decision with its figures - an owner beside ``services`
 from __future__ import annotations
 
 import time
+from collections import defaultdict
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from django.conf import settings
@@ -23,7 +32,14 @@ from django.db import transaction
 
 from apps.audit.services import record
 from apps.deployments import scheduler
-from apps.deployments.models import ACTIVE_STATES, Deployment, DeploymentInstance, DeploymentState, Rollout
+from apps.deployments.models import (
+    ACTIVE_STATES,
+    Deployment,
+    DeploymentInstance,
+    DeploymentState,
+    PlacementState,
+    Rollout,
+)
 from apps.deployments.scaling_policy import Memory, Observation, Policy, decide
 
 FIELDS = ("min_replicas", "max_replicas", "target_in_flight", "scale_down_window_s", "idle_period_s")
@@ -129,6 +145,33 @@ def configure(*, actor, deployment: Deployment, values: dict) -> Deployment:
     return deployment
 
 
+def sleep(*, actor, deployment: Deployment, now: float | None = None) -> Deployment:
+    """Put a scale-to-zero deployment to sleep now (its replicas unload; the next request wakes it) - e.g.
+    right after deploying many models that are called rarely, so none holds memory before its first call."""
+    now = time.time() if now is None else now
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().select_related("team").get(pk=deployment.pk)
+        if not deployment.autoscaled() or deployment.min_replicas != 0:
+            raise ValidationError({"min_replicas": ["Only a deployment with min_replicas 0 can sleep."]})
+        if deployment.state not in DECIDED_IN:
+            raise ValidationError({"non_field_errors": [f"The deployment is {deployment.state}."]})
+        if deployment.replicas == 0:
+            return deployment
+        current = deployment.replicas
+        memory = Memory.load(deployment.scaling_memory)
+        memory.recommendations, memory.last_traffic_at = [], now
+        deployment.scaling_memory = {**deployment.scaling_memory, **memory.dump()}
+        deployment.replicas, deployment.asleep_since = 0, datetime.fromtimestamp(now, UTC)
+        deployment.save(update_fields=["replicas", "asleep_since", "scaling_memory", "updated_at"])
+        deployment.events.create(kind="autoscaled", message=f"{current} -> 0 replicas: put to sleep",
+                                 details={"from": current, "to": 0})  # fmt: skip
+        record(actor=actor, team=deployment.team, action="deployment.sleep", target=deployment, details={})
+        removed = scheduler.remove_replicas(deployment, 0, "asleep (put to sleep)")
+        scheduler.place_replicas(deployment)  # nothing is missing now: clears a pending reason
+        transaction.on_commit(lambda: scheduler.enqueue(removed))
+    return deployment
+
+
 def autoscaled_ids() -> list[int]:
     rollouts = Rollout.objects.live().values_list("deployment_id", flat=True)
     return list(
@@ -139,22 +182,24 @@ def autoscaled_ids() -> list[int]:
     )
 
 
-def evaluate(load: dict[int, tuple[float, int | None]], now: float | None = None) -> dict[str, int]:
-    """One evaluation: ``load`` is deployment id -> (in flight, cumulative requests) as the gateway sees it.
-    A deployment the gateway did not report on is left alone (no decision on missing figures)."""
+def evaluate(load: dict[int, tuple], now: float | None = None) -> dict[str, int]:
+    """One evaluation: ``load`` is deployment id -> (in flight, cumulative requests[, average seconds per
+    request]) as the gateway sees it. A deployment the gateway did not report on is left alone (no decision
+    on missing figures)."""
     now = time.time() if now is None else now
     counts = {"up": 0, "down": 0, "asleep": 0, "unchanged": 0}
     for deployment_id in autoscaled_ids():
         if deployment_id not in load:
             continue
-        in_flight, total = load[deployment_id]
+        in_flight, total, *rest = load[deployment_id]
+        avg_time_s = rest[0] if rest else None
         with transaction.atomic():
             deployment = (
                 Deployment.objects.select_for_update().select_related("team").filter(pk=deployment_id).first()
             )
             if deployment is None or not deployment.autoscaled() or deployment.state not in DECIDED_IN:
                 continue
-            outcome = _apply(deployment, Observation(now, in_flight, total))
+            outcome = _apply(deployment, Observation(now, in_flight, total, avg_time_s))
         counts[outcome] += 1
     return counts
 
@@ -164,11 +209,19 @@ def _apply(deployment: Deployment, observation: Observation) -> str:
     decision = decide(policy_of(deployment), deployment.replicas, observation, memory)
     current, wanted = deployment.replicas, decision.replicas
     figures = {
-        "in_flight": observation.in_flight,
+        "in_flight": round(decision.in_flight, 2),
+        "snapshot": observation.in_flight,
         "per_replica": round(decision.per_replica, 2),
         "target": deployment.target_in_flight,
         "recommended": decision.recommended,
     }
+    if (
+        wanted == 0 < current
+        and not scheduler.counted(deployment).filter(state=PlacementState.READY).exists()
+    ):
+        # Woken and still loading: the request that woke it is held at the gateway, where the backend's
+        # figures do not see it. Its idle period counts from when a replica serves.
+        decision.memory.last_traffic_at, wanted = observation.at, current
     saved = decision.memory.dump()
     saved["figures"] = {**figures, "at": observation.at, "replicas": current}
     deployment.scaling_memory = saved
@@ -196,7 +249,7 @@ def _apply(deployment: Deployment, observation: Observation) -> str:
             kind="autoscaled", message=message, details={**figures, "from": current, "to": wanted}
         )
         if wanted > current:
-            decided = scheduler.place_replicas(deployment)
+            decided = scheduler.place_replicas(deployment, make_room=make_room)
             outcome = "up"
         else:
             reason = "asleep (scaled to zero)" if wanted == 0 else "scaled down"
@@ -232,7 +285,7 @@ def wake(deployment_id: int, now: float | None = None) -> bool:
             message=f"0 -> {wanted} replicas: a request is held at the gateway{slept}",
             details={"to": wanted},
         )
-        placed = scheduler.place_replicas(deployment)
+        placed = scheduler.place_replicas(deployment, make_room=make_room)
         transaction.on_commit(lambda: scheduler.enqueue(placed))
     return True
 
@@ -250,3 +303,151 @@ def record_cold_start(deployment_id: int, held_ms: int) -> None:
             message=f"the first request waited {held_ms / 1000:.1f} s at the gateway while a replica loaded",
             details={"held_ms": held_ms},
         )
+
+
+# --- Eviction under memory pressure ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resident:
+    """A replica on a pool's instance, as eviction sees it."""
+
+    deployment_id: int
+    instance_id: int
+    need_mb: int
+    last_served_at: float | None  # the autoscaler's last sight of traffic (None: not evaluated yet)
+    idle_period_s: int
+    min_replicas: int | None
+
+    def evictable(self, now: float) -> bool:
+        """Only a scale-to-zero deployment idle for its whole idle period (unknown traffic: kept)."""
+        return (
+            self.min_replicas == 0
+            and self.last_served_at is not None
+            and now - self.last_served_at >= self.idle_period_s
+        )
+
+
+def choose_evictions(
+    residents: list[Resident], free_mb: dict[int, int], need_mb: int, now: float
+) -> list[Resident]:
+    """The replicas to evict so that one instance has ``need_mb`` free: the least recently used evictable
+    ones first, all on the first instance where they make enough room. ``free_mb``: per instance the
+    replica may go to, what is free plus what is already being unloaded there. Nothing when an instance
+    has (or will have) the room anyway, or when no instance can be freed enough. Pure."""
+    if any(free >= need_mb for free in free_mb.values()):
+        return []
+    gained: dict[int, int] = defaultdict(int)
+    taken: dict[int, list[Resident]] = defaultdict(list)
+    ordered = sorted(
+        (r for r in residents if r.instance_id in free_mb and r.evictable(now)),
+        key=lambda r: (r.last_served_at, r.deployment_id),
+    )
+    for resident in ordered:
+        gained[resident.instance_id] += resident.need_mb
+        taken[resident.instance_id].append(resident)
+        if free_mb[resident.instance_id] + gained[resident.instance_id] >= need_mb:
+            return taken[resident.instance_id]
+    return []
+
+
+def _residents(pool, instance_ids: list[int], exclude: int) -> list[Resident]:
+    live_rollouts = Rollout.objects.live().values_list("deployment_id", flat=True)
+    rows = list(
+        DeploymentInstance.objects.filter(
+            instance_id__in=instance_ids,
+            retiring_reason="",
+            deployment__min_replicas=0,
+            deployment__pinned=False,
+            deployment__state=DeploymentState.SERVING,
+        )
+        .exclude(state=PlacementState.UNLOADED)
+        .exclude(deployment_id=exclude)
+        .exclude(deployment_id__in=live_rollouts)
+        .values_list(
+            "deployment_id", "instance_id", "deployment__active_version_id", "deployment__target_version_id",
+            "deployment__scaling_memory", "deployment__idle_period_s", "deployment__min_replicas",
+        )
+    )  # fmt: skip
+    sizes = scheduler.footprints([v for row in rows for v in row[2:4]])
+    return [
+        Resident(
+            deployment_id=deployment_id,
+            instance_id=instance_id,
+            need_mb=sum(sizes.get(v, 0) for v in {active, target} if v),
+            last_served_at=(memory or {}).get("last_traffic_at"),
+            idle_period_s=idle,
+            min_replicas=low,
+        )
+        for deployment_id, instance_id, active, target, memory, idle, low in rows
+    ]
+
+
+def _being_unloaded(instance_ids: list[int]) -> dict[int, int]:
+    """Memory that replicas told to unload still hold, per instance: room that is coming."""
+    rows = list(
+        DeploymentInstance.objects.filter(instance_id__in=instance_ids, unload=True)
+        .exclude(state=PlacementState.UNLOADED)
+        .exclude(deployment__state=DeploymentState.UNDEPLOYED)
+        .values_list("instance_id", "deployment__active_version_id", "deployment__target_version_id")
+    )
+    sizes = scheduler.footprints([v for _, a, t in rows for v in (a, t)])
+    freeing: dict[int, int] = defaultdict(int)
+    for instance_id, active, target in rows:
+        freeing[instance_id] += sum(sizes.get(v, 0) for v in {active, target} if v)
+    return freeing
+
+
+def make_room(deployment: Deployment, pool, candidates: list[scheduler.Candidate], need_mb: int,
+              now: float | None = None) -> str:  # fmt: skip
+    """The scheduler found no room for a replica of ``deployment`` in ``pool``: evict what
+    ``choose_evictions`` picks. Returns a note for the pending reason."""
+    now = time.time() if now is None else now
+    taken = set(scheduler.counted(deployment).values_list("instance_id", flat=True))
+    open_ = [c for c in candidates if c.instance_id not in taken]
+    ids = [c.instance_id for c in open_]
+    freeing = _being_unloaded(ids)
+    free = {c.instance_id: c.free_mb + freeing.get(c.instance_id, 0) for c in open_}
+    if any(f >= need_mb for f in free.values()):
+        return "waiting for evicted replicas to unload"
+    victims = choose_evictions(_residents(pool, ids, deployment.pk), free, need_mb, now)
+    evicted = [v for v in victims if _evict(v, deployment, pool, now)]
+    if not evicted:
+        return ""
+    return f"evicting {len(evicted)} idle replica(s) of scale-to-zero deployments to make room"
+
+
+def _evict(resident: Resident, for_deployment: Deployment, pool, now: float) -> bool:
+    """Put the resident's deployment to sleep now. Its row is taken only if nobody holds it (a deployment
+    being woken or decided at this moment is not idle)."""
+    victim = (
+        Deployment.objects.select_for_update(skip_locked=True)
+        .select_related("model")
+        .filter(pk=resident.deployment_id, state=DeploymentState.SERVING, min_replicas=0, pinned=False)
+        .first()
+    )
+    if victim is None or victim.replicas == 0:
+        return False
+    memory = Memory.load(victim.scaling_memory)
+    fresh = Resident(resident.deployment_id, resident.instance_id, resident.need_mb, memory.last_traffic_at,
+                     victim.idle_period_s, victim.min_replicas)  # fmt: skip
+    if not fresh.evictable(now):
+        return False
+    current = victim.replicas
+    memory.recommendations = []
+    victim.scaling_memory = {**victim.scaling_memory, **memory.dump()}
+    victim.replicas, victim.asleep_since = 0, datetime.fromtimestamp(now, UTC)
+    victim.save(update_fields=["replicas", "asleep_since", "scaling_memory", "updated_at"])
+    idle_s = now - (memory.last_traffic_at or now)
+    victim.events.create(
+        kind="evicted",
+        message=(
+            f"{current} -> 0 replicas: evicted to make room for {for_deployment.model.slug} in {pool.name} "
+            f"(least recently used; no request for {idle_s:.0f} s, idle period {victim.idle_period_s} s)"
+        ),
+        instance_id=resident.instance_id,
+        details={"from": current, "to": 0, "for_deployment": for_deployment.pk, "idle_s": round(idle_s)},
+    )
+    removed = scheduler.remove_replicas(victim, 0, "asleep (evicted under memory pressure)")
+    transaction.on_commit(lambda: scheduler.enqueue(removed))
+    return True

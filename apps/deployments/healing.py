@@ -4,7 +4,8 @@ One tick, each deployment in its own short transaction under its row lock:
 1. replicas whose host is lost (no heartbeat past the grace), revoked, or whose instance is quarantined are
    retired: they stop counting and stay loaded (a host that comes back still serves them meanwhile);
 2. a draining host gives up one replica at a time: the next only once the previous one is unloaded;
-3. deployments short of replicas get them placed where they fit (a pending one as soon as capacity appears);
+3. deployments short of replicas get them placed where they fit (a pending one as soon as capacity appears;
+   where none is, idle replicas of scale-to-zero deployments are evicted: ``autoscaling.make_room``);
 4. retired replicas are told to unload once the deployment has its replicas READY elsewhere.
 The decisions are ``apps.deployments.scheduler``'s; a deployment's state follows from its placements in
 ``apps.deployments.services``.
@@ -15,7 +16,7 @@ from __future__ import annotations
 from django.db import transaction
 from django.db.models import Count, F, Q
 
-from apps.deployments import scheduler, services
+from apps.deployments import autoscaling, scheduler, services
 from apps.deployments.models import Deployment, DeploymentInstance, PlacementState
 from apps.fleet.models import Host
 
@@ -97,7 +98,9 @@ def tick() -> dict[str, int]:
     for deployment_id in short_of_replicas():
         with transaction.atomic():
             deployment = _locked(deployment_id)
-            placed = scheduler.place_replicas(deployment) if deployment else []
+            placed = (
+                scheduler.place_replicas(deployment, make_room=autoscaling.make_room) if deployment else []
+            )
             transaction.on_commit(lambda placed=placed: scheduler.enqueue(placed))
         counts["placed"] += len(placed)
     for deployment_id in with_retired_replicas():

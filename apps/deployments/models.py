@@ -115,6 +115,13 @@ class Deployment(models.Model):
     def autoscaled(self) -> bool:
         return self.min_replicas is not None and not self.pinned
 
+    def residency(self) -> str:
+        """Whether its model is in memory now: "asleep" (scaled to zero; the next request wakes it),
+        "waking" (asked for replicas, none ready yet), "loaded" (a replica serves). Reads prefetched placements."""
+        if self.autoscaled() and self.replicas == 0:
+            return "asleep"
+        return "loaded" if self.replicas_ready() else "waking"
+
     def replicas_ready(self) -> int:
         """Replicas READY now; those being replaced do not count (reads prefetched placements)."""
         return sum(

@@ -21,7 +21,7 @@ a deployment's state from its placements' reports: that stays with ``services``.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -231,9 +231,15 @@ def counted(deployment: Deployment):
 # --- Decisions (the caller holds the deployment's row lock, inside its transaction) ----------------------
 
 
-def place_replicas(deployment: Deployment) -> list[DeploymentInstance]:
+# Asked when a pool has no room: (deployment, pool, its candidates as the decision left them, memory one
+# replica needs) -> a note for the pending reason. ``apps.deployments.autoscaling.make_room`` evicts idle
+# replicas of scale-to-zero deployments there; what they free counts once their hosts report them unloaded.
+MakeRoom = Callable[[Deployment, Pool, list[Candidate], int], str]
+
+
+def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None) -> list[DeploymentInstance]:
     """Place the replicas the deployment lacks. Returns the placements decided, for the caller to hand to
-    their hosts once committed (``enqueue``)."""
+    their hosts once committed (``enqueue``). ``make_room``: asked when a pool has no room (eviction)."""
     if deployment.pinned or deployment.state in GONE:
         return []
     current = list(counted(deployment).select_related("instance"))
@@ -247,8 +253,9 @@ def place_replicas(deployment: Deployment) -> list[DeploymentInstance]:
     decided: list[DeploymentInstance] = []
     reasons = []
     for pool in pools_for(deployment):
+        candidates = candidates_in(pool, lock=True)
         choice = choose(
-            candidates_in(pool, lock=True),
+            candidates,
             need_mb=need,
             count=missing - len(decided),
             spread=deployment.spread,
@@ -263,6 +270,9 @@ def place_replicas(deployment: Deployment) -> list[DeploymentInstance]:
             taken_instances.add(candidate.instance_id)
         if choice.reason:
             reasons.append(choice.reason)
+            if make_room is not None:
+                note = make_room(deployment, pool, candidates, need)
+                reasons.extend([note] if note else [])
         if len(decided) == missing:
             break
     if not pools_for(deployment):

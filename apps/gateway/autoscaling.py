@@ -1,8 +1,11 @@
 """What the autoscaler reads from the gateway, and the wake-ups the gateway's Lua action signals.
 
 * ``read_load``: per deployment, the requests in flight at the gateway (HAProxy's current plus queued sessions
-  of its backends: the slot, its canary slot and their gRPC twins) and the cumulative request count, from
-  HAProxy's Prometheus exporter (the ``slots.map`` beside it says which slot is whose).
+  of its backends: the slot, its canary slot and their gRPC twins), the cumulative request count and the
+  average time of a request (HAProxy's average over each backend's last 1024, weighted by the backends'
+  counts), from HAProxy's Prometheus exporter (the ``slots.map`` beside it says which slot is whose). The
+  count and the average time make the decision's load an average over the evaluation interval
+  (``apps.deployments.scaling_policy.window_in_flight``), not the snapshot alone.
 * ``poll_wakeups``: ``wake.lua`` writes ``<d12> <epoch>`` into ``wakeups.map`` while it holds a request for a
   sleeping deployment, and ``<d12> <ms>`` into ``coldstart.map`` once the request went on. The gateway
   command reads both between syncs (every ``GATEWAY_WAKE_POLL_MS``), removes what it read and hands it to
@@ -24,16 +27,19 @@ from apps.gateway.metrics import read_slot_owners
 log = logging.getLogger(__name__)
 
 _METRIC = re.compile(
-    r'^haproxy_backend_(current_sessions|current_queue|http_requests_total)\{proxy="([^"]+)"\} ([0-9.e+-]+)$'
+    r"^haproxy_backend_(current_sessions|current_queue|http_requests_total|total_time_average_seconds)"
+    r'\{proxy="([^"]+)"\} ([0-9.e+-]+)$'
 )
 _SLOT = re.compile(r"^g?(s\d+)$")
 _KEY = re.compile(r"^d(\d+)$")
 _MAP_ROW = re.compile(r"^0x[0-9a-f]+ (d\d+) (\d+)$")
 
 
-def parse_load(text: str, owners: dict[str, str]) -> dict[int, tuple[float, int]]:
-    """Exporter text -> {deployment id: (in flight, requests)}; ``owners``: slot -> ``d12`` or ``d12c``."""
+def parse_load(text: str, owners: dict[str, str]) -> dict[int, tuple[float, int, float | None]]:
+    """Exporter text -> {deployment id: (in flight, requests, average seconds per request or None)};
+    ``owners``: slot -> ``d12`` or ``d12c``."""
     out: dict[int, list[float]] = {}
+    per_backend: dict[str, dict[str, float]] = {}
     for line in text.splitlines():
         match = _METRIC.match(line)
         if match is None:
@@ -44,12 +50,30 @@ def parse_load(text: str, owners: dict[str, str]) -> dict[int, tuple[float, int]
         key = _KEY.match((owner or "").removesuffix("c"))
         if key is None:
             continue
-        entry = out.setdefault(int(key.group(1)), [0.0, 0.0])
+        pk = int(key.group(1))
+        entry = out.setdefault(pk, [0.0, 0.0])
+        if metric == "total_time_average_seconds":
+            per_backend.setdefault(proxy, {"pk": pk})["avg"] = float(value)
+            continue
+        if metric == "http_requests_total":
+            per_backend.setdefault(proxy, {"pk": pk})["total"] = float(value)
         entry[1 if metric == "http_requests_total" else 0] += float(value)
-    return {pk: (in_flight, int(total)) for pk, (in_flight, total) in out.items()}
+    weighted: dict[int, list[float]] = {}
+    for figures in per_backend.values():
+        if "avg" in figures:
+            acc = weighted.setdefault(int(figures["pk"]), [0.0, 0.0])
+            count = figures.get("total", 0.0)
+            acc[0] += figures["avg"] * count
+            acc[1] += count
+    result = {}
+    for pk, (in_flight, total) in out.items():
+        acc = weighted.get(pk)
+        avg = (acc[0] / acc[1] if acc[1] else 0.0) if acc else None
+        result[pk] = (in_flight, int(total), avg)
+    return result
 
 
-def read_load(timeout: float = 2.0) -> dict[int, tuple[float, int]] | None:
+def read_load(timeout: float = 2.0) -> dict[int, tuple[float, int, float | None]] | None:
     """None when the gateway cannot be read (then nothing is decided)."""
     owners = read_slot_owners()
     if owners is None:

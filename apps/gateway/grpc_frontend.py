@@ -16,7 +16,9 @@ rules to the name it found. In this order:
    ``weight`` % of them, one ``rand()`` draw) by appending ``model_version`` to the message (the Lua filter
    ``grpc_pin``, the only way HAProxy 2.6 changes a body); a call naming the canary version goes to the canary.
    ``ModelStatistics`` is not pinned: unversioned, it asks for every version of the model.
-5. The call goes to the slot's gRPC twin ``g<slot>`` (the same placements, their gRPC ports) without the
+5. A model call for a sleeping deployment (scale to zero) is held until its gRPC twin has a ready server,
+   as HTTP requests are (``wake.lua``); past the activation timeout it gets ``UNAVAILABLE`` with the reason.
+6. The call goes to the slot's gRPC twin ``g<slot>`` (the same placements, their gRPC ports) without the
    client's ``authorization`` and with the instance key.
 
 Server-level calls (``ServerLive``, ``ServerReady``, ``ServerMetadata``) name no model and go to any ready
@@ -116,6 +118,7 @@ def frontend_lines(o: Options) -> list[str]:
         "    http-response sc-inc-gpc(5,1) if { res.hdr(grpc-status) 5 }",
         "    http-response sc-inc-gpc(5,2) if { res.hdr(grpc-status) 5 }",
         *_routing_lines(),
+        *_hold_lines(o),
         "    http-request del-header authorization",
         f"    use_backend {ANY_INSTANCE} if server_call",
         "    use_backend %[var(txn.backend)] if stream_call",
@@ -143,6 +146,22 @@ def _routing_lines() -> list[str]:
         # The filter appends the version; the body's length changes, so an announced length would be wrong.
         "    http-request set-var(txn.gpin) var(txn.version) if model_call pinned !explicit_version !statistics",
         "    http-request del-header content-length if { var(txn.gpin) -m found }",
+    ]
+
+
+def _hold_lines(o: Options) -> list[str]:
+    """Scale to zero: a model call for a sleeping model waits like an HTTP request (``wake.lua``, on the
+    slot's gRPC twin), and past the activation timeout gets UNAVAILABLE with the reason."""
+    timeout_s = o.activation_timeout_s
+    return [
+        f"    http-request set-var(txn.sleepy) var(txn.model),map({o.map_file('sleepy')}) if model_call",
+        f"    http-request lua.hold_asleep_grpc {timeout_s * 1000} if model_call {{ var(txn.sleepy) -m found }}",
+        grpc_error(
+            14,
+            f"model '%[var(txn.model)]' is scaled to zero and no replica became ready within the activation "
+            f"timeout ({timeout_s} s); retry later",
+        )
+        + " if { var(txn.wake_failed) -m found }",
     ]
 
 

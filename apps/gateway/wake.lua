@@ -8,7 +8,7 @@
 -- short steps (core.msleep yields: no thread is blocked, and sleeping does not count against Lua's
 -- execution timeout). Once a server is usable the request goes on, and how long it was held is written to
 -- coldstart.map (<key> <ms>) for the deployment's page. Past the activation timeout it sets txn.wake_failed
--- and the config answers 503 with Retry-After. The signal is repeated every second: a gateway restart or a
+-- and the config answers 503 with Retry-After (gRPC: UNAVAILABLE). The signal is repeated every second: a gateway restart or a
 -- lost entry only delays the wake-up.
 
 local WAKEUPS = os.getenv("TGP_WAKEUPS_MAP")
@@ -25,8 +25,12 @@ local function elapsed_ms(start)
     return (now.sec - start.sec) * 1000 + (now.usec - start.usec) // 1000
 end
 
-core.register_action("hold_asleep", {"http-req"}, function(txn, timeout_ms)
+-- prefix: "" for the HTTP slot, "g" for its gRPC twin (the same placements on their gRPC ports).
+local function hold(txn, timeout_ms, prefix)
     local slot = txn:get_var("txn.backend")
+    if slot ~= nil then
+        slot = prefix .. slot
+    end
     local key = txn:get_var("txn.sleepy")
     if slot == nil or key == nil or txn.f:nbsrv(slot) > 0 then
         return
@@ -51,4 +55,13 @@ core.register_action("hold_asleep", {"http-req"}, function(txn, timeout_ms)
         end
         core.msleep(STEP_MS)
     end
+end
+
+core.register_action("hold_asleep", {"http-req"}, function(txn, timeout_ms)
+    hold(txn, timeout_ms, "")
+end, 1)
+
+-- The gRPC frontend's model calls: the same wait, on the slot's gRPC twin.
+core.register_action("hold_asleep_grpc", {"http-req"}, function(txn, timeout_ms)
+    hold(txn, timeout_ms, "g")
 end, 1)

@@ -190,6 +190,19 @@ SMOKES = [
         id="deploy",
     ),
     pytest.param(
+        "density.py",
+        [
+            r"^deployed and put to sleep: 4 in",
+            r"^answered \d+, failed \d+ .*\(target 0 failed\)",
+            rf"^cold start \(held at the gateway, \d+ activations, \d+ evictions\): p50 {NUMBER} ms  p99 {NUMBER} ms; Triton's own load time {NUMBER} ms",
+            rf"^warm share: {NUMBER} %",
+            rf"^peak memory above idle: {NUMBER} MiB against a budget of 160 MiB",
+            r"^everything pinned, same memory: answered \d+, failed \d+",
+        ],
+        marks=[pytest.mark.triton, pytest.mark.servers, requires_haproxy],
+        id="density",
+    ),
+    pytest.param(
         "rollout_drill.py",
         [
             r"bad canary v2: ROLLED_BACK",

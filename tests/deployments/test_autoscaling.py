@@ -115,7 +115,13 @@ def test_evaluations_scale_up_at_once_down_after_the_window_and_to_zero_then_wak
     deployment = Deployment.objects.get(pk=scheduled.pk)
     assert deployment.replicas == 1 and live(deployment) == 1
     assert deployment.placements.filter(unload=True).count() == 2
+    # Not while its replica is still loading (a request that woke it would be held at the gateway, unseen).
     autoscaling.evaluate({scheduled.pk: (0, 10)}, now=1121)
+    assert Deployment.objects.get(pk=scheduled.pk).replicas == 1
+    deployment.placements.filter(unload=False).update(state=PlacementState.READY)
+    autoscaling.evaluate({scheduled.pk: (0, 10)}, now=1122)
+    assert Deployment.objects.get(pk=scheduled.pk).replicas == 1  # the idle period counts from then
+    autoscaling.evaluate({scheduled.pk: (0, 10)}, now=1242)
     deployment = Deployment.objects.get(pk=scheduled.pk)
     assert deployment.replicas == 0 and live(deployment) == 0 and deployment.asleep_since is not None
     # A held request wakes it once.
@@ -148,5 +154,41 @@ def test_the_gateway_figures_are_read_per_deployment():
         'haproxy_backend_current_sessions{proxy="s2"} 9',
     ])  # fmt: skip
     # s1 is d7's canary slot (counted with d7); s2 is free.
-    assert parse_load(text, {"s0": "d7", "s1": "d7c"}) == {7: (10.0, 127)}
+    assert parse_load(text, {"s0": "d7", "s1": "d7c"}) == {7: (10.0, 127, None)}
+    # HAProxy's average time per request, weighted by each backend's count.
+    timed = text + "\n" + "\n".join([
+        'haproxy_backend_total_time_average_seconds{proxy="s0"} 0.010',
+        'haproxy_backend_total_time_average_seconds{proxy="s1"} 0.100',
+    ])  # fmt: skip
+    in_flight, total, avg = parse_load(timed, {"s0": "d7", "s1": "d7c"})[7]
+    assert (in_flight, total) == (10.0, 127) and avg == pytest.approx((120 * 0.01 + 7 * 0.1) / 127)
     assert parse_map("0x55d1 d12 1796160737\n0x55d2 d3 2046\n") == {"d12": 1796160737, "d3": 2046}
+
+
+def test_the_deploy_form_sets_autoscaling_with_its_bounds_in_one_commit(client, owner, team):
+    pool = Pool.objects.create(name="cpu", memory_budget_mb=1000)
+    host = Host.objects.create(name="hf", address="127.0.0.1", last_heartbeat_at=timezone.now(), pool=pool)
+    add_instance(host, "cpu-0", 18500)
+    model = RegisteredModel.objects.create(team=team, name="Sleepy", slug="sleepy", created_by=owner)
+    make_version(model)
+    client.force_login(owner)
+    form = {"model": "sleepy", "version": 1, "placement": "pool", "replicas": 1, "pool": "cpu", "spread": "host",
+            "autoscale": "on", "min_replicas": 3, "max_replicas": 2, "idle_period_s": 60}  # fmt: skip
+    response = client.post("/teams/vision/deployments/new/", form)
+    assert response.status_code == 400
+    html = response.content.decode()
+    assert 'data-field="max_replicas">max_replicas (2) is below min_replicas (3)' in html
+    assert not Deployment.objects.filter(model=model).exists()  # the deploy is rolled back with it
+    response = client.post("/teams/vision/deployments/new/", {**form, "min_replicas": 0, "idle_period_s": 0})
+    assert response.status_code == 400 and 'data-field="idle_period_s">Give 1 to' in response.content.decode()
+    response = client.post(
+        "/teams/vision/deployments/new/",
+        {**form, "min_replicas": 0, "idle_period_s": 120, "target_in_flight": 2.5},
+    )
+    assert response.status_code == 302, response.content.decode()[:2000]
+    deployment = Deployment.objects.get(model=model)
+    assert (deployment.min_replicas, deployment.max_replicas, deployment.idle_period_s) == (0, 2, 120)
+    assert deployment.target_in_flight == 2.5
+    # Without the box ticked the fields are ignored: a plain deployment.
+    page = client.get("/teams/vision/deployments/new/?model=sleepy").content.decode()
+    assert 'id="id_autoscale"' in page and 'name="idle_period_s"' in page

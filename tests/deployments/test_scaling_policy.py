@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from apps.deployments.scaling_policy import Memory, Observation, Policy, decide, recommend
+from apps.deployments.scaling_policy import Memory, Observation, Policy, decide, recommend, window_in_flight
 
 POLICY = Policy(min_replicas=1, max_replicas=10, target=4, down_window_s=300, idle_period_s=900)
 
@@ -156,3 +156,47 @@ def test_memory_round_trips_and_stays_small():
     again = Memory.load(decision.memory.dump())
     assert again == decision.memory
     assert len(again.recommendations) <= 300 // 5 + 2
+
+
+# --- The load is an average over the evaluation interval, not one snapshot -------------------------------
+
+
+def test_a_momentary_spike_in_one_snapshot_does_not_scale_up():
+    # 2 requests/s of 0.5 s each: 1 in flight on average; one snapshot catches 40 (a spike between looks).
+    seen, decision = run_timed(POLICY, 1, [(0, 1, 0), (3, 1, 6), (6, 40, 12), (9, 1, 18)])
+    assert seen == [1, 1, 1, 1], decision.memory.dump()
+    assert decision.in_flight == pytest.approx(1.0)
+
+
+def test_a_snapshot_in_a_gap_between_requests_does_not_count_as_idle_or_scale_down():
+    # 40 requests/s of 0.5 s each: 20 in flight on average; a snapshot falls where none was in flight.
+    seen, decision = run_timed(POLICY, 5, [(0, 20, 0), (3, 20, 120), (6, 0, 240), (9, 20, 360)])
+    assert seen == [5, 5, 5, 5]
+    policy = Policy(min_replicas=0, max_replicas=10, target=4, down_window_s=0, idle_period_s=5)
+    seen, decision = run_timed(policy, 5, [(0, 20, 0), (3, 0, 120), (6, 0, 240), (9, 0, 360)])
+    assert seen == [5, 5, 5, 5]  # never asleep: requests went through each interval
+
+
+def test_a_sustained_load_scales_up_even_before_requests_finish():
+    # Requests longer than the interval: none finishes, the count does not move, but 12 stay in flight.
+    seen, decision = run_timed(POLICY, 1, [(0, 0, 0), (3, 12, 0), (6, 12, 0)])
+    assert seen == [1, 1, 3]
+    assert "3.0 in flight per replica" not in decision.message and decision.message.startswith("1 -> 3")
+
+
+def test_the_average_is_the_request_rate_times_the_time_of_a_request():
+    memory = Memory(last_total=100, last_at=10.0, last_snapshot=0.0)
+    assert window_in_flight(memory, Observation(13.0, 0.0, 160, 0.25)) == pytest.approx(5.0)
+    # A gateway restart resets the count: the snapshots alone, and only a level seen twice.
+    assert window_in_flight(memory, Observation(13.0, 9.0, 3, 0.25)) == 0.0
+    # No previous observation: the snapshot.
+    assert window_in_flight(Memory(), Observation(13.0, 9.0, 3, 0.25)) == 9.0
+
+
+def run_timed(policy: Policy, current: int, samples: list[tuple[float, float, int]], avg_time_s: float = 0.5):
+    seen, decision, memory = [], None, None
+    for at, in_flight, total in samples:
+        decision = decide(policy, current, Observation(at, in_flight, total, avg_time_s), memory)
+        memory, current = decision.memory, decision.replicas
+        seen.append(current)
+    return seen, decision

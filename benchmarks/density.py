@@ -1,0 +1,399 @@
+"""Density benchmark: many small models with scale to zero on instances whose memory holds a few of them.
+
+``--models`` (300) small models are deployed with ``min_replicas: 0`` into a pool of ``--hosts`` (2) CPU
+instances whose memory budget holds ``--resident`` (40) of them at once (each version's footprint is set to
+``--footprint-mib``, so the budget is exact), and put to sleep. A Zipf-distributed stream of requests over all
+models (``--requests``, ``--rate`` per second from ``--concurrency`` clients, bounded by ``--timeout``) goes
+through the HAProxy gateway: a sleeping model's request is held there while a replica loads, and a cold model
+evicts the least recently used idle one when no instance has room.
+
+Printed: requests answered / failed (target 0 failed), cold-start latency p50/p99 (the gateway's hold per
+activation, from the deployments' cold-start events) beside Triton's own load time of the same model on a
+separate tritonserver (so the platform's share shows), the share of requests sent while their model was
+loaded (warm), the instances' peak memory above their idle size (tritonserver + stubs, RSS) against the
+budget - and the same stream for the same memory with everything pinned (autoscaling off: the models that fit
+load, the others cannot be served). ``--json FILE`` writes the figures.
+
+Everything real and local: a scratch database (or ``--database-url``), the platform's web server for the agent
+API, ``--hosts`` ``python -m hostagent`` processes each with one tritonserver, the gateway (``manage.py
+gateway``), and the beat's scheduler and autoscaler ticks in this process (every ``--tick`` s).
+
+    .venv/bin/python benchmarks/density.py [--models 300] [--resident 40] [--requests 3000] [--json FILE] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import smoke  # noqa: E402
+from benchmarks.deploy import direct_load_seconds, make_versions  # noqa: E402
+from benchmarks.rollout_drill import free_port, setup_environment, wait  # noqa: E402
+
+BODY = json.dumps(
+    {"inputs": [{"name": "input", "shape": [1, 16], "datatype": "FP32", "data": [0.5] * 16}]}
+).encode()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", type=int, default=300)
+    parser.add_argument("--hosts", type=int, default=2, help="CPU instances (one per host agent)")
+    parser.add_argument("--resident", type=int, default=40, help="models the pool's memory holds at once")
+    parser.add_argument("--footprint-mib", type=int, default=80, help="a small model's reserved memory")
+    parser.add_argument("--requests", type=int, default=3000, help="requests in the stream (an upper bound)")
+    parser.add_argument("--rate", type=float, default=10, help="requests per second")
+    parser.add_argument("--concurrency", type=int, default=16, help="clients (each waits for its answer)")
+    parser.add_argument("--zipf", type=float, default=1.1, help="the Zipf exponent of the model popularity")
+    parser.add_argument("--idle-period", type=int, default=20, help="the deployments' idle period (s)")
+    parser.add_argument("--tick", type=float, default=1.0, help="scheduler and autoscaler ticks (s)")
+    parser.add_argument("--skip-pinned", action="store_true", help="no second run with everything pinned")
+    parser.add_argument("--seed", type=int, default=23)
+    parser.add_argument("--json", default="", help="write the figures to this file")
+    parser.add_argument("--database-url", default="", help="default: a scratch SQLite file")
+    parser.add_argument(
+        "--timeout", type=float, default=1800, help="the stream stops after this many seconds"
+    )
+    return smoke.parse_args(
+        parser, argv, models=4, hosts=2, resident=2, requests=24, rate=4, concurrency=4, idle_period=2,
+        timeout=240,
+    )  # fmt: skip
+
+
+def zipf_weights(count: int, exponent: float) -> list[float]:
+    return [1 / (rank**exponent) for rank in range(1, count + 1)]
+
+
+def percentile(values: list[float], share: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(share * (len(ordered) - 1))))]
+
+
+class Memory:
+    """Samples the instances' resident memory (every process whose command line names the fleet root:
+    tritonservers and their python stubs) and which models are loaded, twice a second."""
+
+    def __init__(self, fleet_root: Path) -> None:
+        self.marker = str(fleet_root).encode()
+        self.peak_mib = 0.0
+        self.loaded: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def rss_mib(self) -> float:
+        total_kb = 0
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+                if self.marker not in cmdline or b"hostagent" in cmdline:
+                    continue
+                for line in (proc / "status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total_kb += int(line.split()[1])
+            except (OSError, ValueError):
+                continue
+        return total_kb / 1024
+
+    def _run(self) -> None:
+        from django.db import connections
+
+        from apps.deployments.models import DeploymentInstance, PlacementState
+
+        try:
+            while not self._stop.wait(0.5):
+                self.peak_mib = max(self.peak_mib, self.rss_mib())
+                rows = DeploymentInstance.objects.filter(state=PlacementState.READY, unload=False)
+                self.loaded = set(rows.values_list("deployment__model__slug", flat=True))
+        finally:
+            connections.close_all()
+
+    def start(self) -> Memory:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def stream(port: int, token: str, slugs: list[str], team: str, args, memory: Memory) -> dict:
+    """The Zipf stream: ``args.requests`` requests at ``args.rate`` per second from ``args.concurrency``
+    clients, each request with a client timeout past the gateway's activation timeout."""
+    rng = random.Random(args.seed)
+    order = slugs[:]
+    rng.shuffle(order)  # popularity is not the deployment order
+    picks = rng.choices(order, weights=zipf_weights(len(order), args.zipf), k=args.requests)
+    lock = threading.Lock()
+    results = {"answered": 0, "failed": 0, "warm": 0, "errors": {}, "latency_ms": []}
+    next_index = [0]
+    started = time.monotonic()
+    deadline = started + args.timeout
+
+    def client() -> None:
+        connection = None
+        while True:
+            with lock:
+                index = next_index[0]
+                next_index[0] += 1
+            if index >= len(picks):
+                return
+            due = started + index / args.rate
+            if due > deadline:
+                return
+            time.sleep(max(0.0, due - time.monotonic()))
+            slug = picks[index]
+            warm = slug in memory.loaded
+            sent = time.monotonic()
+            status = 0
+            try:
+                connection = connection or http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+                connection.request("POST", f"/v2/models/{team}__{slug}/infer", body=BODY, headers={
+                    "Content-Type": "application/json", "Authorization": f"Bearer {token}"})  # fmt: skip
+                response = connection.getresponse()
+                response.read()
+                status = response.status
+            except OSError:
+                connection = None
+            elapsed_ms = (time.monotonic() - sent) * 1000
+            with lock:
+                if status == 200:
+                    results["answered"] += 1
+                    results["warm"] += warm
+                    results["latency_ms"].append(elapsed_ms)
+                else:
+                    results["failed"] += 1
+                    results["errors"][status] = results["errors"].get(status, 0) + 1
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(args.concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(args.timeout + 150)
+    results["seconds"] = time.monotonic() - started
+    return results
+
+
+def main() -> int:
+    args = parse_args()
+    if args.resident % args.hosts:
+        raise SystemExit("--resident must be a multiple of --hosts (each instance holds the same number)")
+    scratch = setup_environment(args)
+    from django.contrib.auth import get_user_model
+    from django.db import connections
+
+    from apps.deployments import autoscaling, healing, services
+    from apps.deployments.models import Deployment, DeploymentEvent, DeploymentState
+    from apps.fleet import services as fleet
+    from apps.fleet.models import Host, InstanceState, Pool, TritonInstance
+    from apps.gateway import autoscaling as gateway_autoscaling
+    from apps.teams import services as teams
+
+    env = dict(os.environ)
+    owner = get_user_model().objects.create_user("density", password="density-password")
+    team = teams.create_team(actor=owner, name="Density", slug="density")
+    team.quota_requests_per_second = 1_000_000
+    team.quota_instances = 10_000
+    team.quota_deployed_models = max(team.quota_deployed_models, args.models)
+    team.save()
+    budget_per_instance = args.footprint_mib * (args.resident // args.hosts)
+    pool = Pool.objects.create(name="cpu", memory_budget_mb=budget_per_instance)
+    versions = make_versions(team, owner, args.models, "m", scratch)
+    for version in versions:
+        version.footprint_mb = args.footprint_mib
+        version.save(update_fields=["footprint_mb"])
+    direct_load_ms = direct_load_seconds(versions[0], scratch, 3) * 1000
+
+    web_port = free_port()
+    processes: list[subprocess.Popen] = []
+    logs = scratch / "logs"
+    logs.mkdir()
+    fleet_root = scratch / "fleet"
+
+    def spawn(name: str, argv: list[str], extra: dict | None = None, drop: tuple = ()) -> None:
+        log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - the child writes to it
+        child_env = {k: v for k, v in {**env, **(extra or {})}.items() if k not in drop}
+        processes.append(subprocess.Popen(
+            [sys.executable, *argv], cwd=ROOT, env=child_env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        ))  # fmt: skip
+
+    beat_stop = threading.Event()
+
+    def beat() -> None:
+        try:
+            while not beat_stop.wait(args.tick):
+                gateway_autoscaling.autoscale()
+                healing.tick()
+        finally:
+            connections.close_all()
+
+    beat_thread = threading.Thread(target=beat, daemon=True)
+    memory = Memory(fleet_root)
+    figures: dict = {}
+    try:
+        spawn("web", ["manage.py", "runserver", f"127.0.0.1:{web_port}", "--noreload"])
+        time.sleep(2)  # the web server binds
+        for index in range(args.hosts):
+            host, join = fleet.create_host(actor=None, name=f"density-{index}", address="127.0.0.1")
+            Host.objects.filter(pk=host.pk).update(pool=pool)
+            ports = free_port(), free_port(), free_port()
+            fleet.create_instance(actor=None, host=host, name="cpu-0", http_port=ports[0], grpc_port=ports[1],
+                                  metrics_port=ports[2])  # fmt: skip
+            agent_var = scratch / f"agent-{index}"
+            agent_var.mkdir()
+            agent_env = {"VAR_DIR": str(agent_var), "ARTIFACT_ROOT": str(agent_var / "none"),
+                         "FLEET_ROOT": str(fleet_root / str(index))}  # fmt: skip
+            spawn(f"agent-{index}", ["-m", "hostagent", "--platform", f"http://127.0.0.1:{web_port}",
+                                     "--join-token", join, "--credential-file", str(agent_var / "credential")],
+                  agent_env, drop=("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"))  # fmt: skip
+        wait(
+            lambda: TritonInstance.objects.filter(host__pool=pool, state=InstanceState.READY).count() == args.hosts,
+            240,
+            "the instances",
+        )  # fmt: skip
+        memory.start()
+        time.sleep(1.5)
+        idle_mib = memory.rss_mib()
+
+        # Deployed and put to sleep at once: none holds memory before its first request.
+        started = time.monotonic()
+        policy = {
+            "min_replicas": 0,
+            "max_replicas": 1,
+            "scale_down_window_s": 0,
+            "idle_period_s": args.idle_period,
+        }
+        deployments = []
+        for version in versions:
+            d = services.deploy_version(
+                actor=owner, model=version.model, version=version, replicas=1, pool=pool
+            )
+            autoscaling.configure(actor=owner, deployment=d, values=policy)
+            deployments.append(autoscaling.sleep(actor=owner, deployment=d))
+        deploy_s = time.monotonic() - started
+        spawn("gateway", ["manage.py", "gateway"])
+        _, token = teams.create_token(actor=owner, team=team, name="density")
+        gateway_port = int(env["GATEWAY_BIND"].rsplit(":", 1)[1])
+        beat_thread.start()
+        slugs = [v.model.slug for v in versions]
+
+        def answered_once() -> bool:
+            try:
+                connection = http.client.HTTPConnection("127.0.0.1", gateway_port, timeout=90)
+                connection.request("POST", f"/v2/models/density__{slugs[0]}/infer", body=BODY,
+                                   headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})  # fmt: skip
+                return connection.getresponse().status == 200
+            except OSError:
+                return False
+
+        wait(answered_once, 120, "the gateway to route (and wake) the first model")
+        memory.peak_mib = idle_mib
+        run = stream(gateway_port, token, slugs, "density", args, memory)
+        colds = [
+            e.details.get("held_ms", 0)
+            for e in DeploymentEvent.objects.filter(kind="cold_start", deployment__team=team)
+        ]
+        figures["scale_to_zero"] = {
+            "answered": run["answered"],
+            "failed": run["failed"],
+            "errors": {str(k): v for k, v in run["errors"].items()},
+            "seconds": round(run["seconds"], 1),
+            "warm_share": round(run["warm"] / run["answered"], 3) if run["answered"] else 0.0,
+            "activations": len(colds),
+            "evictions": DeploymentEvent.objects.filter(kind="evicted", deployment__team=team).count(),
+            "cold_start_p50_ms": round(percentile(colds, 0.5), 1),
+            "cold_start_p99_ms": round(percentile(colds, 0.99), 1),
+            "latency_p50_ms": round(percentile(run["latency_ms"], 0.5), 1),
+            "latency_p99_ms": round(percentile(run["latency_ms"], 0.99), 1),
+            "peak_memory_mib": round(memory.peak_mib - idle_mib, 1),
+        }
+
+        if not args.skip_pinned:
+            # The same memory with everything pinned: autoscaling off; what fits loads, the rest waits.
+            for d in deployments:
+                autoscaling.configure(actor=owner, deployment=d, values={"min_replicas": None})
+            wait(
+                lambda: Deployment.objects.filter(team=team, state=DeploymentState.SERVING, placements__state="READY",
+                                                  placements__unload=False).distinct().count()
+                >= min(args.resident, args.models),
+                300,
+                "the models that fit to load",
+            )  # fmt: skip
+            time.sleep(3)  # evicted-then-unloading replicas finish
+            memory.peak_mib = idle_mib
+            pinned = stream(gateway_port, token, slugs, "density", args, memory)
+            figures["pinned"] = {
+                "answered": pinned["answered"],
+                "failed": pinned["failed"],
+                "seconds": round(pinned["seconds"], 1),
+                "peak_memory_mib": round(memory.peak_mib - idle_mib, 1),
+            }
+    finally:
+        beat_stop.set()
+        memory.stop()
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+    budget_mib = budget_per_instance * args.hosts
+    s2z = figures["scale_to_zero"]
+    print(f"\nDensity ({args.models} small models, min_replicas 0, {args.hosts} CPU instances whose budget holds "
+          f"{args.resident}; Zipf {args.zipf}, {args.requests} requests at {args.rate:g}/s, idle period "
+          f"{args.idle_period} s)")  # fmt: skip
+    print(f"deployed and put to sleep: {args.models} in {deploy_s:.1f} s")
+    print(f"answered {s2z['answered']}, failed {s2z['failed']} {s2z['errors'] or ''} in {s2z['seconds']} s "
+          f"(target 0 failed)")  # fmt: skip
+    print(f"cold start (held at the gateway, {s2z['activations']} activations, {s2z['evictions']} evictions): "
+          f"p50 {s2z['cold_start_p50_ms']} ms  p99 {s2z['cold_start_p99_ms']} ms; "
+          f"Triton's own load time {direct_load_ms:.0f} ms")  # fmt: skip
+    print(f"warm share: {s2z['warm_share'] * 100:.1f} % of answered requests; latency p50 {s2z['latency_p50_ms']} ms "
+          f"p99 {s2z['latency_p99_ms']} ms")  # fmt: skip
+    print(f"peak memory above idle: {s2z['peak_memory_mib']} MiB against a budget of {budget_mib} MiB "
+          f"({'within' if s2z['peak_memory_mib'] <= budget_mib else 'OVER'})")  # fmt: skip
+    if "pinned" in figures:
+        p = figures["pinned"]
+        print(f"everything pinned, same memory: answered {p['answered']}, failed {p['failed']} in {p['seconds']} s, "
+              f"peak memory above idle {p['peak_memory_mib']} MiB")  # fmt: skip
+    result = {
+        "models": args.models,
+        "hosts": args.hosts,
+        "resident": args.resident,
+        "requests": args.requests,
+        "answered": s2z["answered"],
+        "failed": s2z["failed"],
+        "cold_start_p50_ms": s2z["cold_start_p50_ms"],
+        "cold_start_p99_ms": s2z["cold_start_p99_ms"],
+        "triton_load_ms": round(direct_load_ms, 1),
+        "warm_share": s2z["warm_share"],
+        "peak_memory_mib": s2z["peak_memory_mib"],
+        "budget_mib": budget_mib,
+        **({"pinned": figures["pinned"]} if "pinned" in figures else {}),
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Eviction under memory pressure (``apps.deployments.autoscaling.make_room``): a replica that must load where
+no instance has room evicts the least recently used idle replica of a scale-to-zero deployment on the pool -
+never one that served within its idle period, never one of a deployment with ``min_replicas`` above zero. The
+choice is pure (``choose_evictions``); the rows are tested through the scheduler's tick as it runs."""
+
+from __future__ import annotations
+
+import pytest
+from django.utils import timezone
+
+from apps.deployments import autoscaling, healing, services
+from apps.deployments.autoscaling import Resident, choose_evictions
+from apps.deployments.models import Deployment, DeploymentState, PlacementState
+from apps.fleet.models import Host, Pool
+from apps.registry.models import RegisteredModel
+from tests.support.models import add_instance, make_version
+
+NOW = 10_000.0
+
+
+def resident(deployment, instance=1, mb=100, served=NOW - 1000, idle=300, low=0) -> Resident:
+    return Resident(deployment, instance, mb, served, idle, low)
+
+
+# --- The choice: pure ------------------------------------------------------------------------------------
+
+
+def test_the_least_recently_used_idle_replica_is_evicted():
+    residents = [resident(1, served=NOW - 400), resident(2, served=NOW - 900), resident(3, served=NOW - 600)]
+    assert [r.deployment_id for r in choose_evictions(residents, {1: 50}, 100, NOW)] == [2]
+
+
+def test_a_replica_that_served_within_its_idle_period_is_never_evicted():
+    residents = [resident(1, served=NOW - 100, idle=300), resident(2, served=NOW - 30, idle=60)]
+    assert choose_evictions(residents, {1: 0}, 100, NOW) == []
+    # Idle for exactly its period: evictable.
+    assert choose_evictions([resident(3, served=NOW - 300, idle=300)], {1: 0}, 100, NOW)[0].deployment_id == 3
+
+
+def test_a_deployment_that_does_not_scale_to_zero_is_never_evicted():
+    residents = [resident(1, low=1, served=NOW - 9000), resident(2, low=None, served=NOW - 9000)]
+    assert choose_evictions(residents, {1: 0}, 100, NOW) == []
+
+
+def test_unknown_traffic_is_not_idle():
+    assert choose_evictions([resident(1, served=None)], {1: 0}, 100, NOW) == []
+
+
+def test_enough_room_on_one_instance_evicts_several_there_and_nothing_when_room_is_coming():
+    residents = [
+        resident(1, instance=1, mb=60, served=NOW - 900),
+        resident(2, instance=2, mb=60, served=NOW - 800),
+        resident(3, instance=1, mb=60, served=NOW - 700),
+    ]
+    # 150 MiB needed: instance 1 has 40 free; its two LRU replicas make 160.
+    assert [r.deployment_id for r in choose_evictions(residents, {1: 40, 2: 0}, 150, NOW)] == [1, 3]
+    # An instance already has (or will have, once its unloads finish) the room: no eviction.
+    assert choose_evictions(residents, {1: 40, 2: 150}, 150, NOW) == []
+    # Not enough can be freed anywhere: no eviction for nothing.
+    assert choose_evictions(residents, {1: 0, 2: 0}, 500, NOW) == []
+    # Only instances the replica may go to count.
+    assert [r.deployment_id for r in choose_evictions(residents, {2: 100}, 150, NOW)] == [2]
+
+
+# --- Through the scheduler's tick --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def full_pool(owner, team):
+    """One instance with room for two 100 MiB replicas, both taken by scale-to-zero deployments."""
+    pool = Pool.objects.create(name="cpu", memory_budget_mb=250)
+    host = Host.objects.create(name="h0", address="127.0.0.1", last_heartbeat_at=timezone.now(), pool=pool)
+    add_instance(host, "cpu-0", 18300)
+    deployments = {}
+    for slug in ("old", "recent", "cold"):
+        model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)
+        version = make_version(model)
+        version.footprint_mb = 100
+        version.save(update_fields=["footprint_mb"])
+        if slug != "cold":
+            d = services.deploy_version(actor=owner, model=model, version=version, replicas=1, pool=pool)
+            Deployment.objects.filter(pk=d.pk).update(state=DeploymentState.SERVING)
+            d.placements.update(state=PlacementState.READY, served_version=version)
+            autoscaling.configure(actor=owner, deployment=d, values={
+                "min_replicas": 0, "max_replicas": 1, "idle_period_s": 60})  # fmt: skip
+            deployments[slug] = d
+        else:
+            deployments[slug] = version
+    return pool, deployments
+
+
+def served(deployment, seconds_ago: float) -> None:
+    memory = {**deployment.scaling_memory, "last_traffic_at": timezone.now().timestamp() - seconds_ago}
+    Deployment.objects.filter(pk=deployment.pk).update(scaling_memory=memory)
+
+
+def test_a_cold_model_evicts_the_lru_idle_replica_and_is_placed_once_it_unloaded(owner, full_pool):
+    pool, d = full_pool
+    served(d["old"], 600)
+    served(d["recent"], 120)
+    version = d["cold"]
+    cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
+    assert cold.state == DeploymentState.PENDING and not cold.placements.exists()
+    healing.tick()
+    old, recent = Deployment.objects.get(pk=d["old"].pk), Deployment.objects.get(pk=d["recent"].pk)
+    # Both were idle past their period; the least recently used one goes.
+    assert old.replicas == 0 and old.asleep_since is not None
+    assert (
+        recent.replicas == 1 and recent.placements.filter(unload=False, state=PlacementState.READY).exists()
+    )
+    event = old.events.get(kind="evicted")
+    assert "evicted to make room for cold in cpu" in event.message and "least recently used" in event.message
+    assert old.placements.get().unload is True
+    # Its memory counts until it is unloaded: still pending, and no second eviction meanwhile.
+    healing.tick()
+    assert not Deployment.objects.get(pk=cold.pk).placements.exists()
+    assert Deployment.objects.get(pk=d["recent"].pk).replicas == 1
+    assert "waiting for evicted replicas to unload" in Deployment.objects.get(pk=cold.pk).pending_reason
+    old.placements.update(state=PlacementState.UNLOADED)
+    healing.tick()
+    assert Deployment.objects.get(pk=cold.pk).placements.filter(state=PlacementState.PENDING).count() == 1
+
+
+def test_nothing_is_evicted_while_every_replica_served_within_its_idle_period(owner, full_pool):
+    pool, d = full_pool
+    served(d["old"], 30)
+    served(d["recent"], 10)
+    version = d["cold"]
+    cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
+    healing.tick()
+    assert Deployment.objects.filter(pk__in=[d["old"].pk, d["recent"].pk], replicas=1).count() == 2
+    assert not Deployment.objects.get(pk=cold.pk).placements.exists()
+    assert "has 0.1 GiB free" in Deployment.objects.get(pk=cold.pk).pending_reason
+
+
+def test_a_deployment_with_min_replicas_above_zero_is_never_evicted(owner, full_pool):
+    pool, d = full_pool
+    for key in ("old", "recent"):
+        autoscaling.configure(actor=owner, deployment=d[key], values={"min_replicas": 1})
+        served(Deployment.objects.get(pk=d[key].pk), 6000)
+    version = d["cold"]
+    cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
+    healing.tick()
+    assert Deployment.objects.filter(pk__in=[d["old"].pk, d["recent"].pk], replicas=1).count() == 2
+    assert not Deployment.objects.get(pk=cold.pk).placements.exists()
+    assert not Deployment.objects.filter(events__kind="evicted").exists()
+
+
+def test_the_models_list_and_the_deployment_page_say_which_models_are_loaded_and_which_sleep(
+    client, owner, full_pool
+):
+    pool, d = full_pool
+    served(d["old"], 600)
+    version = d["cold"]
+    services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
+    healing.tick()  # "old" is evicted: asleep; "recent" stays loaded; "cold" waits for the room
+    client.force_login(owner)
+    html = client.get("/teams/vision/models/").content.decode()
+    rows = {
+        slug: html.split(f'data-model="{slug}"')[1].split("</tr>")[0] for slug in ("old", "recent", "cold")
+    }
+    assert 'data-residency="asleep"' in rows["old"]
+    assert 'data-residency="loaded"' in rows["recent"]
+    assert 'data-residency="waking"' in rows["cold"]
+    page = client.get(f"/teams/vision/deployments/{d['old'].pk}/").content.decode()
+    assert "asleep (not in memory)" in page and "evicted to make room for cold" in page
+    assert "loaded now" in client.get(f"/teams/vision/deployments/{d['recent'].pk}/").content.decode()
+
+
+def test_a_pending_scale_to_zero_deployment_can_be_put_to_sleep_and_wakes_into_evicted_room(owner, full_pool):
+    pool, d = full_pool
+    version = d["cold"]
+    cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
+    autoscaling.configure(actor=owner, deployment=cold, values={"min_replicas": 0, "max_replicas": 1})
+    autoscaling.sleep(actor=owner, deployment=cold)
+    cold = Deployment.objects.get(pk=cold.pk)
+    assert cold.replicas == 0 and cold.asleep_since is not None and cold.pending_reason == ""
+    served(d["old"], 600)
+    served(d["recent"], 600)
+    Deployment.objects.filter(pk=d["recent"].pk).update(
+        scaling_memory={**d["recent"].scaling_memory, "last_traffic_at": timezone.now().timestamp() - 100}
+    )
+    assert autoscaling.wake(cold.pk) is True
+    assert Deployment.objects.get(pk=d["old"].pk).events.filter(kind="evicted").exists()
+    assert not Deployment.objects.get(pk=d["recent"].pk).events.filter(kind="evicted").exists()

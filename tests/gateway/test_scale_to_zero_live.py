@@ -1,0 +1,178 @@
+"""Scale to zero over gRPC and eviction under memory pressure, with a real host agent, tritonserver and the
+gateway. Two scale-to-zero models share one instance whose memory budget holds one of them:
+
+* gRPC (tritonclient.grpc) calls sent at once to the sleeping model are all held at the gateway and answered
+  after one activation;
+* an HTTP request for the other, sleeping, model is held while the idle, least recently used replica of the
+  first is evicted, unloaded, and the second placed and loaded in its room - answered 200.
+
+The autoscaler's beat is not run here (the first model would go to sleep on its own): its evaluations are
+driven where the test needs them; the scheduler's tick runs while a request waits, as beat runs it."""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from apps.deployments import healing
+from apps.deployments.models import Deployment, DeploymentState, PlacementState
+from apps.fleet.models import InstanceState, Pool, TritonInstance
+from apps.gateway import autoscaling
+from apps.registry.models import ModelVersion, RegisteredModel
+from tests.conftest import wait_for
+from tests.support.servers import INFER_BODY, requires_haproxy
+
+pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
+
+URL = "/api/v1/teams/vision/deployments/"
+FOOTPRINT_MB = 100
+
+
+@pytest.fixture(autouse=True)
+def _no_rate_limit(team):
+    team.quota_requests_per_second = 1_000_000
+    team.save()
+
+
+def loaded(deployment: Deployment) -> int:
+    rows = deployment.placements.filter(retiring_reason="", state=PlacementState.READY)
+    return rows.count()
+
+
+def asleep_and_unloaded(pk: int) -> bool:
+    deployment = Deployment.objects.get(pk=pk)
+    return (
+        deployment.replicas == 0 and not deployment.placements.exclude(state=PlacementState.UNLOADED).exists()
+    )
+
+
+def http_infer(port: int, model: str, token: str, out: list) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=90)
+    try:
+        connection.request("POST", f"/v2/models/{model}/infer", body=INFER_BODY,
+                           headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})  # fmt: skip
+        response = connection.getresponse()
+        out.append((response.status, response.read()[:300]))
+    except OSError as exc:
+        out.append((0, repr(exc)))
+    finally:
+        connection.close()
+
+
+def grpc_infer(url: str, model: str, token: str, out: list) -> None:
+    client = grpcclient.InferenceServerClient(url)
+    item = grpcclient.InferInput("input", [1, 4], "FP32")
+    item.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
+    started = time.monotonic()
+    try:
+        result = client.infer(model, [item], headers={"authorization": f"Bearer {token}"}, client_timeout=90)
+        out.append(("ok", time.monotonic() - started, result.as_numpy("output").tolist()))
+    except Exception as exc:  # noqa: BLE001 - the failure is the test's report
+        out.append(("failed", time.monotonic() - started, str(exc)[:300]))
+    finally:
+        client.close()
+
+
+def test_grpc_first_calls_are_held_and_a_cold_model_evicts_the_idle_one(
+    owner_client, owner, team, start_agent, make_scaler_version, start_gateway, make_token, artifact_root,
+    gateway_env, settings,
+):  # fmt: skip
+    pool = Pool.objects.create(name="cpu", memory_budget_mb=4096)
+    agent = start_agent(
+        "host-a", labels={"pool": "cpu"}, AGENT_HEARTBEAT_INTERVAL="0.5",
+        FLEET_ROOT=Path(artifact_root).parent / "fleet-host-a",
+    )  # fmt: skip
+    wait_for(
+        lambda: TritonInstance.objects.filter(host__name="host-a", state=InstanceState.READY).exists(),
+        120,
+        f"the instance to be READY\n{agent.output()}",
+    )
+    deployments = {}
+    for slug, scale in (("alpha", 2.0), ("beta", 3.0)):
+        model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)
+        make_scaler_version(model, scale)
+        response = owner_client.post(
+            URL, {"model": slug, "version": 1, "replicas": 1, "pool": "cpu"}, format="json"
+        )
+        assert response.status_code == 201, response.json()
+        deployments[slug] = response.json()["id"]
+    for slug, pk in deployments.items():
+        wait_for(
+            lambda pk=pk: Deployment.objects.filter(pk=pk, state=DeploymentState.SERVING).exists(),
+            120,
+            f"{slug} to be SERVING\n{agent.output()}",
+        )
+    # From now on the instance's budget holds one of the two.
+    ModelVersion.objects.filter(model__team=team).update(footprint_mb=FOOTPRINT_MB)
+    Pool.objects.filter(pk=pool.pk).update(memory_budget_mb=FOOTPRINT_MB + FOOTPRINT_MB // 2)
+    gateway = start_gateway()
+    settings.GATEWAY_METRICS_URL = f"http://{gateway_env['GATEWAY_STATS_BIND']}/metrics"
+    _, secret = make_token(name="s2z")
+    policy = {"min_replicas": 0, "max_replicas": 1, "scale_down_window_s": 0, "idle_period_s": 2}
+    for pk in deployments.values():
+        response = owner_client.post(f"{URL}{pk}/autoscaling/", policy, format="json")
+        assert response.status_code == 200, response.json()
+
+    def evaluations_until(predicate):
+        def run():
+            autoscaling.autoscale()
+            healing.tick()
+            return predicate()
+
+        return run
+
+    wait_for(
+        evaluations_until(lambda: all(asleep_and_unloaded(pk) for pk in deployments.values())),
+        90,
+        "both idle deployments to sleep and unload",
+    )
+
+    # gRPC: three calls at once for the sleeping alpha - held, one activation, all answered.
+    results: list = []
+    calls = [
+        threading.Thread(target=grpc_infer, args=(gateway.grpc_url, "vision__alpha", secret, results))
+        for _ in range(3)
+    ]
+    for call in calls:
+        call.start()
+    for call in calls:
+        call.join(120)
+    assert [status for status, _, _ in results] == ["ok"] * 3, results
+    assert all(output == [[2.0, 2.0, 2.0, 2.0]] for _, _, output in results), results
+    alpha = Deployment.objects.get(pk=deployments["alpha"])
+    assert alpha.replicas == 1 and loaded(alpha) == 1
+    assert alpha.events.filter(kind="woken").count() == 1
+    grpc_slowest = max(seconds for _, seconds, _ in results)
+
+    # alpha idles past its idle period (the autoscaler is not run, so it stays loaded): beta's first request
+    # must evict it to load in its room.
+    time.sleep(policy["idle_period_s"] + 0.5)
+    answered: list = []
+    request = threading.Thread(
+        target=http_infer, args=(gateway.port, "vision__beta", secret, answered), daemon=True
+    )
+    started = time.monotonic()
+    request.start()
+    deadline = started + 90
+    while request.is_alive() and time.monotonic() < deadline:
+        healing.tick()  # the scheduler's beat: places beta once alpha's memory is freed
+        request.join(0.5)
+    cold_s = time.monotonic() - started
+    assert answered and answered[0][0] == 200, (answered, agent.output()[-3000:])
+    alpha = Deployment.objects.get(pk=deployments["alpha"])
+    beta = Deployment.objects.get(pk=deployments["beta"])
+    evicted = alpha.events.get(kind="evicted")
+    assert "evicted to make room for beta in cpu" in evicted.message, evicted.message
+    assert alpha.replicas == 0 and alpha.asleep_since is not None
+    assert beta.replicas == 1 and loaded(beta) == 1 and beta.events.filter(kind="woken").count() == 1
+    wait_for(lambda: asleep_and_unloaded(alpha.pk), 30, "alpha's replica to be unloaded")
+    print(
+        f"scale to zero live: 3 gRPC first calls answered, slowest {grpc_slowest:.2f} s; "
+        f"beta after evicting alpha answered in {cold_s:.2f} s"
+    )
