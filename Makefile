@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PYTHON ?= python3
 export DEBUG ?= 1
 
-.PHONY: run test test-fast install migrate demo lint deploy-check npu-check clean haproxy docs
+.PHONY: run test test-fast install migrate demo lint deploy-check npu-check clean haproxy chromium docs
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,13 @@ haproxy:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null; } || \
 		{ echo "haproxy is missing: install it with 'sudo apt-get install haproxy' (Debian/Ubuntu), then run make again"; exit 1; }
 
+## The browser tests drive Debian's chromium: installed here when we are root on Debian; without it they are
+## skipped, each with the reason.
+chromium:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+		echo "chromium is missing: the browser tests will be skipped (install it with 'sudo apt-get install chromium')"
+
 migrate: install
 	$(PY) manage.py migrate --noinput
 
@@ -52,7 +59,7 @@ run: demo
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(LOCAL_AGENT_ENV) $(VENV)/bin/honcho start -f Procfile
 
 ## Run the whole test suite (set DATABASE_URL / CELERY_BROKER_URL to test on PostgreSQL + Redis).
-test: install
+test: install chromium
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
 
 ## The developer's loop: no real servers, no browser - what a change to a view or a service needs.
