@@ -60,7 +60,7 @@ def live_on(instances: Q):
 
 def pinned_on(instances: Q):
     """Pinned replicas on these instances: a drain does not move them (the people who pinned them chose the
-    instances; ``docs/users/deploy-by-intent.md``), so they hold the drain until redeployed or undeployed."""
+    instances; ``docs/operators/pools-and-scaling.md``), so they hold the drain until redeployed or undeployed."""
     return live_on(instances).filter(deployment__pinned=True).exclude(deployment__state__in=scheduler.GONE)
 
 
