@@ -8,7 +8,9 @@ it, ``services.placement_loaded`` as the agent API runs it for a report. Printed
 
 1. placement decision time (``scheduler.place_replicas``: candidates locked, memory summed, chosen, rows and
    events written) p50/p99, and the whole ``deploy_version`` call's;
-2. packing: devices used against a lower bound (total footprint / one device's capacity), and pending;
+2. packing: devices used against a lower bound (total footprint / one device's capacity), and pending, for
+   the pool policy ``spread`` (the default: least loaded first) and again - same deployments, a second pool
+   of the same size - for ``binpack`` (most loaded that fits first), with that pool's decision times;
 3. over capacity: how many times an instance was found holding more than its capacity (checked after the
    deploys and after every tick of the loss phase; 0 expected);
 4. host loss: the host with the most replicas stops its heartbeat; its replicas are retired and placed
@@ -71,17 +73,19 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))] if ordered else 0.0
 
 
-def make_fleet(args):
+def make_fleet(args, policy: str = "spread"):
+    from django.db import connection
     from django.utils import timezone
 
     from apps.fleet.models import ExecutorKind, Host, InstanceState, Pool, TritonInstance
 
     pool = Pool.objects.create(
-        name="ascend-910b", executor=ExecutorKind.NPU, devices_per_instance=1, hbm_reserve_mb=RESERVE_MB
-    )
+        name=f"ascend-910b-{policy}", executor=ExecutorKind.NPU, devices_per_instance=1,
+        hbm_reserve_mb=RESERVE_MB, placement_policy=policy,
+    )  # fmt: skip
     now = timezone.now()
     hosts = Host.objects.bulk_create(
-        Host(name=f"npu-{i:04d}", address="127.0.0.1", pool=pool, last_heartbeat_at=now, labels={"pool": pool.name})
+        Host(name=f"{policy}-{i:04d}", address="127.0.0.1", pool=pool, last_heartbeat_at=now, labels={"pool": pool.name})
         for i in range(args.hosts)
     )  # fmt: skip
     TritonInstance.objects.bulk_create(
@@ -93,20 +97,27 @@ def make_fleet(args):
         for host in hosts
         for d in range(DEVICES_PER_HOST)
     )  # fmt: skip
+    with connection.cursor() as cursor:
+        # Statistics as autovacuum keeps them on a live database (a scratch one has none after the bulk
+        # inserts, and the planner would take 1,600 instances for one row).
+        cursor.execute("ANALYZE")
     return pool
 
 
-def make_versions(args, rng: random.Random):
+def make_versions(args, rng: random.Random, prefix: str = ""):
     from django.contrib.auth import get_user_model
 
     from apps.registry.models import ModelVersion, RegisteredModel, SourceFormat, VersionState
     from apps.teams.models import Team
 
-    owner = get_user_model().objects.create_user("scheduler-bench", password="scheduler-bench-password-1")
-    teams = Team.objects.bulk_create(
-        Team(name=f"Team {i}", slug=f"team-{i}", quota_deployed_models=100_000, quota_instances=100_000)
-        for i in range(args.teams)
+    owner = get_user_model().objects.create_user(
+        f"scheduler-bench{prefix}", password="scheduler-bench-password-1"
     )
+    teams = Team.objects.bulk_create(
+        Team(name=f"Team {prefix}{i}", slug=f"team{prefix}-{i}", quota_deployed_models=100_000,
+             quota_instances=100_000)
+        for i in range(args.teams)
+    )  # fmt: skip
     models = RegisteredModel.objects.bulk_create(
         RegisteredModel(team=teams[i % len(teams)], name=f"m{i}", slug=f"m{i}", created_by=owner)
         for i in range(args.deployments)
@@ -131,17 +142,30 @@ def over_capacity(pool) -> int:
     return sum(1 for pk, capacity in rows if used.get(pk, 0) > capacity)
 
 
-def timed_decisions(scheduler, durations: list[float]):
-    """Wrap ``scheduler.place_replicas`` (services and healing call it through the module) with a timer."""
+def timed_decisions(scheduler, durations: list[float], queries: list[int] | None = None):
+    """Wrap ``scheduler.place_replicas`` (services and healing call it through the module) with a timer, and
+    count the SQL statements each decision sends (a figure the machine's load does not change)."""
+    from django.db import connection
+
     original = scheduler.place_replicas
 
     def place_replicas(deployment):
+        sent = [0]
+
+        def count(execute, sql, params, many, context):
+            sent[0] += 1
+            return execute(sql, params, many, context)
+
         started = time.perf_counter()
         try:
-            return original(deployment)
+            with connection.execute_wrapper(count):
+                return original(deployment)
         finally:
             durations.append((time.perf_counter() - started) * 1000)
+            if queries is not None:
+                queries.append(sent[0])
 
+    place_replicas.__wrapped__ = original
     scheduler.place_replicas = place_replicas
 
 
@@ -232,20 +256,17 @@ def lose_a_host(args, pool, figures: dict) -> None:
     )
 
 
-def run(args, scratch: Path) -> dict:
-    from django.conf import settings
+def deploy_all(args, pool, versions, owner, rng: random.Random) -> dict:
+    """Every version deployed into ``pool`` as the deploy API does it, timed; then the packing figures."""
     from django.utils import timezone
 
     from apps.deployments import scheduler, services
     from apps.deployments.models import Deployment, DeploymentInstance, PlacementState
     from apps.fleet.models import Host
 
-    settings.SCHEDULER_HOST_GRACE_S = args.grace
-    rng = random.Random(args.seed)
-    pool = make_fleet(args)
-    owner, versions = make_versions(args, rng)
     decisions: list[float] = []
-    timed_decisions(scheduler, decisions)
+    queries: list[int] = []
+    timed_decisions(scheduler, decisions, queries)
     calls = []
     beat_at = time.monotonic()
     for version in versions:
@@ -258,35 +279,61 @@ def run(args, scratch: Path) -> dict:
             actor=owner, model=version.model, version=version, replicas=replicas, pool=pool
         )
         calls.append((time.perf_counter() - started) * 1000)
+    scheduler.place_replicas = scheduler.place_replicas.__wrapped__
+    deployments = Deployment.objects.filter(pool=pool)
+    placements = DeploymentInstance.objects.filter(deployment__pool=pool)
+    need = sum(mb * n for mb, n in deployments.values_list("target_version__footprint_mb", "replicas"))
+    # No packing does better than the footprints' sum over one device, nor than the widest spread deployment.
+    widest = max(deployments.values_list("replicas", flat=True), default=1)
+    return {
+        "replicas": placements.count(),
+        "placement_p50_ms": round(statistics.median(decisions), 2),
+        "placement_p99_ms": round(percentile(decisions, 99), 2),
+        "placement_queries_max": max(queries, default=0),
+        "load_average": round(os.getloadavg()[0], 1),
+        "deploy_call_p50_ms": round(statistics.median(calls), 2),
+        "deploy_call_p99_ms": round(percentile(calls, 99), 2),
+        "pending_deployments": deployments.exclude(pending_reason="").count(),
+        "over_capacity": over_capacity(pool),
+        "devices_used": placements.exclude(state=PlacementState.UNLOADED)
+        .values("instance")
+        .distinct()
+        .count(),
+        "devices_lower_bound": max(widest, math.ceil(need / (HBM_MB - RESERVE_MB))),
+        "footprint_total_gib": round(need / 1024, 1),
+    }
+
+
+def run(args, scratch: Path) -> dict:
+    from django.conf import settings
+
+    from apps.deployments import scheduler
+
+    settings.SCHEDULER_HOST_GRACE_S = args.grace
     figures = {
         "hosts": args.hosts,
         "devices": args.hosts * DEVICES_PER_HOST,
         "deployments": args.deployments,
-        "replicas": DeploymentInstance.objects.count(),
-        "placement_p50_ms": round(statistics.median(decisions), 2),
-        "placement_p99_ms": round(percentile(decisions, 99), 2),
-        "deploy_call_p50_ms": round(statistics.median(calls), 2),
-        "deploy_call_p99_ms": round(percentile(calls, 99), 2),
-        "pending_deployments": Deployment.objects.exclude(pending_reason="").count(),
-        "over_capacity": over_capacity(pool),
         "grace_s": args.grace,
         "tick_s": args.tick,
     }
-    need = sum(mb * n for mb, n in Deployment.objects.values_list("target_version__footprint_mb", "replicas"))
-    figures["devices_used"] = (
-        DeploymentInstance.objects.exclude(state=PlacementState.UNLOADED)
-        .values("instance")
-        .distinct()
-        .count()
-    )
-    # No packing does better than the footprints' sum over one device, nor than the widest spread deployment.
-    widest = max(Deployment.objects.values_list("replicas", flat=True), default=1)
-    figures["devices_lower_bound"] = max(widest, math.ceil(need / (HBM_MB - RESERVE_MB)))
-    figures["footprint_total_gib"] = round(need / 1024, 1)
+    # The default policy (spread) is measured in full, the host loss included; then the same deployments
+    # (same footprints and replicas) into a binpack pool of the same size, for its packing and decision time.
+    rng = random.Random(args.seed)
+    pool = make_fleet(args, "spread")
+    owner, versions = make_versions(args, rng)
+    figures.update(deploy_all(args, pool, versions, owner, rng))
     serve_everything()
-    decisions.clear()
+    decisions: list[float] = []
+    timed_decisions(scheduler, decisions)
     lose_a_host(args, pool, figures)
+    scheduler.place_replicas = scheduler.place_replicas.__wrapped__
     figures["replacement_placement_p99_ms"] = round(percentile(decisions, 99), 2)
+    rng = random.Random(args.seed)
+    packed = make_fleet(args, "binpack")
+    owner, versions = make_versions(args, rng, prefix="b")
+    figures["binpack"] = deploy_all(args, packed, versions, owner, rng)
+    figures["over_capacity"] += figures["binpack"]["over_capacity"] + over_capacity(pool)
     return figures
 
 
@@ -297,10 +344,19 @@ def print_figures(f: dict) -> None:
     print(
         f"placement decision: p50 {f['placement_p50_ms']} ms  p99 {f['placement_p99_ms']} ms (target p99 < 50 ms)"
     )
-    print(f"deploy_version call: p50 {f['deploy_call_p50_ms']} ms  p99 {f['deploy_call_p99_ms']} ms")
     print(
-        f"packing: {f['devices_used']} devices used, lower bound {f['devices_lower_bound']} "
-        f"({f['footprint_total_gib']} GiB of footprints); pending deployments: {f['pending_deployments']}"
+        f"SQL statements per decision: at most {f['placement_queries_max']}; "
+        f"load average during the run: {f['load_average']}"
+    )
+    print(f"deploy_version call: p50 {f['deploy_call_p50_ms']} ms  p99 {f['deploy_call_p99_ms']} ms")
+    b = f["binpack"]
+    for policy, g in (("spread", f), ("binpack", b)):
+        print(
+            f"packing ({policy}): {g['devices_used']} devices used, lower bound {g['devices_lower_bound']} "
+            f"({g['footprint_total_gib']} GiB of footprints); pending deployments: {g['pending_deployments']}"
+        )
+    print(
+        f"placement decision (binpack pool): p50 {b['placement_p50_ms']} ms  p99 {b['placement_p99_ms']} ms"
     )
     print(f"over capacity: {f['over_capacity']} (0 expected)")
     print(

@@ -13,10 +13,10 @@ from django.http import HttpResponseBadRequest
 from django.shortcuts import get_object_or_404, redirect
 from django.views.generic import TemplateView
 
-from apps.deployments import scheduler
+from apps.deployments import healing, scheduler
 from apps.deployments.models import DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet import pools, services
-from apps.fleet.models import Host, Pool, TritonInstance, is_platform_staff
+from apps.fleet.models import Host, PlacementPolicy, Pool, TritonInstance, is_platform_staff
 from apps.teams.models import Action, team_ids_for
 
 INSTANCE_ACTIONS = ("start", "stop", "restart")
@@ -48,12 +48,27 @@ def with_capacity(user, instances: list[TritonInstance]) -> list[TritonInstance]
     return instances
 
 
-def drain_progress(host: Host) -> dict | None:
-    """A draining host: replicas still on it, and the ones moving now (replaced, waiting to unload)."""
-    if host.draining_at is None:
+def drain_progress(user, host: Host) -> dict | None:
+    """A draining host, or one with template instances its pool no longer wants: replicas still on it, the
+    ones moving now (replaced, waiting to unload), and the pinned ones that hold the drain (the user sees the
+    deployments of their teams by name, the others counted)."""
+    unwanted = [i for i in host.instances.all() if i.unwanted_since is not None]
+    if host.draining_at is None and not unwanted:
         return None
-    left = DeploymentInstance.objects.filter(instance__host=host).exclude(state=PlacementState.UNLOADED)
-    return {"left": left.count(), "moving": left.exclude(retiring_reason="").count()}
+    where = Q(instance__host=host) if host.draining_at is not None else Q(instance__in=unwanted)
+    left = healing.live_on(where)
+    pinned = list(
+        healing.pinned_on(where).select_related("deployment__model", "deployment__team", "instance")
+    )
+    visible = set(team_ids_for(user, Action.VIEW))
+    shown = [p for p in pinned if is_platform_staff(user) or p.deployment.team_id in visible]
+    return {
+        "left": left.count(),
+        "moving": left.exclude(retiring_reason="").count(),
+        "pinned": shown,
+        "other_pinned": len(pinned) - len(shown),
+        "unwanted": unwanted,
+    }
 
 
 class HostListView(LoginRequiredMixin, TemplateView):
@@ -101,7 +116,7 @@ class HostDetailView(LoginRequiredMixin, TemplateView):
             devices=host.devices.all(),
             instances=with_capacity(self.request.user, instances),
             pool=host.pool,
-            drain=drain_progress(host),
+            drain=drain_progress(self.request.user, host),
             can_operate=host.can_be_operated_by(self.request.user),
             is_staff=is_platform_staff(self.request.user),
             platform_url=self.request.build_absolute_uri("/").rstrip("/"),
@@ -215,5 +230,21 @@ class PoolDetailView(LoginRequiredMixin, TemplateView):
             hosts=hosts,
             free_mb=sum(h.free_mb for h in hosts if h.schedulable),
             capacity_mb=sum(h.capacity_mb for h in hosts),
+            policies=PlacementPolicy.choices,
+            is_staff=is_platform_staff(self.request.user),
         )
         return context
+
+    def post(self, request, *args, **kwargs):
+        """Staff: the pool's placement policy."""
+        pool = get_object_or_404(Pool, name=self.kwargs["pool_name"])
+        if not is_platform_staff(request.user):
+            raise PermissionDenied("Only platform staff may change a pool.")
+        policy = request.POST.get("placement_policy", "")
+        if policy not in PlacementPolicy.values:
+            return HttpResponseBadRequest(
+                f"placement_policy: '{policy}' is not a policy; use {' or '.join(PlacementPolicy.values)}."
+            )
+        pools.update_pool(actor=request.user, pool=pool, placement_policy=policy)
+        messages.success(request, f"{pool.name}: placement policy {policy}.")
+        return redirect("pool-detail", pool_name=pool.name)

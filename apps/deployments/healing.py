@@ -3,7 +3,9 @@
 One tick, each deployment in its own short transaction under its row lock:
 1. replicas whose host is lost (no heartbeat past the grace), revoked, or whose instance is quarantined are
    retired: they stop counting and stay loaded (a host that comes back still serves them meanwhile);
-2. a draining host gives up one replica at a time: the next only once the previous one is unloaded;
+2. a draining host (and a template instance its pool no longer wants) gives up one replica at a time: the
+   next only once the previous one is unloaded; pinned replicas are not moved and hold the drain; an
+   unwanted instance left without replicas is stopped, then removed;
 3. deployments short of replicas get them placed where they fit (a pending one as soon as capacity appears;
    where none is, idle replicas of scale-to-zero deployments are evicted: ``autoscaling.make_room``);
 4. retired replicas are told to unload once the deployment has its replicas READY elsewhere.
@@ -17,8 +19,9 @@ from django.db import transaction
 from django.db.models import Count, F, Q
 
 from apps.deployments import autoscaling, scheduler, services
-from apps.deployments.models import Deployment, DeploymentInstance, PlacementState
-from apps.fleet.models import Host
+from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
+from apps.fleet import pools
+from apps.fleet.models import Host, TritonInstance
 
 
 def _locked(deployment_id: int) -> Deployment | None:
@@ -47,25 +50,53 @@ def _retire(deployment_id: int, items: list[tuple[int, str]]) -> int:
         return len(fresh)
 
 
+def live_on(instances: Q):
+    """The placements that still hold these instances: not unloaded, of deployments not undeployed."""
+    return (
+        DeploymentInstance.objects.filter(instances)
+        .exclude(state=PlacementState.UNLOADED)
+        .exclude(deployment__state=DeploymentState.UNDEPLOYED)
+    )
+
+
+def pinned_on(instances: Q):
+    """Pinned replicas on these instances: a drain does not move them (the people who pinned them chose the
+    instances; ``docs/operators/pools-and-scaling.md``), so they hold the drain until redeployed or undeployed."""
+    return live_on(instances).filter(deployment__pinned=True).exclude(deployment__state__in=scheduler.GONE)
+
+
+def _drain_one(where: Q, why: str) -> int:
+    on_it = live_on(where)
+    if on_it.exclude(retiring_reason="").exists():
+        return 0  # a move is in flight: its replacement serves, then the old one unloads, then the next
+    nxt = (
+        on_it.filter(retiring_reason="", deployment__pinned=False)
+        .exclude(deployment__state__in=scheduler.GONE)
+        .order_by("pk")
+        .values_list("pk", "deployment_id")
+        .first()
+    )
+    return _retire(nxt[1], [(nxt[0], why)]) if nxt is not None else 0
+
+
 def drain_next() -> int:
-    """Each draining host gives up its next replica, once the previous move has finished."""
+    """Each draining host, and each template instance its pool no longer wants, gives up its next replica
+    once the previous move has finished. Pinned replicas stay (``pinned_on``)."""
     moved = 0
     for host in Host.objects.filter(draining_at__isnull=False).order_by("pk"):
-        on_host = DeploymentInstance.objects.filter(instance__host=host).exclude(
-            state=PlacementState.UNLOADED
-        )
-        if on_host.exclude(retiring_reason="").exists():
-            continue  # a move is in flight: its replacement serves, then the old one unloads, then the next
-        nxt = (
-            on_host.filter(retiring_reason="", deployment__pinned=False)
-            .exclude(deployment__state__in=scheduler.GONE)
-            .order_by("pk")
-            .values_list("pk", "deployment_id")
-            .first()
-        )
-        if nxt is not None:
-            moved += _retire(nxt[1], [(nxt[0], f"host {host.name} is draining")])
+        moved += _drain_one(Q(instance__host=host), f"host {host.name} is draining")
+    unwanted = TritonInstance.objects.filter(unwanted_since__isnull=False).select_related("host")
+    for instance in unwanted.order_by("pk"):
+        moved += _drain_one(Q(instance=instance), f"instance {instance} is no longer wanted by its pool")
     return moved
+
+
+def remove_unwanted_instances() -> int:
+    """Unwanted template instances that hold no replica any more are stopped, then removed (``pools``)."""
+    unwanted = TritonInstance.objects.filter(unwanted_since__isnull=False)
+    busy = set(live_on(Q(instance__in=unwanted)).values_list("instance_id", flat=True))
+    emptied = [pk for pk in unwanted.values_list("pk", flat=True) if pk not in busy]
+    return pools.remove_unwanted(emptied) if emptied else 0
 
 
 def short_of_replicas() -> list[int]:
@@ -91,10 +122,11 @@ def with_retired_replicas() -> list[int]:
 
 
 def tick() -> dict[str, int]:
-    counts = {"retired": 0, "drained": 0, "placed": 0, "released": 0}
+    counts = {"retired": 0, "drained": 0, "removed_instances": 0, "placed": 0, "released": 0}
     for deployment_id, items in scheduler.lost_placements().items():
         counts["retired"] += _retire(deployment_id, items)
     counts["drained"] = drain_next()
+    counts["removed_instances"] = remove_unwanted_instances()
     for deployment_id in short_of_replicas():
         with transaction.atomic():
             deployment = _locked(deployment_id)

@@ -27,22 +27,28 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.db.models import F, Q
+from django.db.models import Case, F, IntegerField, Q, Sum, Value, When
+from django.db.models.functions import Cast, Ceil, Coalesce
 from django.utils import timezone
 
 from apps.deployments.models import (
     Deployment,
+    DeploymentEvent,
     DeploymentInstance,
     DeploymentState,
     PlacementState,
     Spread,
 )
-from apps.fleet.models import DesiredInstanceState, InstanceState, Pool, TritonInstance
+from apps.fleet.models import DesiredInstanceState, InstanceState, PlacementPolicy, Pool, TritonInstance
 from apps.fleet.services import notify_hosts
-from apps.registry.models import ModelVersion
+from apps.registry.models import FOOTPRINT_BASE_MB, FOOTPRINT_MARGIN, ModelVersion
 
 GONE = (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED)
 ALTERNATIVES_SHOWN = 5
+POLICY_WORDS = {
+    PlacementPolicy.SPREAD: "policy spread: the least loaded instance that fits",
+    PlacementPolicy.BINPACK: "policy binpack: the most loaded instance that still fits",
+}
 
 
 def grace() -> timedelta:
@@ -89,6 +95,7 @@ def choose(
     taken_hosts: Iterable[int] = (),
     taken_instances: Iterable[int] = (),
     pool_name: str = "the pool",
+    policy: str = PlacementPolicy.SPREAD,
 ) -> Choice:
     """Pick ``count`` instances for replicas of ``need_mb`` each. Pure: ``candidates`` are updated in place
     (their used memory grows by what was placed), nothing is read or written. ``taken_*``: where the
@@ -106,8 +113,10 @@ def choose(
         if not fits:
             reason = _why_not(open_, candidates, need_mb, pool_name, strict)
             break
-        # Least loaded first; with spread, a host without a replica first; the id breaks ties (stable).
-        best = min(fits, key=lambda c: (c.host_id in hosts, -c.free_mb, c.instance_id))
+        # With spread=host, a host without a replica first; then by the pool's policy - ``spread``: the least
+        # loaded (most free), ``binpack``: the most loaded that still fits (least free); the id breaks ties.
+        sign = 1 if policy == PlacementPolicy.BINPACK else -1
+        best = min(fits, key=lambda c: (c.host_id in hosts, sign * c.free_mb, c.instance_id))
         best.used_mb += need_mb
         hosts.add(best.host_id)
         instances.add(best.instance_id)
@@ -159,21 +168,47 @@ def deployment_need_mb(deployment: Deployment) -> int:
     return sum(sizes.values()) or 1
 
 
-def used_by_instance(instance_ids: list[int] | None = None, *, pool: Pool | None = None) -> dict[int, int]:
-    """Memory the live placements on these instances (or the pool's) hold (retiring ones too: they hold it
-    until unloaded)."""
-    where = Q(instance__host__pool=pool) if pool is not None else Q(instance_id__in=instance_ids or [])
-    rows = list(
-        DeploymentInstance.objects.filter(where)
-        .exclude(state=PlacementState.UNLOADED)
-        .exclude(deployment__state=DeploymentState.UNDEPLOYED)
-        .values_list("instance_id", "deployment__active_version_id", "deployment__target_version_id")
+def _footprint_sql(version: str):
+    """``ModelVersion.footprint_estimate_mb`` of the version at the path ``version``, in SQL (0 for none)."""
+    estimate = Value(FOOTPRINT_BASE_MB) + Cast(
+        Ceil(F(f"{version}__size_bytes") * FOOTPRINT_MARGIN / 2**20), IntegerField()
     )
-    sizes = footprints([v for _, a, t in rows for v in (a, t)])
-    used: dict[int, int] = defaultdict(int)
-    for instance_id, active, target in rows:
-        used[instance_id] += sum(sizes.get(v, 0) for v in {active, target} if v)
-    return used
+    return Case(
+        When(**{f"{version}__footprint_mb__gt": 0}, then=F(f"{version}__footprint_mb")),
+        When(**{f"{version}__isnull": False}, then=estimate),
+        default=Value(0),
+        output_field=IntegerField(),
+    )
+
+
+def used_mb_sql(placements: str = "placements"):
+    """The memory an instance's live placements hold (retiring ones too: they hold it until unloaded), as one
+    SQL aggregate over the relation ``placements`` of the rows annotated: per placement its deployment's
+    served version, plus the target during a switch (both are loaded). The same sum as ``deployment_need_mb``
+    per replica, so a decision never reads more than one query for its whole pool."""
+    deployment = f"{placements}__deployment"
+    target = Case(
+        When(
+            **{f"{deployment}__target_version": F(f"{deployment}__active_version")},
+            then=Value(0),
+        ),
+        default=_footprint_sql(f"{deployment}__target_version"),
+        output_field=IntegerField(),
+    )
+    live = Q(**{f"{placements}__isnull": False}) & ~Q(**{f"{placements}__state": PlacementState.UNLOADED})
+    live &= ~Q(**{f"{deployment}__state": DeploymentState.UNDEPLOYED})
+    return Coalesce(
+        Sum(_footprint_sql(f"{deployment}__active_version") + target, filter=live),
+        Value(0),
+        output_field=IntegerField(),
+    )
+
+
+def used_by_instance(instance_ids: list[int] | None = None, *, pool: Pool | None = None) -> dict[int, int]:
+    """Memory the live placements on these instances (or the pool's) hold (``used_mb_sql``)."""
+    where = Q(host__pool=pool) if pool is not None else Q(pk__in=instance_ids or [])
+    rows = TritonInstance.objects.filter(where).annotate(used=used_mb_sql()).values_list("pk", "used")
+    return {pk: used for pk, used in rows if used}
 
 
 def schedulable_instances(pool: Pool, *, now=None):
@@ -186,6 +221,7 @@ def schedulable_instances(pool: Pool, *, now=None):
             host__cordoned_at__isnull=True,
             host__last_heartbeat_at__gte=now - grace(),
             desired_state=DesiredInstanceState.RUNNING,
+            unwanted_since__isnull=True,
         )
         .exclude(state__in=[InstanceState.QUARANTINED, InstanceState.FAILED])
         .order_by("pk")
@@ -200,19 +236,19 @@ def candidates_in(pool: Pool, *, lock: bool) -> list[Candidate]:
     if lock:
         Pool.objects.select_for_update().filter(pk=pool.pk).values_list("pk", flat=True).first()
     # Only the columns a decision reads: a pool of 1,600 instances is read on every decision.
-    instances = list(
-        schedulable_instances(pool).values_list("pk", "host_id", "host__name", "name", "capacity_mb")
-    )
-    used = used_by_instance(pool=pool)
+    # Only the columns a decision reads, and the memory each instance's placements hold summed by the
+    # database: a pool of 1,600 instances is read on every decision, in one query.
+    instances = schedulable_instances(pool).annotate(used=used_mb_sql())
+    rows = instances.values_list("pk", "host_id", "host__name", "name", "capacity_mb", "used")
     return [
         Candidate(
             instance_id=pk,
             host_id=host_id,
             label=f"{host_name}/{name}",  # as str(instance)
             capacity_mb=capacity if capacity is not None else pool.memory_budget_mb,
-            used_mb=used.get(pk, 0),
+            used_mb=used,
         )
-        for pk, host_id, host_name, name, capacity in instances
+        for pk, host_id, host_name, name, capacity, used in rows
     ]
 
 
@@ -239,20 +275,30 @@ MakeRoom = Callable[[Deployment, Pool, list[Candidate], int], str]
 
 def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None) -> list[DeploymentInstance]:
     """Place the replicas the deployment lacks. Returns the placements decided, for the caller to hand to
-    their hosts once committed (``enqueue``). ``make_room``: asked when a pool has no room (eviction)."""
+    their hosts once committed (``enqueue``). A handful of queries whatever the count: the deployment's
+    placements, the need, per pool its lock and its candidates with their used memory (one aggregate), then
+    the rows and events written in bulk. ``make_room``: asked when a pool has no room (eviction)."""
     if deployment.pinned or deployment.state in GONE:
         return []
-    current = list(counted(deployment).select_related("instance"))
+    rows = list(
+        deployment.placements.values_list(
+            "pk", "instance_id", "instance__host_id", "retiring_reason", "state"
+        )
+    )
+    existing = {instance_id: pk for pk, instance_id, _, _, _ in rows}
+    current = [(instance_id, host_id) for _, instance_id, host_id, retiring, state in rows
+               if not retiring and state != PlacementState.UNLOADED]  # fmt: skip
     missing = deployment.replicas - len(current)
     if missing <= 0:
         _set_pending(deployment, "")
         return []
     need = deployment_need_mb(deployment)
-    taken_hosts = {p.instance.host_id for p in current}
-    taken_instances = {p.instance_id for p in current}
-    decided: list[DeploymentInstance] = []
+    taken_hosts = {host_id for _, host_id in current}
+    taken_instances = {instance_id for instance_id, _ in current}
+    decided: list[tuple[Candidate, Pool, Choice]] = []
     reasons = []
-    for pool in pools_for(deployment):
+    pools = pools_for(deployment)
+    for pool in pools:
         candidates = candidates_in(pool, lock=True)
         choice = choose(
             candidates,
@@ -263,9 +309,10 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
             taken_hosts=taken_hosts,
             taken_instances=taken_instances,
             pool_name=pool.name,
+            policy=pool.placement_policy,
         )
         for candidate in choice.chosen:
-            decided.append(_create_placement(deployment, candidate, pool, need, choice.alternatives))
+            decided.append((candidate, pool, choice))
             taken_hosts.add(candidate.host_id)
             taken_instances.add(candidate.instance_id)
         if choice.reason:
@@ -275,53 +322,64 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
                 reasons.extend([note] if note else [])
         if len(decided) == missing:
             break
-    if not pools_for(deployment):
+    if not pools:
         reasons.append(
             f"team {deployment.team.slug} may use no pool (staff create one: POST /api/v1/pools/ or the hosts "
             "page); or deploy on chosen instances"
         )
+    placements = _create_placements(deployment, decided, need, existing)
     still = missing - len(decided)
     reason = f"{still} of {deployment.replicas} replica(s) pending: {'; '.join(reasons)}" if still else ""
     _set_pending(deployment, reason, need_mb=need)
     if decided and deployment.state == DeploymentState.PENDING:
         deployment.state = DeploymentState.DEPLOYING
         deployment.save(update_fields=["state", "updated_at"])
-    return decided
+    return placements
 
 
-def _create_placement(
-    deployment, candidate: Candidate, pool: Pool, need: int, alternatives
-) -> DeploymentInstance:
-    # A replica placed again where an earlier one was retired reuses its row (one row per instance).
-    placement = deployment.placements.filter(instance_id=candidate.instance_id).first()
-    if placement is None:
-        placement = DeploymentInstance.objects.create(
-            deployment=deployment, instance_id=candidate.instance_id
-        )
-    else:
-        DeploymentInstance.objects.filter(pk=placement.pk).update(
+def _create_placements(
+    deployment: Deployment, decided: list[tuple[Candidate, Pool, Choice]], need: int, existing: dict[int, int]
+) -> list[DeploymentInstance]:
+    """The rows and events of the decisions, written in bulk. A replica placed again where an earlier one was
+    retired reuses its row (one row per instance)."""
+    if not decided:
+        return []
+    reused = [existing[c.instance_id] for c, _, _ in decided if c.instance_id in existing]
+    if reused:
+        DeploymentInstance.objects.filter(pk__in=reused).update(
             generation=F("generation") + 1,
             state=PlacementState.PENDING,
             retiring_reason="",
             unload=False,
             last_error="",
         )
-    deployment.events.create(
-        kind="placed",
-        message=(
-            f"replica placed on {candidate.label} in {pool.name}: needs {gib(need)}, "
-            f"{gib(candidate.free_mb + need)} was free"
-        ),
-        instance_id=candidate.instance_id,
-        details={
-            "pool": pool.name,
-            "need_mb": need,
-            "free_mb_before": candidate.free_mb + need,
-            "capacity_mb": candidate.capacity_mb,
-            "alternatives": alternatives,
-        },
+    created = DeploymentInstance.objects.bulk_create(
+        DeploymentInstance(deployment=deployment, instance_id=c.instance_id)
+        for c, _, _ in decided
+        if c.instance_id not in existing
     )
-    return DeploymentInstance.objects.select_related("instance__host").get(pk=placement.pk)
+    DeploymentEvent.objects.bulk_create(
+        DeploymentEvent(
+            deployment=deployment,
+            kind="placed",
+            message=(
+                f"replica placed on {candidate.label} in {pool.name} ({POLICY_WORDS[pool.placement_policy]}): "
+                f"needs {gib(need)}, {gib(candidate.free_mb + need)} was free"
+            ),
+            instance_id=candidate.instance_id,
+            details={
+                "pool": pool.name,
+                "policy": pool.placement_policy,
+                "need_mb": need,
+                "free_mb_before": candidate.free_mb + need,
+                "capacity_mb": candidate.capacity_mb,
+                "alternatives": choice.alternatives,
+            },
+        )
+        for candidate, pool, choice in decided
+    )
+    pks = reused + [p.pk for p in created]
+    return list(DeploymentInstance.objects.filter(pk__in=pks).select_related("instance__host").order_by("pk"))
 
 
 def _set_pending(deployment: Deployment, reason: str, **details) -> None:

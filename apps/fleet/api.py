@@ -353,14 +353,23 @@ class PoolSerializer(serializers.ModelSerializer):
     class Meta:
         model = Pool
         fields = ["name", "team", "executor", "devices_per_instance", "memory_budget_mb", "hbm_reserve_mb",
-                  "hosts", "created_at"]  # fmt: skip
+                  "placement_policy", "hosts", "created_at"]  # fmt: skip
         read_only_fields = ["hosts", "created_at"]
         extra_kwargs = {"name": {"validators": [host_name_validator]}}
 
 
+class PoolUpdateSerializer(serializers.ModelSerializer):
+    """What staff may change on a pool: its placement policy and its instance template (the platform then
+    adds, resizes or removes the member hosts' template instances)."""
+
+    class Meta:
+        model = Pool
+        fields = ["devices_per_instance", "memory_budget_mb", "hbm_reserve_mb", "placement_policy"]
+
+
 class PoolViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     """Pools the caller's teams may use (staff: all) with their hosts. POST (staff) creates one; hosts
-    labelled ``pool=<name>`` join it."""
+    labelled ``pool=<name>`` join it. PATCH (staff) changes its placement policy or template."""
 
     serializer_class = PoolSerializer
     lookup_field = "name"
@@ -380,6 +389,15 @@ class PoolViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
         return Response(
             PoolSerializer(self.get_queryset().get(pk=pool.pk)).data, status=status.HTTP_201_CREATED
         )
+
+    @extend_schema(request=PoolUpdateSerializer, responses={200: PoolSerializer})
+    def partial_update(self, request, *args, **kwargs):
+        pool = self.get_object()
+        require_staff(request.user, "change pools")
+        serializer = PoolUpdateSerializer(data=request.data, partial=True)
+        serializer.is_valid(raise_exception=True)
+        pool = pools.update_pool(actor=request.user, pool=pool, **serializer.validated_data)
+        return Response(PoolSerializer(self.get_queryset().get(pk=pool.pk)).data)
 
 
 ERROR = inline_serializer(

@@ -61,6 +61,13 @@ class ExecutorKind(models.TextChoices):
     NPU = "npu", "NPU (pyACL)"
 
 
+class PlacementPolicy(models.TextChoices):
+    """Which instance that fits a replica the scheduler prefers."""
+
+    SPREAD = "spread", "spread (least loaded first)"
+    BINPACK = "binpack", "binpack (most loaded that fits first)"
+
+
 class PoolQuerySet(models.QuerySet):
     def usable_by_team(self, team):
         """Shared pools and the team's dedicated ones."""
@@ -95,6 +102,14 @@ class Pool(models.Model):
     )
     hbm_reserve_mb = models.PositiveIntegerField(
         default=1024, help_text="NPU pools: HBM per chip kept free for the runtime."
+    )
+    placement_policy = models.CharField(
+        max_length=10,
+        choices=PlacementPolicy.choices,
+        default=PlacementPolicy.SPREAD,
+        help_text="spread: a replica goes to the least loaded instance that fits (load spread, headroom "
+        "everywhere); binpack: to the most loaded one that still fits (fewer devices busy, whole devices free "
+        "for big models).",
     )
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -316,6 +331,13 @@ class TritonInstance(models.Model):
         help_text="Memory its models may use (NPU: HBM minus the reserve). Empty: its pool's CPU budget.",
     )
     from_template = models.BooleanField(default=False, editable=False)
+    unwanted_since = models.DateTimeField(
+        null=True,
+        blank=True,
+        editable=False,
+        help_text="A template instance its host's pool no longer wants (fewer devices, another template, the "
+        "host left the pool): no new replicas; its replicas move away one at a time, then it stops and goes.",
+    )
     # Only the gateway and the platform hold it: Triton refuses every API but health without it.
     api_key = models.CharField(max_length=64, default=new_instance_api_key, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)

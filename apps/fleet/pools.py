@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.utils import timezone
 
 from apps.audit.services import record
-from apps.fleet.models import ExecutorKind, Host, Pool, TritonInstance
+from apps.fleet.models import DesiredInstanceState, ExecutorKind, Host, InstanceState, Pool, TritonInstance
 from backend_ge import npu_smi
 
 POOL_LABEL = "pool"
@@ -53,6 +53,26 @@ def create_pool(
         pool.save()
         joined = Host.objects.filter(**{f"labels__{POOL_LABEL}": name}).update(pool=pool)
         record(actor=actor, team=team, action="pool.created", target=pool, details={"hosts": joined})
+    return pool
+
+
+def update_pool(*, actor, pool: Pool, **fields) -> Pool:
+    """Staff change a pool's placement policy or template. A CPU pool's member instances get the new budget
+    at once; an NPU pool's hosts get their instances re-made from the template at their next heartbeat (it
+    carries the inventory). Instances the template no longer wants are removed once they hold no replica
+    (``retire_unwanted``)."""
+    with transaction.atomic():
+        pool = Pool.objects.select_for_update().get(pk=pool.pk)
+        before = {name: getattr(pool, name) for name in fields}
+        for name, value in fields.items():
+            setattr(pool, name, value)
+        pool.full_clean()
+        pool.save()
+        changed = {name: [before[name], value] for name, value in fields.items() if before[name] != value}
+        if pool.executor == ExecutorKind.CPU:
+            for host in Host.objects.filter(pool=pool):
+                sync_template_instances(host, None)
+        record(actor=actor, team=pool.team, action="pool.updated", target=pool, details=changed)
     return pool
 
 
@@ -96,21 +116,36 @@ def template_instances(pool: Pool, inventory: npu_smi.NpuInventory | None) -> li
 
 
 def sync_template_instances(host: Host, inventory: npu_smi.NpuInventory | None) -> list[TritonInstance]:
-    """Create the instances the host's pool template wants and are missing; update a changed capacity.
-    Returns the instances created. Nothing happens before the agent reported its port range."""
-    if host.pool_id is None or host.port_range_first is None or host.port_range_last is None:
-        return []
-    pool = Pool.objects.get(pk=host.pool_id)
-    if pool.executor == ExecutorKind.NPU and inventory is None:
+    """Make the host's template instances what its pool's template wants: create the missing ones (once the
+    agent reported its port range), update a changed capacity, and mark those no longer wanted (the host's
+    devices shrank, the template changed, the host left its pool) ``unwanted_since``: the scheduler gives them
+    no new replicas and moves theirs away, then ``remove_unwanted`` stops and deletes them. Returns the
+    instances created. An NPU pool's template needs the inventory: without one nothing changes."""
+    pool = Pool.objects.filter(pk=host.pool_id).first() if host.pool_id is not None else None
+    if pool is not None and pool.executor == ExecutorKind.NPU and inventory is None:
         return []  # no inventory reported yet: nothing to count
-    wanted = template_instances(pool, inventory)
+    wanted = template_instances(pool, inventory) if pool is not None else []
     existing = {i.name: i for i in TritonInstance.objects.filter(host=host)}
+    names = {spec["name"] for spec in wanted}
+    unwanted = [
+        i.pk
+        for i in existing.values()
+        if i.from_template and i.name not in names and i.unwanted_since is None
+    ]
+    if unwanted:
+        TritonInstance.objects.filter(pk__in=unwanted).update(unwanted_since=timezone.now())
     created = []
     for spec in wanted:
         have = existing.get(spec["name"])
         if have is not None:
-            if have.from_template and have.capacity_mb != spec["capacity_mb"]:
-                TritonInstance.objects.filter(pk=have.pk).update(capacity_mb=spec["capacity_mb"])
+            if have.from_template and (have.capacity_mb != spec["capacity_mb"] or have.unwanted_since):
+                # Wanted again before it was removed: it stays (and runs, if it had been stopped for removal).
+                TritonInstance.objects.filter(pk=have.pk).update(
+                    capacity_mb=spec["capacity_mb"], unwanted_since=None,
+                    desired_state=DesiredInstanceState.RUNNING,
+                )  # fmt: skip
+            continue
+        if host.port_range_first is None or host.port_range_last is None:
             continue
         taken = {p for i in existing.values() for p in (i.http_port, i.grpc_port, i.metrics_port)}
         ports = _free_ports(host, host.port_range_first, host.port_range_last, taken, PORTS_PER_INSTANCE)
@@ -130,6 +165,34 @@ def sync_template_instances(host: Host, inventory: npu_smi.NpuInventory | None) 
         # The agent's next desired-state poll picks the new instances up (as ``services.notify_hosts``).
         Host.objects.filter(pk=host.pk).update(desired_generation=F("desired_generation") + 1)
     return created
+
+
+def remove_unwanted(emptied: list[int]) -> int:
+    """Unwanted template instances that hold no replica any more (``emptied``: the scheduler's word): first
+    stopped (the agent stops the server), then, once stopped or their host is gone, deleted. Returns how many
+    were deleted."""
+    rows = TritonInstance.objects.filter(pk__in=emptied, unwanted_since__isnull=False, from_template=True)
+    to_stop = list(rows.filter(desired_state=DesiredInstanceState.RUNNING).values_list("host_id", flat=True))
+    if to_stop:
+        rows.filter(desired_state=DesiredInstanceState.RUNNING).update(
+            desired_state=DesiredInstanceState.STOPPED
+        )
+        Host.objects.filter(pk__in=set(to_stop)).update(desired_generation=F("desired_generation") + 1)
+    # Stopped - or on a host that will never run it again (revoked, or no heartbeat past the grace).
+    gone = rows.filter(desired_state=DesiredInstanceState.STOPPED).filter(
+        Q(state__in=[InstanceState.STOPPED, InstanceState.FAILED, InstanceState.QUARANTINED])
+        | Q(host__revoked_at__isnull=False)
+    )
+    hosts = set(gone.values_list("host_id", flat=True))
+    deleted = 0
+    for instance in gone:
+        record(actor=None, team=None, action="instance.removed", target=instance,
+               details={"host": instance.host_id, "why": "no longer wanted by the pool template"})  # fmt: skip
+        instance.delete()
+        deleted += 1
+    if hosts:
+        Host.objects.filter(pk__in=hosts).update(desired_generation=F("desired_generation") + 1)
+    return deleted
 
 
 def set_cordon(*, actor, host: Host, cordoned: bool, drain: bool = False) -> Host:

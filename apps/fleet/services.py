@@ -236,7 +236,10 @@ def record_heartbeat(
         sync_devices(host.pk, inventory)
     if host.pool_id is None and host.labels.get(pools.POOL_LABEL):
         pools.join_labelled_pool(host)
-    if host.pool_id is not None:
+    if (
+        host.pool_id is not None
+        or host.instances.filter(from_template=True, unwanted_since__isnull=True).exists()
+    ):
         pools.sync_template_instances(host, inventory)
 
 

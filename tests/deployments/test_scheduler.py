@@ -36,6 +36,28 @@ def test_choose_prefers_the_least_loaded_instance():
     assert cands[1].used_mb == 200  # the candidate's memory is taken for the next decision
 
 
+def test_choose_binpack_prefers_the_most_loaded_instance_that_still_fits():
+    cands = [cand(1, 1, 1000, 800), cand(2, 2, 1000, 100), cand(3, 3, 1000, 500), cand(4, 4, 1000, 950)]
+    choice = choose(cands, need_mb=100, count=1, spread="host", replicas=1, policy="binpack")
+    assert [c.instance_id for c in choice.chosen] == [1]  # 4 is fuller but 50 MB free do not fit 100
+    # Filled up, the next replica of the same size goes to the next fullest that fits.
+    choice = choose(cands, need_mb=100, count=1, spread="none", replicas=1, policy="binpack")
+    assert [c.instance_id for c in choice.chosen] == [1] and cands[0].used_mb == 1000
+    choice = choose(cands, need_mb=100, count=1, spread="none", replicas=1, policy="binpack")
+    assert [c.instance_id for c in choice.chosen] == [3]
+
+
+def test_choose_binpack_keeps_spread_over_hosts_and_fills_one_host_s_devices_first():
+    # Host 1 has two devices, host 2 one; binpack fills the loaded device of host 1, and a second replica of
+    # the same deployment still goes to another host (spread=host), there the fullest device.
+    cands = [cand(1, 1, 1000, 300), cand(2, 1, 1000, 0), cand(3, 2, 1000, 0), cand(4, 2, 1000, 200)]
+    choice = choose(cands, need_mb=400, count=2, spread="host", replicas=2, policy="binpack")
+    assert [c.instance_id for c in choice.chosen] == [1, 4]
+    spread = [cand(1, 1, 1000, 300), cand(2, 1, 1000, 0), cand(3, 2, 1000, 0), cand(4, 2, 1000, 200)]
+    choice = choose(spread, need_mb=400, count=2, spread="host", replicas=2, policy="spread")
+    assert [c.instance_id for c in choice.chosen] == [2, 3]
+
+
 def test_choose_spreads_one_replica_per_host_while_there_are_enough_hosts():
     cands = [cand(1, 1, 4000), cand(2, 1, 4000), cand(3, 2, 1000)]
     choice = choose(cands, need_mb=500, count=2, spread="host", replicas=2)
@@ -341,3 +363,73 @@ def test_a_measured_footprint_is_kept_from_the_first_load(model):
     assert record_footprint(version.pk, 420) and not record_footprint(version.pk, 999)
     version.refresh_from_db()
     assert version.footprint_mb == 420 and version.footprint_estimate_mb() == 420
+
+
+def test_the_used_memory_summed_in_sql_is_the_footprints_of_the_live_placements(owner, team, pool):
+    """One SQL aggregate per decision: served + target (once when they are the same), the estimate for an
+    unmeasured version, nothing for unloaded placements or undeployed deployments."""
+    first = pool_host(pool, "h1", port=18100, capacity=100_000)
+    second = pool_host(pool, "h2", port=18200, capacity=100_000)
+    switching = deploy(owner, sized(another_model(team, "a"), mb=300), replicas=2, pool=pool)
+    new = sized(switching.model, number=2, mb=700)
+    Deployment.objects.filter(pk=switching.pk).update(
+        active_version=switching.target_version, target_version=new
+    )
+    same = deploy(owner, sized(another_model(team, "b"), mb=50), replicas=1, pool=pool)
+    Deployment.objects.filter(pk=same.pk).update(active_version=same.target_version)
+    unmeasured = make_version(another_model(team, "c"))
+    unmeasured.size_bytes = 10 * MB
+    unmeasured.save(update_fields=["size_bytes"])
+    estimated = deploy(owner, unmeasured, replicas=2, pool=pool)
+    gone = deploy(owner, sized(another_model(team, "d"), mb=5000), replicas=1, pool=pool)
+    services.undeploy(actor=owner, deployment=gone)
+    gone.placements.update(state=PlacementState.UNLOADED)
+    unloaded = deploy(owner, sized(another_model(team, "e"), mb=9000), replicas=2, pool=pool)
+    unloaded.placements.filter(instance=second).update(state=PlacementState.UNLOADED)
+
+    expected = {first.pk: 0, second.pk: 0}
+    for deployment in (switching, same, estimated, unloaded):
+        deployment.refresh_from_db()
+        need = scheduler.deployment_need_mb(deployment)
+        for placement in deployment.placements.exclude(state=PlacementState.UNLOADED):
+            expected[placement.instance_id] += need
+    assert scheduler.deployment_need_mb(switching) == 1000
+    assert scheduler.deployment_need_mb(estimated) == unmeasured.footprint_estimate_mb() == 64 + 15
+    assert scheduler.used_by_instance([first.pk, second.pk]) == expected
+    assert sum(expected.values()) == 2 * 1000 + 50 + 2 * 79 + 9000
+    assert {c.instance_id: c.used_mb for c in scheduler.candidates_in(pool, lock=False)} == expected
+
+
+def test_a_binpack_pool_fills_the_loaded_instance_and_says_so_in_the_event(owner, team, maintainer_client):
+    pool = Pool.objects.create(name="packed", memory_budget_mb=1000, placement_policy="binpack")
+    first = pool_host(pool, "p1", port=18100)
+    pool_host(pool, "p2", port=18200)
+    deploy(owner, sized(another_model(team, "a"), mb=300), replicas=1, pool=pool)
+    second = deploy(owner, sized(another_model(team, "b"), mb=300), replicas=1, pool=pool)
+    assert [p.instance_id for p in second.placements.all()] == [first.pk]
+    event = second.events.get(kind="placed")
+    assert event.details["policy"] == "binpack" and "most loaded instance that still fits" in event.message
+    # The same two deploys in a spread pool land on both hosts.
+    pool.placement_policy = "spread"
+    pool.save()
+    third = deploy(owner, sized(another_model(team, "c"), mb=300), replicas=1, pool=pool)
+    assert hosts_of(third) == ["p2"]
+    assert "least loaded instance that fits" in third.events.get(kind="placed").message
+
+
+def test_staff_patch_a_pool_s_policy_and_budget_and_a_member_may_not(owner, team, maintainer_client, client):
+    from tests.factories import UserFactory
+
+    pool = Pool.objects.create(name="cpu-small", memory_budget_mb=1000)
+    instance = pool_host(pool, "s1", port=18100)
+    TritonInstance.objects.filter(pk=instance.pk).update(from_template=True, capacity_mb=1000)
+    url = "/api/v1/pools/cpu-small/"
+    assert maintainer_client.patch(url, {"placement_policy": "binpack"}, format="json").status_code == 403
+    client.force_login(UserFactory(is_staff=True))
+    answer = client.patch(url, {"placement_policy": "tightest"}, content_type="application/json")
+    assert answer.status_code == 400 and "placement_policy" in answer.json()["fields"]
+    answer = client.patch(url, {"placement_policy": "binpack", "memory_budget_mb": 3000},
+                          content_type="application/json")  # fmt: skip
+    assert answer.status_code == 200 and answer.json()["placement_policy"] == "binpack"
+    instance.refresh_from_db()
+    assert instance.capacity_mb == 3000  # a CPU pool's template instances get the new budget at once

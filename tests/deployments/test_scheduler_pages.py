@@ -130,3 +130,18 @@ def test_the_pool_page_lists_hosts_and_free_capacity_and_hides_other_teams_pools
     assert capacity == "600 MiB free on schedulable hosts, of 2 GiB", capacity
     Pool.objects.create(name="speech-only", team=other_team)
     assert web.get("/pools/speech-only/").status_code == 404
+
+
+def test_staff_set_the_pool_s_placement_policy_on_its_page_and_a_member_may_not(web, client, pool):
+    html = web.get("/pools/cpu/").content.decode()
+    assert (
+        "<strong>spread</strong>" in html.split('id="pool-policy"', 1)[1] and "pool-policy-form" not in html
+    )
+    assert web.post("/pools/cpu/", {"placement_policy": "binpack"}).status_code == 403
+    client.force_login(UserFactory(is_staff=True))
+    assert client.post("/pools/cpu/", {"placement_policy": "tightest"}).status_code == 400
+    assert client.post("/pools/cpu/", {"placement_policy": "binpack"}).status_code == 302
+    pool.refresh_from_db()
+    assert pool.placement_policy == "binpack"
+    html = client.get("/pools/cpu/").content.decode()
+    assert "<strong>binpack</strong>" in html and "most loaded instance that still fits" in html
