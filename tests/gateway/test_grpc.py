@@ -209,20 +209,50 @@ def test_grpc_tenancy_on_a_shared_instance(
     assert (code, "compressed" in details) == (grpc.StatusCode.INVALID_ARGUMENT, True)
     assert raw_call(gateway.grpc_url, "ModelReady", own, token)[0] == grpc.StatusCode.OK
 
-    # Tokens: none, wrong, another team's, revoked.
-    assert status_of(lambda: client.is_model_ready("vision__mlp"))[0] == "StatusCode.UNAUTHENTICATED"
-    assert status_of(lambda: client.is_model_ready("vision__mlp", headers=auth("tgp_0_wrong")))[0] == (
-        "StatusCode.UNAUTHENTICATED"
-    )
-    assert status_of(lambda: client.is_model_ready("vision__mlp", headers=auth(speech_token)))[0] == (
-        "StatusCode.NOT_FOUND"
-    )
+    # The repository, shared-memory, trace and logging services stay closed (before any token check).
+    for method in ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload", "SystemSharedMemoryStatus",
+                   "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister", "CudaSharedMemoryStatus",
+                   "CudaSharedMemoryRegister", "TraceSetting", "LogSettings"):  # fmt: skip
+        code, details = raw_call(gateway.grpc_url, method, own, token)
+        assert (code, details) == (
+            grpc.StatusCode.UNIMPLEMENTED,
+            "this gRPC method is not offered by the gateway",
+        )
+
+    # Tokens on every message type: none, a wrong one, and (after revocation) a revoked one are
+    # UNAUTHENTICATED; another team's token gets this team's model as the same NOT_FOUND as an unknown one.
+    model_calls = {
+        "ModelInfer": lambda h: client.infer("vision__mlp", [mlp_input], headers=h),
+        "ModelMetadata": lambda h: client.get_model_metadata("vision__mlp", headers=h),
+        "ModelConfig": lambda h: client.get_model_config("vision__mlp", headers=h),
+        "ModelStatistics": lambda h: client.get_inference_statistics("vision__mlp", headers=h),
+        "ModelReady": lambda h: client.is_model_ready("vision__mlp", headers=h),
+    }
+    every_call = {
+        **model_calls,
+        "ServerLive": lambda h: client.is_server_live(headers=h),
+        "ServerReady": lambda h: client.is_server_ready(headers=h),
+        "ServerMetadata": lambda h: client.get_server_metadata(headers=h),
+    }
+    for method, call in every_call.items():
+        for headers in (None, auth("tgp_0_wrong"), {"authorization": "Basic dmlzaW9u"}):
+            assert status_of(lambda c=call, h=headers: c(h))[0] == "StatusCode.UNAUTHENTICATED", (
+                method,
+                headers,
+            )
+    for method, call in model_calls.items():
+        assert status_of(lambda c=call: c(auth(speech_token))) == (
+            "StatusCode.NOT_FOUND",
+            "Request for unknown model: 'vision__mlp' is not found",
+        ), method
     team_services.revoke_token(actor=owner, token=token_row)
     wait_for(
         lambda: raw_call(gateway.grpc_url, "ModelReady", own, token)[0] == grpc.StatusCode.UNAUTHENTICATED,
         15,
         "the revoked token to be refused",
     )
+    for method, call in every_call.items():
+        assert status_of(lambda c=call: c(auth(token)))[0] == "StatusCode.UNAUTHENTICATED", method
     client.close()
 
 
