@@ -372,9 +372,17 @@ SECTIONS: dict[str, tuple[Variable, ...]] = {
             "GATEWAY_BUFFER_BYTES",
             "int",
             16384,
-            "HAProxy's buffer (`tune.bufsize`); a gRPC request message must fit in it less 4096 bytes to be "
-            "read and forwarded",
+            "HAProxy's buffer (`tune.bufsize`): HTTP requests up to it are kept whole for retries; a gRPC "
+            "call's model name and version must be in its first bytes (the head read from this buffer)",
             16384,
+        ),
+        _v(
+            "GATEWAY_GRPC_MAX_MESSAGE_BYTES",
+            "int",
+            64 * 2**20,
+            "the largest gRPC request message the gateway forwards (walked field by field as it streams "
+            "through); larger ones get RESOURCE_EXHAUSTED naming the limit",
+            65536,
         ),
         _v(
             "GATEWAY_SLOT_CHUNK",

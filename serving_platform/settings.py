@@ -451,9 +451,10 @@ GATEWAY_SYNC_INTERVAL_MS = env_int("GATEWAY_SYNC_INTERVAL_MS")
 GATEWAY_ACTIVATION_TIMEOUT_S = env_int("GATEWAY_ACTIVATION_TIMEOUT_S")
 GATEWAY_WAKE_POLL_MS = env_int("GATEWAY_WAKE_POLL_MS")
 GATEWAY_CHECK_INTERVAL_MS = env_int("GATEWAY_CHECK_INTERVAL_MS")
-# HAProxy's buffer (tune.bufsize): a gRPC request message must fit in it, less 4 KiB, to be read and forwarded.
-# Larger buffers cost CPU per request (HAProxy copies the buffer for retries) and memory per connection.
+# HAProxy's buffer (tune.bufsize). Larger buffers cost CPU per request (HAProxy copies the buffer for retries)
+# and memory per connection; a gRPC message streams through it whatever its size (grpc.lua walks it).
 GATEWAY_BUFFER_BYTES = env_int("GATEWAY_BUFFER_BYTES")
+GATEWAY_GRPC_MAX_MESSAGE_BYTES = env_int("GATEWAY_GRPC_MAX_MESSAGE_BYTES")
 # Deployments (and rollout canaries) take pre-declared backend slots at run time; the pool grows by this many,
 # with a graceful reload, only when every slot is taken.
 GATEWAY_SLOT_CHUNK = env_int("GATEWAY_SLOT_CHUNK")

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from apps.gateway.rules import COUNTS_TABLE, Options, count_rules, grpc_error, token_rules
+from apps.gateway.rules import COUNTS_TABLE, Options, count_rules, token_rules
 
 LUA_FILE = Path(__file__).with_name("grpc.lua")
 GRPC_METHODS = (
@@ -48,19 +48,26 @@ GRPC_METHODS = (
 )
 SERVICE = "/inference.GRPCInferenceService/"
 ANY_INSTANCE = "grpc_any"
-# What the buffer holds besides the message: HAProxy's rewrite reserve (tune.maxrewrite, 1024), the request's
-# headers (a token, grpc-timeout, user agent) and the HTX blocks' overhead.
-BUFFER_RESERVE = 4096
-
-
-def max_grpc_message(o: Options) -> int:
-    """The largest gRPC request message the gateway inspects (anything larger is refused, never forwarded)."""
-    return o.buffer_size - BUFFER_RESERVE
+# How much of a refused call's body the refusal service reads (and drops) beyond the largest message before it
+# answers anyway: a trailers-only answer while the client still uploads reaches grpcio as CANCELLED.
+DRAIN_SLACK = 65536
 
 
 def twin(slot: str) -> str:
     """The gRPC backend beside the HTTP slot ``slot``: the same placements, their gRPC ports."""
     return f"g{slot}"
+
+
+def refusal(code: int | str, message: str) -> str:
+    """The rule that records a refusal (``<grpc status> <message>``); ``answer()`` sends it."""
+    if '"' in message:
+        raise ValueError("gRPC messages are written in double quotes")
+    return f'http-request set-var-fmt(txn.gmsg) "{code} {message}"'
+
+
+def answer() -> str:
+    """Ends a refused call through the service that drains the body before the trailers-only answer."""
+    return "    http-request use-service lua.grpc_refuse if { var(txn.gmsg) -m found }"
 
 
 def frontend_lines(o: Options) -> list[str]:
@@ -69,54 +76,62 @@ def frontend_lines(o: Options) -> list[str]:
     return [
         "frontend grpc",
         f"    bind {o.grpc_bind} proto h2",
-        "    filter lua.grpc_pin",
+        "    filter lua.grpc_walk",
         f"    http-request del-header {o.grpc_key_header}",
+        f"    http-request set-var(txn.glimit) int({o.grpc_max_message + DRAIN_SLACK})",
         f"    http-request track-sc2 str(all) table {COUNTS_TABLE}",
         *count_rules(0, 2),
         f"    acl grpc_method path -m reg '^/inference\\.GRPCInferenceService/({methods})$'",
         f"    acl stream_call path {SERVICE}ModelStreamInfer",
-        # Waits (yields) until the whole body is in or the buffer is full: the Lua action reads it, and a
-        # refusal sent while the client still sends made grpcio report CANCELLED (the RST_STREAM that ends
-        # the upload) instead of the refusal. Nothing yields after it before the token rules, which keep
-        # per-connection state (see token_rules).
+        # Waits (yields) until the whole body is in or the buffer is full: the Lua action reads that head.
+        # Nothing yields after it before the token rules, which keep per-connection state (see token_rules).
         "    http-request wait-for-body time 15s if !stream_call",
-        grpc_error(12, "this gRPC method is not offered by the gateway") + " if !grpc_method",
+        f"    {refusal(12, 'this gRPC method is not offered by the gateway')} if !grpc_method",
+        answer(),
         f"    acl server_call path {SERVICE}ServerLive {SERVICE}ServerReady {SERVICE}ServerMetadata",
         "    acl model_call path -m reg '^/inference\\.GRPCInferenceService/Model(Ready|Metadata|Config|Statistics|Infer)$'",
-        f"    http-request lua.grpc_model {max_grpc_message(o)} if model_call",
-        grpc_error(3, "%[var(txn.gerr)]") + " if model_call { var(txn.gerr) -m found }",
+        f"    http-request lua.grpc_model {o.grpc_max_message} if model_call",
+        f"    {refusal('%[var(txn.gcode)]', '%[var(txn.gerr)]')} if model_call {{ var(txn.gerr) -m found }}",
+        answer(),
         f"    http-request set-var(txn.route) var(txn.model),map({o.map_file('models')}) if model_call",
         f"    http-request track-sc1 var(txn.route),field(2,/) table {COUNTS_TABLE} if model_call",
         *count_rules(1, 1, 2),
         *token_rules(
-            o, grpc_error(16, unauthenticated), grpc_error(16, "the API token has expired; create a new one")
+            o, refusal(16, unauthenticated), refusal(16, "the API token has expired; create a new one")
         ),
+        answer(),
         *count_rules(2, 1, 2),
         "    http-request track-sc0 var(txn.team) table team_rates",
         f"    http-request set-var(txn.limit) var(txn.team),map({o.map_file('limits')},{o.default_limit})",
         "    acl over_limit sc_gpc0_rate(0),sub(txn.limit) ge 0",
-        grpc_error(
+        "    "
+        + refusal(
             8, "rate limit exceeded: team %[var(txn.team)] may send %[var(txn.limit)] requests per second"
         )
         + " if over_limit",
+        answer(),
         "    http-request sc-inc-gpc0(0)",
         *count_rules(3, 1, 2),
         "    acl own_model var(txn.route),field(1,/),strcmp(txn.team) eq 0",
-        grpc_error(5, "Request for unknown model: '%[var(txn.model)]' is not found")
+        "    "
+        + refusal(5, "Request for unknown model: '%[var(txn.model)]' is not found")
         + " if model_call !own_model",
+        answer(),
         f"    http-request set-var(txn.backend) var(txn.team),map({o.map_file('grpc')}) if stream_call",
         "    acl dedicated var(txn.backend) -m found",
         # A stream's first message (a bounded wait): the refusal then reaches a client that sent it (see above).
         "    http-request wait-for-body time 1s if stream_call !dedicated",
-        grpc_error(
+        "    "
+        + refusal(
             7,
             "ModelStreamInfer reaches only instances dedicated to your team and your team has none; use ModelInfer",
         )
         + " if stream_call !dedicated",
+        answer(),
         *count_rules(4, 1, 2),
         # An instance's NOT_FOUND (a version it does not serve) comes back as a trailers-only answer.
-        "    http-response sc-inc-gpc(5,1) if { res.hdr(grpc-status) 5 }",
-        "    http-response sc-inc-gpc(5,2) if { res.hdr(grpc-status) 5 }",
+        "    http-response sc-inc-gpc(5,1) if { res.hdr(grpc-status) 5 } !{ var(txn.gmsg) -m found }",
+        "    http-response sc-inc-gpc(5,2) if { res.hdr(grpc-status) 5 } !{ var(txn.gmsg) -m found }",
         *_routing_lines(),
         *_hold_lines(o),
         "    http-request del-header authorization",
@@ -143,7 +158,7 @@ def _routing_lines() -> list[str]:
         "    http-request set-var(txn.backend) var(txn.route),field(5,/) if canary",
         "    http-request set-var(txn.version) var(txn.route),field(6,/) if canary",
         "    acl pinned var(txn.version) -m int gt 0",
-        # The filter appends the version; the body's length changes, so an announced length would be wrong.
+        # The filter inserts the version; the body's length changes, so an announced length would be wrong.
         "    http-request set-var(txn.gpin) var(txn.version) if model_call pinned !explicit_version !statistics",
         "    http-request del-header content-length if { var(txn.gpin) -m found }",
     ]

@@ -26,6 +26,8 @@ class Options:
     hard_stop_after_s: int = 60
     # HAProxy's tune.bufsize: the largest request kept whole (for retries, and for reading a gRPC message).
     buffer_size: int = 16384
+    # The largest gRPC request message the gateway forwards (it walks it as it streams through the buffer).
+    grpc_max_message: int = 64 * 2**20
     # How long a request for a sleeping model is held while a replica loads (then 503 with Retry-After).
     activation_timeout_s: int = 60
 
@@ -52,12 +54,6 @@ def json_error(status: int, message: str, extra: str = "") -> str:
     if "'" in body:
         raise ValueError("error bodies are written in single quotes")
     return f"http-request return status {status} content-type application/json {extra}string '{body}'"
-
-
-def grpc_error(code: int, message: str) -> str:
-    if '"' in message:
-        raise ValueError("gRPC messages are written in double quotes")
-    return f'http-request return status 200 hdr grpc-status {code} hdr grpc-message "{message}"'
 
 
 def token_rules(o: Options, deny_unauthenticated: str, deny_expired: str) -> list[str]:

@@ -56,6 +56,7 @@ def options() -> Options:
         threads=settings.GATEWAY_THREADS,
         check_interval_ms=settings.GATEWAY_CHECK_INTERVAL_MS,
         buffer_size=settings.GATEWAY_BUFFER_BYTES,
+        grpc_max_message=settings.GATEWAY_GRPC_MAX_MESSAGE_BYTES,
         activation_timeout_s=settings.GATEWAY_ACTIVATION_TIMEOUT_S,
     )
 

@@ -153,6 +153,17 @@ SMOKES = [
         id="gateway",
     ),
     pytest.param(
+        "gateway.py --protocol grpc",
+        [
+            rf"^c1: direct {NUMBER} req/s p50 {NUMBER} ms \| gateway .* added p50 {NUMBER} ms, throughput {NUMBER}x.*\(grpc; errors 0 direct, 0 gateway\)",
+            rf"^c2: direct {NUMBER} req/s .* throughput {NUMBER}x, gateway CPU {NUMBER} us/request",
+            rf"^c1 body inspection: gateway CPU {NUMBER} us/request with it, {NUMBER} without",
+            rf"^c2 body inspection: gateway CPU {NUMBER} us/request with it, {NUMBER} without",
+        ],
+        marks=[pytest.mark.triton, pytest.mark.servers, requires_haproxy],
+        id="gateway_grpc",
+    ),
+    pytest.param(
         "latency_summaries.py",
         [
             rf"^concurrency 1: without {NUMBER} req/s .* ratio {NUMBER}, added p50 [+-]\d+ us",
@@ -218,13 +229,14 @@ SMOKES = [
 
 def test_every_benchmark_has_a_smoke_run():
     scripts = {path.name for path in BENCHMARKS.glob("*.py")} - {"smoke.py"}
-    assert scripts == {param.values[0] for param in SMOKES}
+    assert scripts == {param.values[0].split()[0] for param in SMOKES}
 
 
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize(("script", "figures"), SMOKES)
 def test_benchmark_runs_to_the_end_and_prints_its_figures(script, figures):
-    extra = postgres_arguments(script) if script in POSTGRES_BENCHMARKS else []
+    script, *options = script.split()  # "gateway.py --protocol grpc": a script and its options
+    extra = [*options, *(postgres_arguments(script) if script in POSTGRES_BENCHMARKS else [])]
     # Short, under /tmp: the gateway's admin socket lives in it (a socket path holds at most 107 bytes).
     tmpdir = Path(tempfile.mkdtemp(prefix="bench-smoke-"))
     try:

@@ -1,4 +1,5 @@
-"""The canary split during a live rollout, through real HAProxy to real tritonservers serving two versions.
+"""The canary split during a live rollout, through real HAProxy to real tritonservers serving two versions,
+over HTTP and over gRPC (where the gateway pins the chosen version by rewriting the message).
 
 Two instances: ``a`` serves the stable version 1 (x2) and the canary version 2 (x3) and reports the canary;
 ``b`` serves only version 1. Requests that name no version go to the canary with the rollout's weight, a
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from apps.deployments.models import (
     Deployment,
@@ -26,7 +30,7 @@ from apps.registry.models import RegisteredModel
 from backend_ge.runtime import TritonServer
 from hostagent.repository import materialize_model
 from tests.conftest import wait_for
-from tests.support.servers import Load, requires_haproxy, server_status, slot_of, worker_pid
+from tests.support.servers import Load, grpc_answers, requires_haproxy, server_status, slot_of, worker_pid
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 
@@ -158,3 +162,50 @@ def test_no_canary_traffic_while_no_placement_serves_it(rollout, start_gateway, 
     assert first_outputs(gateway, secret, 100) == {STABLE: 100}
     # No canary backend at all: a request naming version 2 goes where the stable version is served.
     assert slot_of(gateway, f"d{rollout.deployment_id}c") == "absent"
+
+
+def grpc_first_outputs(client, secret: str, count: int, version: str = "") -> Counter:
+    data = np.array([[1.0, 2.0, 3.0, 4.0]], dtype=np.float32)
+    item = grpcclient.InferInput("input", list(data.shape), "FP32")
+    item.set_data_from_numpy(data)
+    outputs = Counter()
+    for _ in range(count):
+        try:
+            result = client.infer(
+                "vision__scaler", [item], model_version=version, headers={"authorization": f"Bearer {secret}"}
+            )
+            outputs[float(result.as_numpy("output")[0][0])] += 1
+        except InferenceServerException as exc:
+            outputs[exc.status()] += 1
+    return outputs
+
+
+def test_grpc_canary_split_follows_the_rollout_weight(rollout, start_gateway, make_token):
+    gateway = start_gateway()
+    _, secret = make_token(name="canary")
+    deployment = f"d{rollout.deployment_id}"
+    a, b = (p.instance for p in rollout.deployment.placements.order_by("instance__name"))
+    wait_for(lambda: server_status(gateway, f"{deployment}c", a.api_key) == "UP", 15, "the canary server")
+    wait_for(lambda: server_status(gateway, deployment, b.api_key) == "UP", 15, "the stable servers")
+    wait_for(lambda: grpc_answers(gateway, "vision__scaler", secret), 15, "the first gRPC answer")
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+
+    # 30 % over 2,000 unversioned calls, within 5 points (the binomial's standard deviation is 1 point).
+    outputs = grpc_first_outputs(client, secret, 2000)
+    share = outputs[CANARY] / 2000
+    print(f"gRPC canary share at weight 30: {share:.3f} ({dict(outputs)})")
+    assert set(outputs) == {STABLE, CANARY}, outputs
+    assert 0.25 <= share <= 0.35, outputs
+
+    # A call naming a version gets it, whatever the weight.
+    assert grpc_first_outputs(client, secret, 50, version="2") == {CANARY: 50}
+    assert grpc_first_outputs(client, secret, 50, version="1") == {STABLE: 50}
+
+    # 0 % and 100 % are exact: the pin the gateway writes into the message decides, not Triton's default.
+    set_weight(rollout, gateway, 0)
+    assert grpc_first_outputs(client, secret, 200) == {STABLE: 200}
+    assert grpc_first_outputs(client, secret, 20, version="2") == {CANARY: 20}
+    set_weight(rollout, gateway, 100)
+    assert grpc_first_outputs(client, secret, 200) == {CANARY: 200}
+    assert grpc_first_outputs(client, secret, 20, version="1") == {STABLE: 20}
+    client.close()

@@ -6,6 +6,8 @@ message type, and crafted bodies sent raw."""
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from unittest import mock
 
 import grpc
@@ -13,6 +15,7 @@ import numpy as np
 import onnxruntime
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from apps.registry.models import RegisteredModel
@@ -22,10 +25,18 @@ from backend_ge.config import ModelSignature
 from backend_ge.examples import build_bert, build_mlp
 from tests.conftest import wait_for
 from tests.factories import ready_onnx_version
+from tests.support.models import wide_scaler_onnx
 from tests.support.servers import deploy, ready_instance, requires_haproxy
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 SERVICE = "/inference.GRPCInferenceService/"
+LIMIT = 4 * 2**20  # this module's gateway forwards gRPC messages up to 4 MiB
+WIDE = 262_144  # floats in a row of the wide scaler: a 1 MiB tensor
+
+
+@pytest.fixture(autouse=True)
+def _grpc_message_limit(gateway_env):
+    gateway_env["GATEWAY_GRPC_MAX_MESSAGE_BYTES"] = str(LIMIT)
 
 
 def auth(token: str) -> dict:
@@ -52,11 +63,18 @@ def status_of(call) -> tuple[str, str]:
     return caught.value.status(), caught.value.message()
 
 
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
 def field(number: int, value: bytes) -> bytes:
-    """A length-delimited protobuf field (field numbers below 16, lengths below 16384 here)."""
-    size = len(value)
-    length = bytes([size]) if size < 128 else bytes([size & 0x7F | 0x80, size >> 7])
-    return bytes([number << 3 | 2]) + length + value
+    """A length-delimited protobuf field (field numbers below 16 here)."""
+    return bytes([number << 3 | 2]) + varint(len(value)) + value
 
 
 def raw_call(url: str, method: str, body: bytes, token: str, **options) -> tuple[grpc.StatusCode, str]:
@@ -177,7 +195,8 @@ def test_grpc_tenancy_on_a_shared_instance(
         field(1, b"x" * 129): "longer than 128",
         field(1, b"vision mlp"): "may hold only",
         b"": "must name a model",
-        own + field(7, b"\0" * 100) * 130: "larger than the gateway accepts",
+        own + field(2, b""): "not a version number",  # an empty version would undo the gateway's pin
+        field(7, b"\0" * 20000) + own: "must name a model (model_name) before its tensor data",
     }
     for body, reason in crafted.items():
         code, details = raw_call(gateway.grpc_url, "ModelInfer", body, token)
@@ -190,18 +209,141 @@ def test_grpc_tenancy_on_a_shared_instance(
     assert (code, "compressed" in details) == (grpc.StatusCode.INVALID_ARGUMENT, True)
     assert raw_call(gateway.grpc_url, "ModelReady", own, token)[0] == grpc.StatusCode.OK
 
-    # Tokens: none, wrong, another team's, revoked.
-    assert status_of(lambda: client.is_model_ready("vision__mlp"))[0] == "StatusCode.UNAUTHENTICATED"
-    assert status_of(lambda: client.is_model_ready("vision__mlp", headers=auth("tgp_0_wrong")))[0] == (
-        "StatusCode.UNAUTHENTICATED"
-    )
-    assert status_of(lambda: client.is_model_ready("vision__mlp", headers=auth(speech_token)))[0] == (
-        "StatusCode.NOT_FOUND"
-    )
+    # The repository, shared-memory, trace and logging services stay closed (before any token check).
+    for method in ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload", "SystemSharedMemoryStatus",
+                   "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister", "CudaSharedMemoryStatus",
+                   "CudaSharedMemoryRegister", "TraceSetting", "LogSettings"):  # fmt: skip
+        code, details = raw_call(gateway.grpc_url, method, own, token)
+        assert (code, details) == (
+            grpc.StatusCode.UNIMPLEMENTED,
+            "this gRPC method is not offered by the gateway",
+        )
+
+    # Tokens on every message type: none, a wrong one, and (after revocation) a revoked one are
+    # UNAUTHENTICATED; another team's token gets this team's model as the same NOT_FOUND as an unknown one.
+    model_calls = {
+        "ModelInfer": lambda h: client.infer("vision__mlp", [mlp_input], headers=h),
+        "ModelMetadata": lambda h: client.get_model_metadata("vision__mlp", headers=h),
+        "ModelConfig": lambda h: client.get_model_config("vision__mlp", headers=h),
+        "ModelStatistics": lambda h: client.get_inference_statistics("vision__mlp", headers=h),
+        "ModelReady": lambda h: client.is_model_ready("vision__mlp", headers=h),
+    }
+    every_call = {
+        **model_calls,
+        "ServerLive": lambda h: client.is_server_live(headers=h),
+        "ServerReady": lambda h: client.is_server_ready(headers=h),
+        "ServerMetadata": lambda h: client.get_server_metadata(headers=h),
+    }
+    for method, call in every_call.items():
+        for headers in (None, auth("tgp_0_wrong"), {"authorization": "Basic dmlzaW9u"}):
+            assert status_of(lambda c=call, h=headers: c(h))[0] == "StatusCode.UNAUTHENTICATED", (
+                method,
+                headers,
+            )
+    for method, call in model_calls.items():
+        assert status_of(lambda c=call: c(auth(speech_token))) == (
+            "StatusCode.NOT_FOUND",
+            "Request for unknown model: 'vision__mlp' is not found",
+        ), method
     team_services.revoke_token(actor=owner, token=token_row)
     wait_for(
         lambda: raw_call(gateway.grpc_url, "ModelReady", own, token)[0] == grpc.StatusCode.UNAUTHENTICATED,
         15,
         "the revoked token to be refused",
     )
+    for method, call in every_call.items():
+        assert status_of(lambda c=call: c(auth(token)))[0] == "StatusCode.UNAUTHENTICATED", method
+    client.close()
+
+
+def inferences(instance, model: str) -> int:
+    """Requests ``model`` has run on ``instance`` (Triton's statistics, asked with the instance key)."""
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{instance.http_port}")
+    try:
+        stats = client.get_inference_statistics(model, headers=instance.key_headers())
+    finally:
+        client.close()
+    return sum(int(s["inference_stats"]["success"]["count"]) for s in stats["model_stats"])
+
+
+def rss_kib(pid: int) -> dict[str, int]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return {
+        k: int(v.split()[0])
+        for k, v in (line.split(":", 1) for line in status.splitlines())
+        if k in ("VmRSS", "VmHWM")
+    }
+
+
+def test_grpc_messages_of_mib_stream_through_and_larger_ones_are_refused(
+    owner_client, outsider_client, owner, outsider, team, other_team, start_agent, make_scaler_version,
+    start_gateway, make_token, artifact_root, tmp_path,
+):  # fmt: skip
+    _, shared = ready_instance(start_agent, "shared-a")
+    wide = RegisteredModel.objects.create(team=team, name="Wide", slug="wide", created_by=owner)
+    ready_onnx_version(wide, wide_scaler_onnx(WIDE), tmp_path)
+    deploy(owner_client, "vision", "wide", 1, [shared])
+    speech = RegisteredModel.objects.create(
+        team=other_team, name="Scaler", slug="scaler", created_by=outsider
+    )
+    make_scaler_version(speech, 3.0)
+    deploy(outsider_client, "speech", "scaler", 1, [shared])
+    gateway = start_gateway()
+    _, token = make_token(name="grpc")
+    client = grpcclient.InferenceServerClient(gateway.grpc_url)
+
+    def infer(rows: int):
+        data = np.random.default_rng(rows).standard_normal((rows, WIDE)).astype(np.float32)
+        item = grpcclient.InferInput("input", list(data.shape), "FP32")
+        item.set_data_from_numpy(data)
+        return data, client.infer("vision__wide", [item], headers=auth(token), client_timeout=60)
+
+    def first_answer():
+        try:
+            return infer(1)
+        except InferenceServerException:
+            return None
+
+    # A 1 MiB tensor (and a 3 MiB batch) through the gateway: walked as it streams, answered as sent.
+    data, result = wait_for(first_answer, 30, f"a 1 MiB tensor over gRPC\n{gateway.output()}")
+    np.testing.assert_allclose(result.as_numpy("output"), data * 2.0, rtol=1e-6)
+    data, result = infer(3)
+    np.testing.assert_allclose(result.as_numpy("output"), data * 2.0, rtol=1e-6)
+
+    # The gateway's memory follows its buffers, not the messages: 8 concurrent 1 MiB calls, 40 MiB in all.
+    worker = gateway.admin().worker_pid()
+    before = rss_kib(worker)
+    with ThreadPoolExecutor(8) as pool:
+        outputs = list(pool.map(lambda _: infer(1)[1].as_numpy("output").shape, range(40)))
+    after = rss_kib(worker)
+    print(f"HAProxy worker RSS {before['VmRSS']} KiB before, {after['VmRSS']} KiB after 40 x 1 MiB over gRPC "
+          f"(8 concurrent); peak {after['VmHWM']} KiB")  # fmt: skip
+    assert outputs == [(1, WIDE)] * 40
+    assert after["VmHWM"] - before["VmRSS"] < 24 * 1024, (before, after)
+
+    # Above the limit: RESOURCE_EXHAUSTED naming it (after the gateway read the upload, so grpcio reports it).
+    with pytest.raises(InferenceServerException) as caught:
+        infer(5)
+    assert caught.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    assert f"larger than the {LIMIT} bytes (4.0 MiB) the gateway accepts" in caught.value.message()
+    assert "GATEWAY_GRPC_MAX_MESSAGE_BYTES" in caught.value.message()
+
+    # Past the head the walk goes on: a name, a version or a malformed field after the tensor data aborts the
+    # call before the message's last byte reaches the instance - protobuf's last model_name never runs.
+    own, other, tensor = field(1, b"vision__wide"), field(1, b"speech__scaler"), field(7, b"\0" * 200_000)
+    ran = inferences(shared, "speech__scaler")
+    for body in (
+        own + tensor + other,
+        own + tensor + field(2, b"1"),
+        own + tensor + tensor + other,
+        own + tensor + b"\x18\xff\xff",
+        own + tensor + b"\x3a\x50abc",
+    ):
+        code, details = raw_call(gateway.grpc_url, "ModelInfer", body, token)
+        print(f"aborted past the head: {code} {details}")
+        assert code not in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND), (code, details)
+    assert inferences(shared, "speech__scaler") == ran
+    # The same call, well formed, is the owner's model's (and Triton's own complaint about the made-up input).
+    code, details = raw_call(gateway.grpc_url, "ModelInfer", own + tensor, token)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "missing required input" in details, (code, details)
     client.close()

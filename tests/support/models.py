@@ -61,6 +61,20 @@ def scaler_onnx(scale: float) -> bytes:
     return model.SerializeToString()
 
 
+def wide_scaler_onnx(width: int, scale: float = 2.0) -> bytes:
+    """input [N,width] -> output = input * scale: large tensors (a row of 262,144 floats is 1 MiB)."""
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["input", "s"], ["output"])],
+        "wide_scaler",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", width])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["N", width])],
+        initializer=[helper.make_tensor("s", TensorProto.FLOAT, [1], [scale])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
 INFER_BODY = json.dumps(
     {"inputs": [{"name": "input", "shape": [1, 4], "datatype": "FP32", "data": [1.0, 2.0, 3.0, 4.0]}]}
 ).encode()

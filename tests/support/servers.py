@@ -228,6 +228,15 @@ def grpc_infer(url: str, model: str, token: str) -> np.ndarray:
         client.close()
 
 
+def grpc_answers(gateway: GatewayProcess, model: str, token: str) -> bool:
+    """Whether a gRPC inference of ``model`` through the gateway succeeds now."""
+    try:
+        grpc_infer(gateway.grpc_url, model, token)
+    except InferenceServerException:
+        return False
+    return True
+
+
 def grpc_error(url: str, model: str, token: str) -> InferenceServerException:
     with pytest.raises(InferenceServerException) as caught:
         grpc_infer(url, model, token)
@@ -333,6 +342,37 @@ class Load:
             return self.total >= target
 
         wait_for(sent, timeout, f"{count} more requests ({self.statuses})")
+
+
+class GrpcLoad(Load):
+    """:class:`Load` over gRPC: each thread a ``tritonclient.grpc`` client (one HTTP/2 connection) calling
+    ``ModelInfer`` through the gateway's gRPC frontend, paced and bounded the same way, no retry."""
+
+    def _run(self) -> None:
+        client = grpcclient.InferenceServerClient(self.gateway.grpc_url)
+        data = np.array([[1.0, 2.0, 3.0, 4.0]], dtype=np.float32)
+        item = grpcclient.InferInput("input", list(data.shape), "FP32")
+        item.set_data_from_numpy(data)
+        headers = {"authorization": f"Bearer {self.token}"}
+        next_at = time.monotonic()
+        while not self._stop.is_set() and time.monotonic() < self.deadline and self.total < self.max_requests:
+            next_at = max(next_at + self.interval, time.monotonic() - self.interval)
+            if (pause := next_at - time.monotonic()) > 0:
+                self._stop.wait(pause)
+            try:
+                output = client.infer(self.model, [item], headers=headers, client_timeout=30).as_numpy(
+                    "output"
+                )
+                status, detail = 200, ""
+            except InferenceServerException as exc:
+                status, detail = exc.status() or "error", exc.message()
+            with self._lock:
+                self.statuses[status] += 1
+                if status != 200:
+                    self.failures.append(f"{status}: {detail[:200]}")
+                else:
+                    self.outputs[float(output[0][0])] += 1
+        client.close()
 
 
 def slot_of(gateway: GatewayProcess, logical: str) -> str:
