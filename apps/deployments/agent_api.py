@@ -21,7 +21,7 @@ from django.db.models import Q
 from django.http import FileResponse, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET, require_POST
 
-from apps.deployments import services
+from apps.deployments import ensembles, services
 from apps.deployments.models import (
     Deployment,
     DeploymentInstance,
@@ -143,10 +143,21 @@ def placed_version_ids(entries: list[dict]) -> set[int]:
     return ids
 
 
+def _beside(placement: DeploymentInstance, canaries: dict[int, int], steps: set[int]) -> int | None:
+    """The version to serve beside the placement's own: its rollout's canary, or the companion a live
+    ensemble calls on this instance (``apps.deployments.ensembles``)."""
+    if placement.deployment_id in canaries:
+        return canaries[placement.deployment_id]
+    if placement.deployment.model_id in steps:
+        return ensembles.companion_of(placement.deployment, placement.instance_id)
+    return None
+
+
 def desired_state_of(host) -> dict:
     live = _live_placements(host)
     canaries = _canaries({p.deployment_id for p in live})
-    placements = [placement_entry(p, canaries.get(p.deployment_id), _reused(p, live)) for p in live]
+    steps = ensembles.step_model_ids({p.deployment.model_id for p in live})
+    placements = [placement_entry(p, _beside(p, canaries, steps), _reused(p, live)) for p in live]
     versions = (
         ModelVersion.objects.filter(pk__in=placed_version_ids(placements))
         .select_related("model__team")
