@@ -267,9 +267,9 @@ def placement_report(request, placement_id: int):
     fresh = next((p for p in live if p.pk == placement.pk), None)
     entry = None
     if fresh is not None:
-        entry = placement_entry(
-            fresh, _canaries([fresh.deployment_id]).get(fresh.deployment_id), _reused(fresh, live)
-        )
+        canaries = _canaries([fresh.deployment_id])
+        steps = ensembles.step_model_ids({fresh.deployment.model_id})
+        entry = placement_entry(fresh, _beside(fresh, canaries, steps), _reused(fresh, live))
     return JsonResponse({"accepted": accepted, "placement": entry})
 
 
@@ -285,13 +285,18 @@ def _placed_version(host, version_id: int) -> ModelVersion | None:
             deployment__rollouts__state__in=["RUNNING", "PAUSED"],
         )
     )
-    placed = (
-        DeploymentInstance.objects.filter(instance__host=host)
-        .exclude(deployment__state=DeploymentState.UNDEPLOYED)
-        .filter(refs)
-        .exists()
+    live = DeploymentInstance.objects.filter(instance__host=host).exclude(
+        deployment__state=DeploymentState.UNDEPLOYED
     )
-    return ModelVersion.objects.filter(pk=version_id).first() if placed else None
+    placed = live.filter(refs).exists()
+    version = ModelVersion.objects.filter(pk=version_id).first()
+    if not placed and version is not None:
+        # A companion: a step version a live ensemble calls, loaded beside its deployment's own here.
+        placed = any(
+            ensembles.companion_of(p.deployment, p.instance_id) == version_id
+            for p in live.filter(deployment__model_id=version.model_id).select_related("deployment")
+        )
+    return version if placed else None
 
 
 NOT_PLACED = "No such version placed on this host."
