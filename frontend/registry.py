@@ -18,7 +18,7 @@ from django.utils.html import format_html, format_html_join
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.registry import services, versions
 from apps.registry.formats import EXTENSIONS
-from apps.registry.models import ModelVersion, RegisteredModel, TaskType
+from apps.registry.models import ModelKind, ModelVersion, RegisteredModel, TaskType
 from apps.registry.options import INPUT_FORMATS, PRECISION_MODES, SERVING_DEFAULTS
 from apps.teams.models import Action
 from backend_ge.served_config import MAX_BATCH_SIZE, MAX_INSTANCE_COUNT
@@ -34,6 +34,12 @@ class ModelForm(forms.Form):
         help_text="Lowercase letters, digits and hyphens; part of the Triton model name. Derived from the name when empty.",
     )
     task_type = forms.ChoiceField(choices=TaskType.choices, initial=TaskType.OTHER, label="Task")
+    kind = forms.ChoiceField(
+        choices=ModelKind.choices,
+        initial=ModelKind.MODEL,
+        required=False,
+        help_text="An ensemble is a pipeline of the team's own models: compose it here or upload a Triton ensemble directory.",
+    )
     description = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), required=False)
 
 
@@ -117,10 +123,14 @@ class ModelCreateView(TeamPageView):
                     slug=form.cleaned_data["slug"] or None,
                     task_type=form.cleaned_data["task_type"],
                     description=form.cleaned_data["description"],
+                    kind=form.cleaned_data["kind"] or ModelKind.MODEL,
                 )
             except ValidationError as error:
                 add_service_errors(form, error)
             else:
+                if model.is_ensemble():
+                    messages.success(request, f"Ensemble {model.name} created. Compose its first version.")
+                    return redirect("ensemble-compose", team_slug=self.team.slug, model_slug=model.slug)
                 messages.success(request, f"Model {model.name} created. Upload its first version.")
                 return redirect("model-upload", team_slug=self.team.slug, model_slug=model.slug)
         return self.render_to_response(self.get_context_data(form=form), status=400)

@@ -6,6 +6,7 @@ from frontend import (
     compare,
     conversions,
     deployments,
+    ensembles,
     fleet,
     monitoring,
     registry,
@@ -49,6 +50,11 @@ urlpatterns = [
         "teams/<slug:team_slug>/models/<slug:model_slug>/upload/",
         registry.ModelUploadView.as_view(),
         name="model-upload",
+    ),
+    path(
+        "teams/<slug:team_slug>/models/<slug:model_slug>/compose/",
+        ensembles.EnsembleComposeView.as_view(),
+        name="ensemble-compose",
     ),
     path(
         "teams/<slug:team_slug>/models/<slug:model_slug>/versions/<int:number>/",

@@ -17,9 +17,10 @@ from django.utils import timezone
 
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.monitoring.models import ModelMetrics
-from apps.registry import versions
+from apps.registry import ensembles, versions
 from apps.registry.models import MAX_NOTE_LENGTH, ModelVersion
 from apps.teams.models import Action
+from frontend.ensembles import ensemble_context, error_lines
 from frontend.registry import ModelPageView, in_use_message
 
 FIGURES_WINDOW = timedelta(hours=24)
@@ -100,6 +101,7 @@ class VersionDetailView(ModelPageView):
             model_bytes=directory_size(version.servable_dir()),
             figures=self.figures(version),
             figures_hours=int(FIGURES_WINDOW.total_seconds() // 3600),
+            **ensemble_context(version),
         )
         return context
 
@@ -123,6 +125,22 @@ class VersionDetailView(ModelPageView):
                         form.add_error("tags" if "tag" in message else "note", message)
                     return self.render_to_response(self.get_context_data(notes_form=form), status=400)
                 messages.success(request, "Note and tags saved.")
+            elif operation == "update_step":
+                position, _, number = request.POST.get("step_update", "").partition(":")
+                if not (position.isdigit() and number.isdigit()):
+                    return HttpResponseBadRequest("Pick a step and a version.")
+                try:
+                    new = ensembles.update_step(
+                        actor=request.user, version=version, step=int(position), step_version=int(number)
+                    )
+                except ValidationError as error:
+                    messages.error(request, " ".join(error_lines(error)))
+                    return redirect(here)
+                messages.success(
+                    request, f"{new} calls the new step version; roll it out from the ensemble's deployment."
+                )
+                return redirect("version-detail", team_slug=self.team.slug, model_slug=new.model.slug,
+                                number=new.number)  # fmt: skip
             elif operation == "archive":
                 versions.archive_version(actor=request.user, version=version)
                 messages.success(request, f"{version} archived: it is no longer offered to deploy.")

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from backend_ge import config as ge_config
 from backend_ge import naming, samples
 from backend_ge.config import ModelSignature
 from backend_ge.errors import public_error
@@ -147,6 +148,8 @@ def _apply_locked(
         return
     canary = _rollout_canary(deployment)
     if canary is not None and canary != target:
+        if placement.canary_version != canary and _waits_for_steps(agent, proc, placement, canary):
+            return
         _apply_canary(agent, proc, placement, name, target, canary)
         return
     current = placement.served_version
@@ -170,6 +173,8 @@ def _apply_locked(
             kind=LoadedKind.CANARY_UNLOADED,
             message=f"{placement.instance} serves {target} alone (unloaded version {', '.join(others)})",
         )
+        return
+    if _waits_for_steps(agent, proc, placement, target):
         return
     if not agent.reports.placement_started(placement.pk, generation):
         return
@@ -207,6 +212,39 @@ def _apply_locked(
         message=f"{placement.instance} serves {target}",
         footprint_mb=measured,
     )
+
+
+def steps_not_ready(server: TritonServer, version: VersionSpec) -> list[str]:
+    """The steps of an ensemble version whose pinned version is not ready on this server ([] for a model)."""
+    if not version.steps:
+        return []
+    try:
+        cfg = ge_config.parse_config(version.config_text)
+    except ge_config.ConfigError:
+        return []  # the load itself reports what is wrong with it
+    return [
+        f"{step.model_name} v{step.model_version}" if step.model_version > 0 else step.model_name
+        for step in cfg.ensemble_scheduling.step
+        if not server.is_model_ready(
+            step.model_name, str(step.model_version) if step.model_version > 0 else ""
+        )
+    ]
+
+
+def _waits_for_steps(
+    agent: AgentState, proc: InstanceProcess, placement: PlacementSpec, version: VersionSpec
+) -> bool:
+    """An ensemble version loads once every step version it calls is ready on the server: its steps'
+    placements (a companion loaded beside a step's own version) may still be loading. Reports waiting (the
+    placement stays pending; reconcile applies it again) and returns True while one is missing."""
+    missing = steps_not_ready(proc.server, version)
+    if missing:
+        agent.reports.placement_waiting(
+            placement.pk,
+            placement.generation,
+            f"{version} waits for its steps on {placement.instance}: {', '.join(missing)} not ready yet",
+        )
+    return bool(missing)
 
 
 def _rollout_canary(deployment: DeploymentSpec) -> VersionSpec | None:

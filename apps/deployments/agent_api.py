@@ -21,7 +21,7 @@ from django.db.models import Q
 from django.http import FileResponse, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET, require_POST
 
-from apps.deployments import services
+from apps.deployments import ensembles, services
 from apps.deployments.models import (
     Deployment,
     DeploymentInstance,
@@ -143,10 +143,21 @@ def placed_version_ids(entries: list[dict]) -> set[int]:
     return ids
 
 
+def _beside(placement: DeploymentInstance, canaries: dict[int, int], steps: set[int]) -> int | None:
+    """The version to serve beside the placement's own: its rollout's canary, or the companion a live
+    ensemble calls on this instance (``apps.deployments.ensembles``)."""
+    if placement.deployment_id in canaries:
+        return canaries[placement.deployment_id]
+    if placement.deployment.model_id in steps:
+        return ensembles.companion_of(placement.deployment, placement.instance_id)
+    return None
+
+
 def desired_state_of(host) -> dict:
     live = _live_placements(host)
     canaries = _canaries({p.deployment_id for p in live})
-    placements = [placement_entry(p, canaries.get(p.deployment_id), _reused(p, live)) for p in live]
+    steps = ensembles.step_model_ids({p.deployment.model_id for p in live})
+    placements = [placement_entry(p, _beside(p, canaries, steps), _reused(p, live)) for p in live]
     versions = (
         ModelVersion.objects.filter(pk__in=placed_version_ids(placements))
         .select_related("model__team")
@@ -256,9 +267,9 @@ def placement_report(request, placement_id: int):
     fresh = next((p for p in live if p.pk == placement.pk), None)
     entry = None
     if fresh is not None:
-        entry = placement_entry(
-            fresh, _canaries([fresh.deployment_id]).get(fresh.deployment_id), _reused(fresh, live)
-        )
+        canaries = _canaries([fresh.deployment_id])
+        steps = ensembles.step_model_ids({fresh.deployment.model_id})
+        entry = placement_entry(fresh, _beside(fresh, canaries, steps), _reused(fresh, live))
     return JsonResponse({"accepted": accepted, "placement": entry})
 
 
@@ -274,13 +285,18 @@ def _placed_version(host, version_id: int) -> ModelVersion | None:
             deployment__rollouts__state__in=["RUNNING", "PAUSED"],
         )
     )
-    placed = (
-        DeploymentInstance.objects.filter(instance__host=host)
-        .exclude(deployment__state=DeploymentState.UNDEPLOYED)
-        .filter(refs)
-        .exists()
+    live = DeploymentInstance.objects.filter(instance__host=host).exclude(
+        deployment__state=DeploymentState.UNDEPLOYED
     )
-    return ModelVersion.objects.filter(pk=version_id).first() if placed else None
+    placed = live.filter(refs).exists()
+    version = ModelVersion.objects.filter(pk=version_id).first()
+    if not placed and version is not None:
+        # A companion: a step version a live ensemble calls, loaded beside its deployment's own here.
+        placed = any(
+            ensembles.companion_of(p.deployment, p.instance_id) == version_id
+            for p in live.filter(deployment__model_id=version.model_id).select_related("deployment")
+        )
+    return version if placed else None
 
 
 NOT_PLACED = "No such version placed on this host."

@@ -1,12 +1,16 @@
 """What deploying an ensemble needs, and what its steps' deployments may no longer do alone.
 
 Triton runs an ensemble inside one server, calling its steps there: an ensemble version can only be served on
-instances where every step's pinned version is served (READY). So deploying or switching to an ensemble
-version requires each step's live deployment to serve that version on each of those instances (400 naming the
-step and the instance), and undeploying, switching or rolling out a step that a live ensemble deployment pins
-is a 409 naming the ensembles (undeploy or switch the ensemble first).
+instances where every step's pinned version is served. Deploying, switching or rolling out an ensemble version
+needs each step's live deployment on each of those instances (400 naming the step and the instance); a
+step's deployment that serves another version there gets the pinned one loaded beside it - a *companion*
+version, no traffic of its own (the gateway pins the step's own clients to its active version) - and the
+ensemble's agent loads the new ensemble version once its steps' versions are ready on that server. When the
+ensembles calling a step have all moved to the companion, the step's deployment switches to it (the old
+version unloads); when none calls it any more (a rollback), the companion unloads. Undeploying, switching or
+rolling out a step by itself while an ensemble pins another of its versions is a 409 naming the ensembles.
 
-Read-only checks; the deployments' rows are written by ``apps.deployments.services``.
+Read-only; the deployments' rows are written by ``apps.deployments.services``.
 """
 
 from __future__ import annotations
@@ -14,41 +18,128 @@ from __future__ import annotations
 from django.core.exceptions import ValidationError
 
 from apps.core.exceptions import Conflict
-from apps.deployments.models import Deployment, DeploymentState, PlacementState
+from apps.deployments.models import Deployment, DeploymentState, PlacementState, Rollout
 from apps.fleet.models import TritonInstance
-from apps.registry.models import EnsembleStep, ModelVersion
+from apps.registry.models import EnsembleStep, ModelKind, ModelVersion
+
+LIVE = (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED)
 
 
-def check_steps_served(version: ModelVersion, instances: list[TritonInstance]) -> None:
-    """An ensemble version's steps must be served (READY, the pinned version) on every instance."""
+def check_steps_served(version: ModelVersion, instances: list[TritonInstance]) -> list[Deployment]:
+    """An ensemble version's steps must be served on every instance: the pinned version READY there (as the
+    served version or a companion), or a SERVING step deployment placed there that can load it beside its
+    own (no rollout or switch of its own in flight). Returns the step deployments that get a companion."""
     steps = list(version.ensemble_steps.select_related("step_version__model").order_by("position"))
-    problems = []
+    problems, staged = [], {}
     for step in steps:
         pinned = step.step_version
-        deployment = (
-            Deployment.objects.filter(model_id=pinned.model_id)
-            .exclude(state=DeploymentState.UNDEPLOYED)
-            .first()
+        deployment = Deployment.objects.filter(model_id=pinned.model_id).exclude(state__in=LIVE).first()
+        placements = list(deployment.placements.filter(state=PlacementState.READY)) if deployment else []
+        served = {
+            p.instance_id for p in placements if pinned.pk in (p.served_version_id, p.canary_version_id)
+        }
+        missing = [i for i in instances if i.pk not in served]
+        if not missing:
+            continue
+        placed = {p.instance_id for p in placements if p.served_version_id}
+        stageable = (
+            deployment is not None
+            and deployment.state == DeploymentState.SERVING
+            and deployment.target_version_id is None
+            and not Rollout.objects.live().filter(deployment=deployment).exists()
+            and all(i.pk in placed for i in missing)
         )
-        ready = set()
-        if deployment is not None and deployment.state not in (
-            DeploymentState.UNDEPLOYING,
-            DeploymentState.UNDEPLOYED,
-        ):
-            ready = set(
-                deployment.placements.filter(state=PlacementState.READY, served_version=pinned).values_list(
-                    "instance_id", flat=True
-                )
+        if stageable:
+            staged[deployment.pk] = deployment
+            continue
+        problems.append(
+            f"step[{step.position}] ({pinned}) is not served on {', '.join(map(str, missing))}: deploy "
+            f"{pinned.model.slug} version {pinned.number} there first (Triton runs an ensemble and its steps "
+            "in one server)"
+            + (
+                f"; its deployment is {deployment.state}"
+                + (" with a rollout of its own" if deployment.state == DeploymentState.SERVING else "")
+                if deployment is not None and all(i.pk in placed for i in missing)
+                else ""
             )
-        missing = [str(i) for i in instances if i.pk not in ready]
-        if missing:
-            problems.append(
-                f"step[{step.position}] ({pinned}) is not served on {', '.join(missing)}: deploy "
-                f"{pinned.model.slug} version {pinned.number} there first (Triton runs an ensemble and its "
-                "steps in one server)"
-            )
+        )
     if problems:
         raise ValidationError({"steps": problems})
+    return list(staged.values())
+
+
+def _live_ensemble_versions() -> dict[int, set[int]]:
+    """{ensemble version id: the instance ids it is placed on} for every version a live ensemble deployment
+    serves, switches to, or rolls out (stable and canary)."""
+    out: dict[int, set[int]] = {}
+    live = (
+        Deployment.objects.filter(model__kind=ModelKind.ENSEMBLE)
+        .exclude(state__in=LIVE)
+        .prefetch_related("placements")
+    )
+    canaries = dict(Rollout.objects.live().values_list("deployment_id", "canary_version_id"))
+    for deployment in live:
+        instances = {p.instance_id for p in deployment.placements.all() if p.state != PlacementState.UNLOADED}
+        for pk in (deployment.active_version_id, deployment.target_version_id, canaries.get(deployment.pk)):
+            if pk:
+                out.setdefault(pk, set()).update(instances)
+    return out
+
+
+def pinned_step_versions(model_id: int) -> dict[int, set[int]]:
+    """{version id of the step model ``model_id``: instance ids} that live ensembles call."""
+    ensembles = _live_ensemble_versions()
+    out: dict[int, set[int]] = {}
+    steps = EnsembleStep.objects.filter(
+        ensemble_version_id__in=list(ensembles), step_version__model_id=model_id
+    ).values_list("ensemble_version_id", "step_version_id")
+    for ensemble_id, step_id in steps:
+        out.setdefault(step_id, set()).update(ensembles[ensemble_id])
+    return out
+
+
+def step_model_ids(model_ids: set[int]) -> set[int]:
+    """Which of these models some ensemble version calls (one query: the desired state asks per host)."""
+    return set(
+        EnsembleStep.objects.filter(step_version__model_id__in=model_ids).values_list(
+            "step_version__model_id", flat=True
+        )
+    )
+
+
+def companion_of(deployment: Deployment, instance_id: int) -> int | None:
+    """The step version a live ensemble calls on this instance that ``deployment`` does not serve as its own
+    version: loaded beside it. None while the deployment has a rollout or a switch of its own."""
+    if deployment.target_version_id or deployment.state in LIVE:
+        return None
+    wanted = [
+        pk
+        for pk, instances in pinned_step_versions(deployment.model_id).items()
+        if instance_id in instances and pk != deployment.active_version_id
+    ]
+    return max(wanted) if wanted else None
+
+
+def step_deployments_to_follow() -> list[int]:
+    """Step deployments that may have a companion to switch to or unload: those of every model a live
+    ensemble version calls, and those whose placements still carry a version beside their own."""
+    versions = _live_ensemble_versions()
+    models = set(
+        EnsembleStep.objects.filter(ensemble_version_id__in=list(versions)).values_list(
+            "step_version__model_id", flat=True
+        )
+    )
+    with_rollout = Rollout.objects.live().values_list("deployment_id", flat=True)
+    beside = set(
+        Deployment.objects.exclude(state__in=LIVE)
+        .filter(placements__canary_version__isnull=False)
+        .exclude(pk__in=with_rollout)
+        .values_list("pk", flat=True)
+    )
+    steps = set(
+        Deployment.objects.exclude(state__in=LIVE).filter(model_id__in=models).values_list("pk", flat=True)
+    )
+    return sorted(beside | steps)
 
 
 def ensembles_pinning(deployment: Deployment, keep: ModelVersion | None = None) -> list[str]:
@@ -56,6 +147,9 @@ def ensembles_pinning(deployment: Deployment, keep: ModelVersion | None = None) 
     versions = set()
     for live in Deployment.objects.exclude(state__in=(DeploymentState.UNDEPLOYED,)).exclude(pk=deployment.pk):
         versions |= {v for v in (live.active_version_id, live.target_version_id) if v}
+    versions |= set(
+        Rollout.objects.live().exclude(deployment=deployment).values_list("canary_version_id", flat=True)
+    )
     steps = EnsembleStep.objects.filter(
         ensemble_version_id__in=versions, step_version__model_id=deployment.model_id
     ).select_related("ensemble_version__model", "step_version")

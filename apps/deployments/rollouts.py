@@ -159,7 +159,9 @@ def start_rollout(
                     ]
                 }
             )
-        check_steps_served(canary, [p.instance for p in deployment.placements.select_related("instance")])
+        staged = services.stage_steps(
+            check_steps_served(canary, [p.instance for p in deployment.placements.select_related("instance")])
+        )
         check_no_ensemble_depends(deployment, "rolled out", keep=canary)
         if canary.pk == deployment.active_version_id:
             raise ValidationError({"version": [f"{canary} is already the served version; pick another one."]})
@@ -191,7 +193,7 @@ def start_rollout(
             details={"rollout": rollout.pk, "canary": canary.number, "stable": rollout.stable_version.number,
                      "steps": steps, **options},
         )  # fmt: skip
-        transaction.on_commit(lambda: services._enqueue(placements))
+        transaction.on_commit(lambda: services._enqueue([*placements, *staged]))
     return rollout
 
 
@@ -394,6 +396,8 @@ def check_rollouts(now=None) -> dict[str, int]:
         if claimed == 1:
             run_check(pk)
             done["checked"] += 1
+    # Steps follow their ensembles (also right after an ensemble settles; this catches what a crash missed).
+    done["steps"] = services.follow_ensemble_steps()
     return done
 
 

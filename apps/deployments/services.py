@@ -18,7 +18,7 @@ from django.db import transaction
 from django.db.models import F, Q
 
 from apps.audit.services import record
-from apps.deployments import scheduler
+from apps.deployments import ensembles, scheduler
 from apps.deployments.checks import (
     check_instances_usable,
     check_no_live_rollout,
@@ -98,7 +98,7 @@ def deploy_version(
                 {"model": [f"{model} is already deployed; switch its version or undeploy it first."]}
             )
         check_quota(model.team, model, instances or [], 0 if pinned else replicas)
-        check_steps_served(version, instances or [])
+        staged = stage_steps(check_steps_served(version, instances or []))
         deployment = Deployment.objects.create(
             team=model.team,
             model=model,
@@ -129,7 +129,7 @@ def deploy_version(
                      "replicas": deployment.replicas, "pool": getattr(pool, "name", None)},
         )  # fmt: skip
         deployment_created.send(sender=Deployment, deployment=deployment, actor=actor)
-        transaction.on_commit(lambda: _enqueue(placements))
+        transaction.on_commit(lambda: _enqueue([*placements, *staged]))
     return deployment
 
 
@@ -148,25 +148,78 @@ def switch_version(*, actor, deployment: Deployment, version: ModelVersion) -> D
         if version == deployment.active_version:
             raise ValidationError({"version": [f"{version} is already the served version."]})
         check_no_live_rollout(deployment)
-        check_steps_served(version, [p.instance for p in deployment.placements.select_related("instance")])
+        instances = [p.instance for p in deployment.placements.select_related("instance")]
+        staged = stage_steps(check_steps_served(version, instances))
         check_no_ensemble_depends(deployment, "switched", keep=version)
-        deployment.target_version = version
-        deployment.state = (
-            DeploymentState.SWITCHING if deployment.active_version else DeploymentState.DEPLOYING
-        )
-        deployment.last_error = ""
-        deployment.save(update_fields=["target_version", "state", "last_error", "updated_at"])
-        placements = _decide(list(deployment.placements.all()), state=PlacementState.PENDING, last_error="")
-        deployment.events.create(kind="switch_requested", message=f"switch to {version}", version=version)
-        record(
-            actor=actor,
-            team=deployment.team,
-            action="deployment.switch",
-            target=deployment,
-            details={"from": getattr(deployment.active_version, "number", None), "to": version.number},
-        )
-        transaction.on_commit(lambda: _enqueue(placements))
+        _begin_switch(actor, deployment, version, f"switch to {version}", staged)
     return deployment
+
+
+def _begin_switch(actor, deployment: Deployment, version: ModelVersion, message: str, also=()) -> None:
+    """The switch's writes (the caller holds the deployment's row lock and has checked it may switch)."""
+    deployment.target_version = version
+    deployment.state = DeploymentState.SWITCHING if deployment.active_version else DeploymentState.DEPLOYING
+    deployment.last_error = ""
+    deployment.save(update_fields=["target_version", "state", "last_error", "updated_at"])
+    placements = _decide(list(deployment.placements.all()), state=PlacementState.PENDING, last_error="")
+    deployment.events.create(kind="switch_requested", message=message, version=version)
+    record(
+        actor=actor,
+        team=deployment.team,
+        action="deployment.switch",
+        target=deployment,
+        details={"from": getattr(deployment.active_version, "number", None), "to": version.number},
+    )
+    transaction.on_commit(lambda: _enqueue([*placements, *also]))
+
+
+def stage_steps(step_deployments: list[Deployment]) -> list[DeploymentInstance]:
+    """A new decision on the placements of step deployments that get a companion version (an ensemble
+    version being deployed, switched or rolled out calls it): their agents load it beside the served one.
+    States unchanged; the caller enqueues the result once committed."""
+    placements = []
+    for deployment in step_deployments:
+        placements += _decide(list(deployment.placements.exclude(state=PlacementState.UNLOADED)))
+    return placements
+
+
+def follow_ensemble_steps() -> int:
+    """Step deployments follow the ensembles calling them: once every live ensemble calls a companion version
+    and none the step's own, the step switches to it (the old version unloads; the companion loaded and
+    answered beside it already); a companion no live ensemble calls any more is unloaded. Returns the step
+    deployments decided. Run after an ensemble's deployment settles, and by the rollouts' beat."""
+    decided = 0
+    for pk in ensembles.step_deployments_to_follow():
+        with transaction.atomic():
+            deployment = Deployment.objects.select_for_update().get(pk=pk)
+            if deployment.state != DeploymentState.SERVING or deployment.target_version_id:
+                continue
+            if Rollout.objects.live().filter(deployment=deployment).exists():
+                continue
+            pinned = ensembles.pinned_step_versions(deployment.model_id)
+            others = set(pinned) - {deployment.active_version_id}
+            if pinned and deployment.active_version_id not in pinned and len(others) == 1:
+                version = ModelVersion.objects.get(pk=others.pop())
+                _begin_switch(
+                    None,
+                    deployment,
+                    version,
+                    f"switch to {version}: the ensembles calling {deployment.model.slug} moved to it",
+                )
+                decided += 1
+                continue
+            if Rollout.objects.filter(deployment=deployment, canary_unload_at__isnull=False).exists():
+                continue  # an ended rollout's canary: the rollouts unload it
+            # Only a decision the agent has applied: a companion being unloaded is not decided again.
+            beside = deployment.placements.exclude(state=PlacementState.UNLOADED).filter(
+                canary_version__isnull=False, applied_generation=F("generation")
+            )
+            if beside.exclude(canary_version_id__in=list(pinned)).exists():
+                placements = redecide(deployment)
+                record_event(deployment, "companion_unloaded", "no live ensemble calls the version beside it")
+                transaction.on_commit(lambda placements=placements: _enqueue(placements))
+                decided += 1
+    return decided
 
 
 def undeploy(*, actor, deployment: Deployment) -> Deployment:
@@ -225,6 +278,9 @@ def _settle(deployment: Deployment) -> None:
     if {p.state for p in placements} & {PlacementState.PENDING, PlacementState.LOADING}:
         return
     target = deployment.target_version
+    if deployment.model.is_ensemble():
+        # Its steps follow it: a companion it no longer needs unloads, a step it moved switches.
+        transaction.on_commit(follow_ensemble_steps)
     if all(p.state == PlacementState.READY and p.served_version_id == target.pk for p in placements):
         switched = deployment.active_version is not None
         deployment.active_version, deployment.target_version = target, None
@@ -553,6 +609,8 @@ def serve_stable_alone(deployment_id: int) -> int:
     # then comes for an older generation and is dropped; the new decision takes the canary out).
     placements = redecide(deployment)
     transaction.on_commit(lambda: _enqueue(placements))
+    if deployment.model.is_ensemble():
+        transaction.on_commit(follow_ensemble_steps)
     return len(placements)
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from functools import cached_property
 
+from django.core.exceptions import ValidationError
 from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers, status
+from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from apps.registry import ensembles
@@ -35,6 +37,19 @@ class StepSerializer(serializers.Serializer):
     )
     input_map = serializers.DictField(child=serializers.CharField(max_length=128))
     output_map = serializers.DictField(child=serializers.CharField(max_length=128))
+
+
+class UpdateStepSerializer(serializers.Serializer):
+    from_version = serializers.IntegerField(
+        required=False,
+        min_value=1,
+        help_text="The ensemble version to start from; omit for the latest READY.",
+    )
+    step = serializers.CharField(
+        max_length=120, help_text="The step's position (0, 1, ...) or its model's slug."
+    )
+    version = serializers.IntegerField(min_value=1, help_text="The version of the step's model to call.")
+    note = serializers.CharField(required=False, allow_blank=True, max_length=2000)
 
 
 class ComposeSerializer(serializers.Serializer):
@@ -73,6 +88,33 @@ class EnsembleVersionViewSet(TeamScopedViewSet):
         spec = dict(serializer.validated_data)
         version = ensembles.compose_ensemble(
             actor=request.user, model=model, spec=_plain(spec), note=spec.get("note", "")
+        )
+        version = ModelVersion.objects.select_related("model__team").get(pk=version.pk)
+        return Response(ModelVersionSerializer(version).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=UpdateStepSerializer, responses={201: ModelVersionSerializer})
+    @action(detail=False, methods=["post"], url_path="update-step")
+    def update_step(self, request, team_slug=None, model_slug=None):
+        """A new ensemble version with one step pinned to another version (roll it out like any version)."""
+        model = self.registered_model
+        serializer = UpdateStepSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        versions = model.versions.ready()
+        base = (
+            versions.filter(number=data["from_version"]).first()
+            if "from_version" in data
+            else versions.order_by("-number").first()
+        )
+        if base is None:
+            raise ValidationError({"from_version": [f"{model.slug} has no such READY version."]})
+        step = data["step"]
+        version = ensembles.update_step(
+            actor=request.user,
+            version=base,
+            step=int(step) if step.isdigit() else step,
+            step_version=data["version"],
+            note=data.get("note", ""),
         )
         version = ModelVersion.objects.select_related("model__team").get(pk=version.pk)
         return Response(ModelVersionSerializer(version).data, status=status.HTTP_201_CREATED)

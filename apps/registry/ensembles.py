@@ -301,6 +301,10 @@ def compose_ensemble(*, actor, model: RegisteredModel, spec: dict, note: str = "
             {"kind": [f"{model.slug} is a model, not an ensemble: create a model of kind 'ensemble' for it."]}
         )
     prepared = prepare_ensemble(model, config_from_spec(model, spec))
+    return _new_version(actor=actor, model=model, prepared=prepared, note=note, action="ensemble.composed")
+
+
+def _new_version(*, actor, model: RegisteredModel, prepared: PreparedEnsemble, note: str, action: str):
     with transaction.atomic():
         locked = RegisteredModel.objects.select_for_update().select_related("team").get(pk=model.pk)
         number = (locked.versions.aggregate(n=Max("number"))["n"] or 0) + 1
@@ -312,11 +316,48 @@ def compose_ensemble(*, actor, model: RegisteredModel, spec: dict, note: str = "
             created_by=actor if getattr(actor, "is_authenticated", False) else None,
         )
         try:
-            store_ensemble(actor=actor, version=version, prepared=prepared, action="ensemble.composed")
+            store_ensemble(actor=actor, version=version, prepared=prepared, action=action)
         except BaseException:
             shutil.rmtree(version.storage_dir(), ignore_errors=True)
             raise
     return version
+
+
+def update_step(
+    *, actor, version: ModelVersion, step: str | int, step_version: int, note: str = ""
+) -> ModelVersion:
+    """A new version of ``version``'s ensemble with the same wiring, one step pinned to another version of
+    its model: ``step`` is the step's position or its model's slug (the first step calling it). The wiring
+    is checked again against that version's signature, as any new ensemble version."""
+    model = version.model
+    if not model.is_ensemble() or version.source_format != SourceFormat.ENSEMBLE:
+        raise ValidationError({"version": [f"{version} is not an ensemble version."]})
+    try:
+        cfg = gc.parse_config(version.config_text)
+    except gc.ConfigError as exc:
+        raise ValidationError(exc.as_dict()) from None
+    steps = list(version.ensemble_steps.select_related("step_version__model").order_by("position"))
+    if isinstance(step, int) and not isinstance(step, bool):
+        found = next((s for s in steps if s.position == step), None)
+    else:
+        found = next((s for s in steps if s.step_version.model.slug == step), None)
+    if found is None:
+        names = ", ".join(f"{s.position} ({s.step_version.model.slug})" for s in steps)
+        raise ValidationError({"step": [f"{version} has no step {str(step)[:60]!r}; its steps: {names}."]})
+    current = found.step_version
+    if current.number == step_version:
+        raise ValidationError(
+            {"version": [f"step[{found.position}] already calls {current}; pick another version."]}
+        )
+    cfg.ensemble_scheduling.step[found.position].model_version = step_version
+    prepared = prepare_ensemble(model, cfg)
+    text = (
+        note
+        or f"v{version.number} with step[{found.position}] {current.model.slug} v{current.number} -> v{step_version}"
+    )
+    return _new_version(
+        actor=actor, model=model, prepared=prepared, note=text, action="ensemble.step_updated"
+    )
 
 
 def ensemble_kind_matches(model: RegisteredModel, fmt: str) -> str:

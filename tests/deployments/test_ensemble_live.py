@@ -4,19 +4,15 @@ through the gateway with a raw uint8 image, answering top-5 equal to calling the
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import numpy as np
-import onnx
 import pytest
 
-from apps.registry import services as registry
-from apps.registry.models import ModelVersion, SourceFormat, VersionState
+from apps.registry.models import VersionState
 from apps.teams import services as teams
-from backend_ge import examples
-from backend_ge.convert import prepare_onnx
 from tests.conftest import wait_for
+from tests.deployments.ensemble_live import BUILDERS, converted_step, infer
 from tests.registry.ensemble_builders import ensemble_model, seed_ensemble_dir, tar_of
 from tests.registry.uploads import upload
 from tests.support.servers import deploy, ready_instance
@@ -27,46 +23,6 @@ pytestmark = [
     pytest.mark.django_db(transaction=True),
     pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed"),
 ]
-
-BUILDERS = {
-    "preprocess": examples.build_preprocess,
-    "resnet50": examples.build_resnet50,
-    "postprocess": examples.build_postprocess,
-}
-
-
-def converted_step(owner, team, slug: str, scratch) -> ModelVersion:
-    """The seed's step as a READY version through the real ONNX preparation, batching up to 32 as the seed."""
-    model = registry.create_model(actor=owner, team=team, name=slug, slug=slug)
-    version = ModelVersion.objects.create(
-        model=model,
-        number=1,
-        state=VersionState.CONVERTING,
-        source_format=SourceFormat.ONNX,
-        created_by=owner,
-    )
-    source = scratch / f"{slug}.onnx"
-    onnx.save_model(BUILDERS[slug](), source)
-    version.servable_dir().parent.mkdir(parents=True, exist_ok=True)
-    prepared = prepare_onnx(
-        source, version.servable_dir() / "1", name=model.triton_model_name(), max_batch_size=32
-    )
-    version.signature = prepared.signature.to_dict()
-    version.config_text = (version.servable_dir() / "config.pbtxt").read_text()
-    version.state = VersionState.READY
-    version.save()
-    return version
-
-
-def infer(gateway, model: str, token: str, name: str, array: np.ndarray, datatype: str) -> dict:
-    body = {
-        "inputs": [
-            {"name": name, "shape": list(array.shape), "datatype": datatype, "data": array.ravel().tolist()}
-        ]
-    }
-    status, answer = gateway.request("POST", f"/v2/models/{model}/infer", token, json.dumps(body).encode())
-    assert status == 200, (status, answer)
-    return {o["name"]: np.array(o["data"]).reshape(o["shape"]) for o in answer["outputs"]}
 
 
 def test_seed_ensemble_uploaded_deployed_and_called_through_the_gateway(

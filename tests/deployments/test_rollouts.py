@@ -138,7 +138,7 @@ def test_weight_leaves_0_only_once_every_ready_placement_serves_the_canary(
     owner, owner_client, deployment, canary, shared_host, enqueued
 ):
     rollout = rollouts.start_rollout(actor=owner, deployment=deployment, canary=canary, step_interval_s=2)
-    assert rollouts.check_rollouts() == {"unloaded": 0, "begun": 0, "checked": 0}
+    assert rollouts.check_rollouts() == {"unloaded": 0, "begun": 0, "checked": 0, "steps": 0}
     report_canary(rollout)
     placement = deployment.placements.get()
     assert placement.canary_version == canary and placement.served_version.number == 1
@@ -287,7 +287,7 @@ def test_the_beat_schedule_runs_the_registered_rollout_task(settings):
     entry = settings.CELERY_BEAT_SCHEDULE["check-rollouts"]
     assert entry["task"] == check_rollouts.name
     assert entry["schedule"].total_seconds() == settings.ROLLOUT_TICK_MS / 1000
-    assert check_rollouts.apply().get() == {"unloaded": 0, "begun": 0, "checked": 0}
+    assert check_rollouts.apply().get() == {"unloaded": 0, "begun": 0, "checked": 0, "steps": 0}
 
 
 @pytest.mark.django_db(transaction=True)
