@@ -171,12 +171,14 @@ def _hold_lines(o: Options) -> list[str]:
     return [
         f"    http-request set-var(txn.sleepy) var(txn.model),map({o.map_file('sleepy')}) if model_call",
         f"    http-request lua.hold_asleep_grpc {timeout_s * 1000} if model_call {{ var(txn.sleepy) -m found }}",
-        grpc_error(
+        "    "
+        + refusal(
             14,
             f"model '%[var(txn.model)]' is scaled to zero and no replica became ready within the activation "
             f"timeout ({timeout_s} s); retry later",
         )
         + " if { var(txn.wake_failed) -m found }",
+        answer(),
     ]
 
 
