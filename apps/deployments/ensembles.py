@@ -70,7 +70,9 @@ def check_steps_served(version: ModelVersion, instances: list[TritonInstance]) -
 
 def _live_ensemble_versions() -> dict[int, set[int]]:
     """{ensemble version id: the instance ids it is placed on} for every version a live ensemble deployment
-    serves, switches to, or rolls out (stable and canary)."""
+    serves, switches to, or rolls out (stable and canary) - and every version its agents still report loaded
+    on a placement: an ended rollout's canary keeps calling its steps until its agent has unloaded it, so a
+    rolled-back companion step version stays loaded until then."""
     out: dict[int, set[int]] = {}
     live = (
         Deployment.objects.filter(model__kind=ModelKind.ENSEMBLE)
@@ -79,10 +81,15 @@ def _live_ensemble_versions() -> dict[int, set[int]]:
     )
     canaries = dict(Rollout.objects.live().values_list("deployment_id", "canary_version_id"))
     for deployment in live:
-        instances = {p.instance_id for p in deployment.placements.all() if p.state != PlacementState.UNLOADED}
+        placed = [p for p in deployment.placements.all() if p.state != PlacementState.UNLOADED]
+        instances = {p.instance_id for p in placed}
         for pk in (deployment.active_version_id, deployment.target_version_id, canaries.get(deployment.pk)):
             if pk:
                 out.setdefault(pk, set()).update(instances)
+        for p in placed:
+            for pk in (p.served_version_id, p.canary_version_id):
+                if pk:
+                    out.setdefault(pk, set()).add(p.instance_id)
     return out
 
 

@@ -446,6 +446,10 @@ def placement_loaded(
         if kind:
             _placement_event(deployment, instance_id, kind, message, version=version)
         _settle(deployment)
+        if canary is None and deployment.model.is_ensemble():
+            # An ensemble version it no longer serves here (an ended rollout's canary, an old version after
+            # a switch) no longer calls its steps: a companion only it called can unload.
+            transaction.on_commit(follow_ensemble_steps)
         return True
 
 

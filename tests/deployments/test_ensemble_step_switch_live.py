@@ -15,6 +15,7 @@ import urllib.request
 import numpy as np
 import pytest
 
+from apps.deployments import rollouts
 from apps.deployments.models import Deployment, DeploymentState
 from apps.registry.models import VersionState
 from tests.conftest import requires_chromium, wait_for
@@ -264,3 +265,74 @@ def test_the_playground_runs_the_ensemble_from_its_signature(
     page.click("#playground-run")
     page.wait_for_selector("#playground-result :text('predictions')", timeout=60_000)
     assert "scores" in page.inner_text("#playground-result")
+
+
+@pytest.mark.timeout(600)
+def test_a_rolled_back_step_switch_unloads_the_companion_under_load(
+    owner, team, owner_client, start_agent, start_gateway, make_token, tmp_path, settings
+):
+    """The ensemble's new version (resnet50 v2) rolled out as a canary, then rolled back: resnet50 v2 was
+    loaded beside v1 for the canary and is unloaded once the canary is; v1 of both serves throughout."""
+    settings.ROLLOUT_UNLOAD_DELAY_S = 0
+    agent, instance, ensemble = seed_pipeline_serving(owner, team, owner_client, start_agent, tmp_path)
+    resnet = Deployment.objects.get(model__slug="resnet50")
+    converted_step(owner, team, "resnet50", tmp_path, number=2)
+    made = owner_client.post(
+        "/api/v1/teams/vision/models/classify/ensemble-versions/update-step/",
+        {"step": "resnet50", "version": 2},
+        format="json",
+    )
+    assert made.status_code == 201, made.json()
+    _, token = make_token(name="load")
+    gateway = start_gateway()
+    wait_for(lambda: gateway.get("/v2/models/vision__classify/ready", token)[0] == 200, 30, "the route")
+    image = np.random.default_rng(22).integers(0, 256, (1, 224, 224, 3), dtype=np.uint8)
+
+    with Load(gateway, token, image) as load:
+        wait_for(lambda: load.sent_at_least(5), 60, "the load to start")
+        started = owner_client.post(
+            f"/api/v1/teams/vision/deployments/{ensemble.pk}/rollouts/", {"version": 2}, format="json"
+        )
+        assert started.status_code == 201, started.json()
+
+        def canary_loaded() -> bool:
+            placement = Deployment.objects.get(pk=ensemble.pk).placements.get()
+            return placement.canary_version is not None and placement.canary_version.number == 2
+
+        try:
+            wait_for(canary_loaded, 240, "the ensemble's canary v2 (and resnet50 v2 beside v1) to load")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{describe(ensemble, resnet)}\n{agent.output()[-3000:]}") from None
+        assert loaded_versions(instance)["vision__resnet50"] == ["1", "2"]
+        aborted = owner_client.post(
+            f"/api/v1/teams/vision/deployments/{ensemble.pk}/rollouts/{started.json()['id']}/abort/"
+        )
+        assert aborted.status_code == 200, aborted.json()
+
+        def rolled_back() -> bool:
+            rollouts.check_rollouts()  # the beat's work: unload the ended canary, steps follow
+            loaded = loaded_versions(instance)
+            r = Deployment.objects.get(pk=resnet.pk)
+            return (
+                loaded.get("vision__classify") == ["1"]
+                and loaded.get("vision__resnet50") == ["1"]
+                and r.placements.get().canary_version_id is None
+                and r.placements.get().is_applied()
+            )
+
+        try:
+            wait_for(rolled_back, 180, "the canary and its companion step version to unload", interval=0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{describe(ensemble, resnet)}\n{agent.output()[-3000:]}") from None
+        settled_at = load.sent
+        wait_for(lambda: load.sent_at_least(settled_at + 10), 60, "requests after the rollback")
+    assert load.failures == [], load.failures[:5]
+    r = Deployment.objects.get(pk=resnet.pk)
+    e = Deployment.objects.get(pk=ensemble.pk)
+    assert r.state == e.state == DeploymentState.SERVING
+    assert r.active_version.number == 1 and e.active_version.number == 1
+    assert r.events.filter(kind="companion_unloaded").exists()
+    print(
+        f"step switch through the ensemble rolled back: {load.sent} requests, {len(load.failures)} failed, "
+        f"the slowest answered in {load.slowest_s:.1f} s"
+    )
