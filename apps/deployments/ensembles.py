@@ -15,10 +15,12 @@ Read-only; the deployments' rows are written by ``apps.deployments.services``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from django.core.exceptions import ValidationError
 
 from apps.core.exceptions import Conflict
-from apps.deployments.models import Deployment, DeploymentState, PlacementState, Rollout
+from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState, Rollout
 from apps.fleet.models import TritonInstance
 from apps.registry.models import EnsembleStep, ModelKind, ModelVersion
 
@@ -176,3 +178,131 @@ def check_no_ensemble_depends(deployment: Deployment, action: str, keep: ModelVe
                 ]
             }
         )
+
+
+# --- Placing an ensemble's replicas with its steps (the scheduler decides, ``apps.deployments.scheduler``) --
+
+
+@dataclass
+class StepPlacing:
+    """What placing an ensemble replica needs of one step: the step's live deployment, the instances where it
+    has a replica that counts, and the memory a replica of the step or the pinned version beside it needs."""
+
+    position: int
+    pinned: ModelVersion
+    deployment: Deployment
+    placed: set[int] = field(default_factory=set)
+    # The pinned version is not the step deployment's own (a companion loads beside it): its memory on top.
+    companion_mb: int = 0
+    # A new replica of the step's deployment (its own version, plus the companion).
+    new_mb: int = 0
+    # Where a replica of the step may be added: None for any pool the team may use, else these pool ids
+    # (none for a deployment on instances picked by hand: it only serves where it was put).
+    pools: set[int] | None = None
+    short: int = (
+        0  # replicas the step's deployment lacks: a replica placed with the ensemble fills them first
+    )
+
+    def label(self) -> str:
+        return f"step[{self.position}] ({self.pinned})"
+
+    def addable_in(self, pool_id: int) -> bool:
+        return self.pools is None or pool_id in self.pools
+
+
+def check_steps_deployed(version: ModelVersion) -> list[Deployment]:
+    """An ensemble version placed by the scheduler needs each step deployed (anywhere in a pool the scheduler
+    may use): serving the pinned version, or able to load it beside its own (SERVING, no rollout or switch of
+    its own). A 400 naming each step that is not. Returns the step deployments."""
+    problems, found = [], []
+    for step in version.ensemble_steps.select_related("step_version__model").order_by("position"):
+        pinned = step.step_version
+        deployment = Deployment.objects.filter(model_id=pinned.model_id).exclude(state__in=LIVE).first()
+        if deployment is None:
+            problems.append(
+                f"step[{step.position}] ({pinned}) is not deployed: deploy {pinned.model.slug} first (the "
+                "scheduler places the ensemble where its steps serve, adding a replica of a step where needed)"
+            )
+            continue
+        own = pinned.pk in (deployment.active_version_id, deployment.target_version_id)
+        if not own and (
+            deployment.state != DeploymentState.SERVING
+            or deployment.target_version_id
+            or Rollout.objects.live().filter(deployment=deployment).exists()
+        ):
+            problems.append(
+                f"step[{step.position}] ({pinned}): its deployment serves another version and is "
+                f"{deployment.state}{' with a switch or rollout of its own' if deployment.state == DeploymentState.SERVING else ''}; "
+                "the pinned version can be loaded beside it once it is SERVING alone"
+            )
+            continue
+        found.append(deployment)
+    if problems:
+        raise ValidationError({"steps": problems})
+    return found
+
+
+def steps_for_placing(version: ModelVersion) -> list[StepPlacing]:
+    """Each step of the ensemble version with its live deployment and where it counts a replica (the caller
+    holds the step deployments' row locks). A step with no live deployment is left out (the deploy checked
+    ``check_steps_deployed``; one undeployed since is refused by the 409 of its undeploy)."""
+    out = []
+    for step in version.ensemble_steps.select_related("step_version").order_by("position"):
+        pinned = step.step_version
+        deployment = Deployment.objects.filter(model_id=pinned.model_id).exclude(state__in=LIVE).first()
+        if deployment is None:
+            continue
+        counted = deployment.placements.filter(retiring_reason="").exclude(state=PlacementState.UNLOADED)
+        placed = set(counted.values_list("instance_id", flat=True))
+        own = {deployment.active_version_id, deployment.target_version_id} - {None}
+        sizes = {
+            v.pk: v.footprint_estimate_mb()
+            for v in ModelVersion.objects.filter(pk__in=own | {pinned.pk}).only(
+                "pk", "footprint_mb", "size_bytes"
+            )
+        }
+        companion = 0 if pinned.pk in own else sizes[pinned.pk]
+        out.append(
+            StepPlacing(
+                position=step.position,
+                pinned=pinned,
+                deployment=deployment,
+                placed=placed,
+                companion_mb=companion,
+                new_mb=sum(sizes[pk] for pk in own) + companion,
+                pools=set() if deployment.pinned else ({deployment.pool_id} if deployment.pool_id else None),
+                short=max(0, deployment.replicas - len(placed)) if not deployment.pinned else 0,
+            )
+        )
+    return out
+
+
+def replicas_calling(model_id: int, instance_ids: set[int], *, counted_only: bool = False):
+    """The placements, on these instances, of live ensemble deployments (not unloaded yet; ``counted_only``:
+    nor being replaced) that call a version of the model ``model_id``: a step replica there must stay until
+    they are gone, and moves with them."""
+    calling = EnsembleStep.objects.filter(step_version__model_id=model_id).values_list(
+        "ensemble_version__model_id", flat=True
+    )
+    rows = (
+        DeploymentInstance.objects.filter(instance_id__in=instance_ids, deployment__model_id__in=calling)
+        .exclude(state=PlacementState.UNLOADED)
+        .exclude(deployment__state=DeploymentState.UNDEPLOYED)
+    )
+    return rows.filter(retiring_reason="") if counted_only else rows
+
+
+def instances_calling(model_id: int, instance_ids: set[int], *, counted_only: bool = False) -> set[int]:
+    """Of these instances, those where an ensemble replica calls the model (``replicas_calling``)."""
+    rows = replicas_calling(model_id, instance_ids, counted_only=counted_only)
+    return set(rows.values_list("instance_id", flat=True))
+
+
+def step_model_ids_of(deployment: Deployment) -> set[int]:
+    """The models an ensemble deployment's versions (served and switched to) call."""
+    versions = {deployment.active_version_id, deployment.target_version_id} - {None}
+    return set(
+        EnsembleStep.objects.filter(ensemble_version_id__in=versions).values_list(
+            "step_version__model_id", flat=True
+        )
+    )

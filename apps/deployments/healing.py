@@ -16,12 +16,13 @@ The decisions are ``apps.deployments.scheduler``'s; a deployment's state follows
 from __future__ import annotations
 
 from django.db import transaction
-from django.db.models import Count, F, Q
+from django.db.models import Case, Count, F, Q, Value, When
 
-from apps.deployments import autoscaling, scheduler, services
+from apps.deployments import autoscaling, ensembles, scheduler, services
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet import pools
 from apps.fleet.models import Host, TritonInstance
+from apps.registry.models import ModelKind
 
 
 def _locked(deployment_id: int) -> Deployment | None:
@@ -34,19 +35,23 @@ def _retire(deployment_id: int, items: list[tuple[int, str]]) -> int:
         deployment = _locked(deployment_id)
         if deployment is None:
             return 0
+        settled: set[int] = set()
         fresh = {p.pk: p for p in deployment.placements.filter(pk__in=[pk for pk, _ in items], retiring_reason="")
                  .select_related("instance__host")}  # fmt: skip
         by_reason: dict[str, list[DeploymentInstance]] = {}
         for pk, why in items:
             if pk in fresh:
                 by_reason.setdefault(why, []).append(fresh[pk])
+        steps = []
         for why, placements in by_reason.items():
-            scheduler.retire(deployment, placements, why)
+            steps += scheduler.retire(deployment, placements, why)
         placed = scheduler.place_replicas(deployment)
         transaction.on_commit(lambda: scheduler.enqueue(placed))
-        if fresh:
-            # The deployment's state follows from the replicas that still count.
-            services.placement_finished(next(iter(fresh.values())))
+        # The deployments' states follow from the replicas that still count (an ensemble's steps moved too).
+        for placement in [*fresh.values(), *steps]:
+            if placement.deployment_id not in settled:
+                settled.add(placement.deployment_id)
+                services.placement_finished(placement)
         return len(fresh)
 
 
@@ -69,14 +74,22 @@ def _drain_one(where: Q, why: str) -> int:
     on_it = live_on(where)
     if on_it.exclude(retiring_reason="").exists():
         return 0  # a move is in flight: its replacement serves, then the old one unloads, then the next
-    nxt = (
+    movable = (
         on_it.filter(retiring_reason="", deployment__pinned=False)
         .exclude(deployment__state__in=scheduler.GONE)
         .order_by("pk")
-        .values_list("pk", "deployment_id")
-        .first()
+        .values_list("pk", "deployment_id", "instance_id", "deployment__model_id")
     )
-    return _retire(nxt[1], [(nxt[0], why)]) if nxt is not None else 0
+    for pk, deployment_id, instance_id, model_id in movable:
+        # A step's replica under an ensemble replica moves with it: the ensemble's is moved (and takes its
+        # steps along); one under a pinned ensemble stays, as that ensemble does.
+        calling = ensembles.replicas_calling(model_id, {instance_id}, counted_only=True)
+        caller = calling.values_list("pk", "deployment_id", "deployment__pinned").order_by("pk").first()
+        if caller is None:
+            return _retire(deployment_id, [(pk, why)])
+        if not caller[2]:
+            return _retire(caller[1], [(caller[0], why)])
+    return 0
 
 
 def drain_next() -> int:
@@ -99,8 +112,14 @@ def remove_unwanted_instances() -> int:
     return pools.remove_unwanted(emptied) if emptied else 0
 
 
+def ensembles_first():
+    """Ensembles before models: an ensemble's replica placed again takes the replicas its steps lost with it
+    (``scheduler._place_steps_with``), instead of each step placing its own wherever it fits."""
+    return Case(When(model__kind=ModelKind.ENSEMBLE, then=Value(0)), default=Value(1))
+
+
 def short_of_replicas() -> list[int]:
-    """Scheduled live deployments with fewer counted replicas than they ask for."""
+    """Scheduled live deployments with fewer counted replicas than they ask for (ensembles first)."""
     counted = Count(
         "placements",
         filter=Q(placements__retiring_reason="") & ~Q(placements__state=PlacementState.UNLOADED),
@@ -110,7 +129,7 @@ def short_of_replicas() -> list[int]:
         .exclude(state__in=scheduler.GONE)
         .annotate(counted=counted)
         .filter(counted__lt=F("replicas"))
-        .order_by("pk")
+        .order_by(ensembles_first(), "pk")
         .values_list("pk", flat=True)
     )
 
@@ -123,8 +142,10 @@ def with_retired_replicas() -> list[int]:
 
 def tick() -> dict[str, int]:
     counts = {"retired": 0, "drained": 0, "removed_instances": 0, "placed": 0, "released": 0}
-    for deployment_id, items in scheduler.lost_placements().items():
-        counts["retired"] += _retire(deployment_id, items)
+    lost = scheduler.lost_placements()
+    order = Deployment.objects.filter(pk__in=list(lost)).order_by(ensembles_first(), "pk")
+    for deployment_id in order.values_list("pk", flat=True):
+        counts["retired"] += _retire(deployment_id, lost[deployment_id])
     counts["drained"] = drain_next()
     counts["removed_instances"] = remove_unwanted_instances()
     for deployment_id in short_of_replicas():

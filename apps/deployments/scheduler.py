@@ -31,6 +31,7 @@ from django.db.models import Case, F, IntegerField, Q, Sum, Value, When
 from django.db.models.functions import Cast, Ceil, Coalesce
 from django.utils import timezone
 
+from apps.deployments import ensembles
 from apps.deployments.models import (
     Deployment,
     DeploymentEvent,
@@ -96,28 +97,39 @@ def choose(
     taken_instances: Iterable[int] = (),
     pool_name: str = "the pool",
     policy: str = PlacementPolicy.SPREAD,
+    need_of: Callable[[Candidate], int | None] | None = None,
 ) -> Choice:
     """Pick ``count`` instances for replicas of ``need_mb`` each. Pure: ``candidates`` are updated in place
     (their used memory grows by what was placed), nothing is read or written. ``taken_*``: where the
     deployment's other replicas run (never two on one instance; with spread=host, one per host while the
-    pool has at least ``replicas`` hosts)."""
+    pool has at least ``replicas`` hosts). ``need_of``: what a replica needs on that instance when it
+    differs by instance (an ensemble: itself, plus the steps not placed there yet; None: it cannot go
+    there); instances needing no more than ``need_mb`` come first."""
     hosts, instances = set(taken_hosts), set(taken_instances)
     strict = spread == Spread.HOST and len({c.host_id for c in candidates}) >= replicas
     chosen: list[Candidate] = []
     reason = ""
+
+    def need(c: Candidate) -> int | None:
+        return need_mb if need_of is None else need_of(c)
+
     for _ in range(count):
         open_ = [c for c in candidates if c.instance_id not in instances]
         if strict:
             open_ = [c for c in open_ if c.host_id not in hosts]
-        fits = [c for c in open_ if c.free_mb >= need_mb]
+        fits = [c for c in open_ if need(c) is not None and c.free_mb >= need(c)]
         if not fits:
-            reason = _why_not(open_, candidates, need_mb, pool_name, strict)
+            reason = _why_not(open_, candidates, need_mb, pool_name, strict, need_of)
             break
-        # With spread=host, a host without a replica first; then by the pool's policy - ``spread``: the least
-        # loaded (most free), ``binpack``: the most loaded that still fits (least free); the id breaks ties.
+        # With spread=host, a host without a replica first; then an instance that needs nothing placed
+        # beside the replica (an ensemble's steps already there); then by the pool's policy - ``spread``: the
+        # least loaded (most free), ``binpack``: the most loaded that still fits (least free); the id breaks
+        # ties.
         sign = 1 if policy == PlacementPolicy.BINPACK else -1
-        best = min(fits, key=lambda c: (c.host_id in hosts, sign * c.free_mb, c.instance_id))
-        best.used_mb += need_mb
+        best = min(
+            fits, key=lambda c: (c.host_id in hosts, need(c) > need_mb, sign * c.free_mb, c.instance_id)
+        )
+        best.used_mb += need(best)
         hosts.add(best.host_id)
         instances.add(best.instance_id)
         chosen.append(best)
@@ -126,7 +138,12 @@ def choose(
 
 
 def _why_not(
-    open_: list[Candidate], every: list[Candidate], need_mb: int, pool_name: str, strict: bool
+    open_: list[Candidate],
+    every: list[Candidate],
+    need_mb: int,
+    pool_name: str,
+    strict: bool,
+    need_of: Callable[[Candidate], int | None] | None = None,
 ) -> str:
     if not every:
         return (
@@ -134,6 +151,19 @@ def _why_not(
         )
     if not open_:
         return f"every schedulable host of {pool_name} already has a replica (spread=host)"
+    if need_of is not None:
+        sized = [(c, need_of(c)) for c in open_]
+        possible = [(c, n) for c, n in sized if n is not None]
+        if not possible:
+            return (
+                f"no instance in {pool_name} serves its steps or may get a replica of each step it lacks "
+                "(a step deployed on chosen instances, or in another pool)"
+            )
+        best, n = min(possible, key=lambda item: (item[1] - item[0].free_mb, item[0].instance_id))
+        return (
+            f"no instance in {pool_name} has room for it with the steps it lacks there; the closest is "
+            f"{best.label}: needs {gib(n)}, {gib(max(0, best.free_mb))} free"
+        )
     largest = max(open_, key=lambda c: c.free_mb)
     where = " on a host without a replica" if strict and len(open_) < len(every) else ""
     return (
@@ -293,6 +323,8 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
         _set_pending(deployment, "")
         return []
     need = deployment_need_mb(deployment)
+    steps = _ensemble_steps(deployment)
+    needs: dict[int, int] = {}
     taken_hosts = {host_id for _, host_id in current}
     taken_instances = {instance_id for instance_id, _ in current}
     decided: list[tuple[Candidate, Pool, Choice]] = []
@@ -300,6 +332,7 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
     pools = pools_for(deployment)
     for pool in pools:
         candidates = candidates_in(pool, lock=True)
+        need_of = _need_with_steps(steps, need, pool) if steps is not None else None
         choice = choose(
             candidates,
             need_mb=need,
@@ -310,8 +343,10 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
             taken_instances=taken_instances,
             pool_name=pool.name,
             policy=pool.placement_policy,
+            need_of=need_of,
         )
         for candidate in choice.chosen:
+            needs[candidate.instance_id] = need_of(candidate) if need_of else need
             decided.append((candidate, pool, choice))
             taken_hosts.add(candidate.host_id)
             taken_instances.add(candidate.instance_id)
@@ -327,7 +362,9 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
             f"team {deployment.team.slug} may use no pool (staff create one: POST /api/v1/pools/ or the hosts "
             "page); or deploy on chosen instances"
         )
-    placements = _create_placements(deployment, decided, need, existing)
+    placements = _create_placements(deployment, decided, needs, existing)
+    if steps is not None:
+        placements += _place_steps_with(deployment, decided, steps)
     still = missing - len(decided)
     reason = f"{still} of {deployment.replicas} replica(s) pending: {'; '.join(reasons)}" if still else ""
     _set_pending(deployment, reason, need_mb=need)
@@ -338,10 +375,14 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
 
 
 def _create_placements(
-    deployment: Deployment, decided: list[tuple[Candidate, Pool, Choice]], need: int, existing: dict[int, int]
+    deployment: Deployment,
+    decided: list[tuple[Candidate, Pool, Choice]],
+    needs: dict[int, int],
+    existing: dict[int, int],
 ) -> list[DeploymentInstance]:
-    """The rows and events of the decisions, written in bulk. A replica placed again where an earlier one was
-    retired reuses its row (one row per instance)."""
+    """The rows and events of the decisions, written in bulk (``needs``: what each chosen instance gave,
+    by instance id). A replica placed again where an earlier one was retired reuses its row (one row per
+    instance)."""
     if not decided:
         return []
     reused = [existing[c.instance_id] for c, _, _ in decided if c.instance_id in existing]
@@ -377,9 +418,155 @@ def _create_placements(
             },
         )
         for candidate, pool, choice in decided
+        for need in [needs[candidate.instance_id]]
     )
     pks = reused + [p.pk for p in created]
     return list(DeploymentInstance.objects.filter(pk__in=pks).select_related("instance__host").order_by("pk"))
+
+
+# --- An ensemble and its steps: placed together, moved together --------------------------------------------
+# Triton runs an ensemble inside one server, calling its steps there: an ensemble's replica goes only where
+# every step version it calls is placed, or where the steps it lacks can be placed with it (the memory of
+# all of them checked together); those steps' deployments then get a replica there - filling replicas they
+# lack first (a lost host's), else one more replica each. Moving one (a lost host, a drain) moves them
+# together (``retire``), and a step's replica under a live ensemble replica is never released or removed.
+
+
+def _ensemble_steps(deployment: Deployment) -> list[ensembles.StepPlacing] | None:
+    """None for a model; for an ensemble, its version's steps with their deployments, row-locked (after the
+    ensemble's own lock, which the caller holds: always ensemble, then its steps by id)."""
+    if not deployment.model.is_ensemble():
+        return None
+    version = deployment.target_version or deployment.active_version
+    model_ids = set(version.ensemble_steps.values_list("step_version__model_id", flat=True))
+    list(
+        Deployment.objects.select_for_update()
+        .filter(model_id__in=model_ids)
+        .exclude(state__in=GONE)
+        .order_by("pk")
+        .values_list("pk", flat=True)
+    )
+    return ensembles.steps_for_placing(version)
+
+
+def _need_with_steps(
+    steps: list[ensembles.StepPlacing], base_mb: int, pool: Pool
+) -> Callable[[Candidate], int | None]:
+    """What an ensemble replica needs on an instance: itself, a pinned step version beside a step's own
+    where the step is placed, a whole replica of each step where it is not (None where one cannot go)."""
+
+    def need_of(candidate: Candidate) -> int | None:
+        total = base_mb
+        for step in steps:
+            if candidate.instance_id in step.placed:
+                total += step.companion_mb
+            elif step.addable_in(pool.pk):
+                total += step.new_mb
+            else:
+                return None
+        return total
+
+    return need_of
+
+
+def _place_steps_with(
+    ensemble: Deployment, decided: list[tuple[Candidate, Pool, Choice]], steps: list[ensembles.StepPlacing]
+) -> list[DeploymentInstance]:
+    """The steps' side of an ensemble's placement: a replica of each step it lacks on each chosen instance,
+    and a new decision where a step serves another version there (its agent loads the pinned one beside).
+    Returns the placements decided, for ``enqueue``."""
+    decided_rows: list[DeploymentInstance] = []
+    for candidate, pool, _ in decided:
+        for step in steps:
+            step_deployment = step.deployment
+            if candidate.instance_id in step.placed:
+                if step.companion_mb:
+                    rows = step_deployment.placements.filter(
+                        instance_id=candidate.instance_id, retiring_reason=""
+                    )
+                    pks = list(rows.values_list("pk", flat=True))
+                    DeploymentInstance.objects.filter(pk__in=pks).update(generation=F("generation") + 1)
+                    decided_rows += DeploymentInstance.objects.filter(pk__in=pks).select_related(
+                        "instance__host"
+                    )
+                continue
+            decided_rows += _add_step_replica(ensemble, step, candidate, pool)
+            step.placed.add(candidate.instance_id)
+    return decided_rows
+
+
+def _add_step_replica(
+    ensemble: Deployment, step: ensembles.StepPlacing, candidate: Candidate, pool: Pool
+) -> list[DeploymentInstance]:
+    step_deployment = step.deployment
+    row = step_deployment.placements.filter(instance_id=candidate.instance_id).first()
+    if row is not None:
+        DeploymentInstance.objects.filter(pk=row.pk).update(
+            generation=F("generation") + 1,
+            state=PlacementState.PENDING,
+            retiring_reason="",
+            unload=False,
+            last_error="",
+        )
+    else:
+        row = DeploymentInstance.objects.create(deployment=step_deployment, instance_id=candidate.instance_id)
+    grew = ""
+    if step.short > 0:
+        step.short -= 1  # a replica it lacked (its own was on a lost or drained instance)
+    else:
+        before = step_deployment.replicas
+        step_deployment.replicas = before + 1
+        step_deployment.save(update_fields=["replicas", "updated_at"])
+        grew = f"; its replicas {before} -> {step_deployment.replicas}"
+    if step_deployment.state == DeploymentState.PENDING:
+        step_deployment.state = DeploymentState.DEPLOYING
+        step_deployment.save(update_fields=["state", "updated_at"])
+    step_deployment.events.create(
+        kind="placed",
+        message=(
+            f"replica placed on {candidate.label} in {pool.name} with a replica of ensemble "
+            f"{ensemble.model.slug}, which calls {step.pinned} there: needs {gib(step.new_mb)}{grew}"
+        ),
+        instance_id=candidate.instance_id,
+        details={
+            "pool": pool.name,
+            "ensemble": ensemble.pk,
+            "ensemble_model": ensemble.model.slug,
+            "step": step.position,
+            "need_mb": step.new_mb,
+            "instance_free_mb_after": candidate.free_mb,
+            "capacity_mb": candidate.capacity_mb,
+            "replicas": step_deployment.replicas,
+        },
+    )
+    if step.short == 0:
+        _set_pending(step_deployment, "")
+    return list(DeploymentInstance.objects.filter(pk=row.pk).select_related("instance__host"))
+
+
+def _retire_steps_with(ensemble: Deployment, placements: list[DeploymentInstance], reason: str) -> list:
+    """An ensemble's replicas being replaced take their steps' replicas on the same instances with them,
+    unless another ensemble replica that stays there calls the step. Returns the step placements retired."""
+    instance_ids = {p.instance_id for p in placements}
+    model_ids = ensembles.step_model_ids_of(ensemble)
+    step_deployments = list(
+        Deployment.objects.select_for_update()
+        .filter(model_id__in=model_ids, pinned=False)
+        .exclude(state__in=GONE)
+        .order_by("pk")
+    )
+    retired = []
+    for step_deployment in step_deployments:
+        staying = ensembles.instances_calling(step_deployment.model_id, instance_ids, counted_only=True)
+        rows = list(
+            counted(step_deployment)
+            .filter(instance_id__in=instance_ids - staying)
+            .select_related("instance__host")
+        )
+        if rows:
+            retire(step_deployment, rows, f"moves with ensemble {ensemble.model.slug}'s replica: {reason}")
+            retired += rows
+    return retired
 
 
 def _set_pending(deployment: Deployment, reason: str, **details) -> None:
@@ -398,9 +585,11 @@ def _set_pending(deployment: Deployment, reason: str, **details) -> None:
         deployment.events.create(kind="scheduled", message=f"all {deployment.replicas} replica(s) placed")
 
 
-def retire(deployment: Deployment, placements: list[DeploymentInstance], reason: str) -> None:
+def retire(deployment: Deployment, placements: list[DeploymentInstance], reason: str) -> list:
     """These replicas are to be replaced (their host is lost, revoked or draining, or their instance is
-    quarantined): they stop counting, and stay loaded until their replacements serve (``release_retired``)."""
+    quarantined): they stop counting, and stay loaded until their replacements serve (``release_retired``).
+    An ensemble's replicas take their steps' replicas on the same instances along (``_retire_steps_with``);
+    returns those step placements (their deployments' states follow from them)."""
     for placement in placements:
         DeploymentInstance.objects.filter(pk=placement.pk).update(retiring_reason=reason[:200])
         deployment.events.create(
@@ -409,6 +598,9 @@ def retire(deployment: Deployment, placements: list[DeploymentInstance], reason:
             instance_id=placement.instance_id,
             details={"reason": reason},
         )
+    if placements and deployment.model.is_ensemble():
+        return _retire_steps_with(deployment, placements, reason)
+    return []
 
 
 def release_retired(deployment: Deployment) -> list[DeploymentInstance]:
@@ -424,6 +616,11 @@ def release_retired(deployment: Deployment) -> list[DeploymentInstance]:
         return []
     ready = counted(deployment).filter(state=PlacementState.READY).count()
     if ready < deployment.replicas:
+        return []
+    # A step's replica stays loaded while an ensemble replica on its instance (being replaced too) calls it.
+    calling = ensembles.instances_calling(deployment.model_id, {p.instance_id for p in retired})
+    retired = [p for p in retired if p.instance_id not in calling]
+    if not retired:
         return []
     pks = [p.pk for p in retired]
     DeploymentInstance.objects.filter(pk__in=pks).update(generation=F("generation") + 1, unload=True)
@@ -442,7 +639,10 @@ def remove_replicas(deployment: Deployment, keep: int, reason: str) -> list[Depl
     then the newest. Their memory counts until their agents report them unloaded. Returns the placements
     decided, for ``enqueue``."""
     current = list(counted(deployment))
-    surplus = sorted(current, key=lambda p: (p.state == PlacementState.READY, -p.pk))[
+    # A step's replica that an ensemble replica on its instance calls is not removed from under it.
+    calling = ensembles.instances_calling(deployment.model_id, {p.instance_id for p in current})
+    removable = [p for p in current if p.instance_id not in calling]
+    surplus = sorted(removable, key=lambda p: (p.state == PlacementState.READY, -p.pk))[
         : max(0, len(current) - keep)
     ]
     pks = [p.pk for p in surplus]

@@ -74,18 +74,12 @@ def deploy_version(
     pinned = bool(instances)
     if pinned:
         check_instances_usable(model.team, instances)
-    elif model.is_ensemble():
-        # Triton runs an ensemble inside the server of its steps: it goes where they serve, not where the
-        # scheduler finds room.
-        raise ValidationError(
-            {
-                "instances": [
-                    "An ensemble is deployed on the instances where its steps serve: give `instances`."
-                ]
-            }
-        )
     else:
         scheduler.check_intent(model.team, replicas=replicas, pool=pool, spread=spread)
+        if model.is_ensemble():
+            # Triton runs an ensemble inside the server of its steps: the scheduler places each replica
+            # where its steps serve, or places the steps it lacks there with it.
+            ensembles.check_steps_deployed(version)
     with transaction.atomic():
         lock_servable(version)
         if (
@@ -98,7 +92,7 @@ def deploy_version(
                 {"model": [f"{model} is already deployed; switch its version or undeploy it first."]}
             )
         check_quota(model.team, model, instances or [], 0 if pinned else replicas)
-        staged = stage_steps(check_steps_served(version, instances or []))
+        staged = stage_steps(check_steps_served(version, instances)) if pinned else []
         deployment = Deployment.objects.create(
             team=model.team,
             model=model,
