@@ -88,6 +88,23 @@ def test_an_ensemble_without_its_steps_deployed_is_a_400_naming_the_steps(owner,
     assert "step[0] (preprocess v1) is not deployed" in text and "step[2] (postprocess v1)" in text
 
 
+def test_a_step_switching_by_itself_cannot_take_another_version_beside_it_400(owner, pipeline, pool):
+    steps, version = pipeline
+    pool_instance(pool, "h1", 18100)
+    step_deployments = {s: deploy(owner, v, replicas=1, pool=pool) for s, v in steps.items()}
+    ready_everywhere(*step_deployments.values())
+    resnet_v2 = sized(ready_step(steps["resnet50"].model), 300)
+    v2 = ensembles.update_step(actor=owner, version=version, step="resnet50", step_version=resnet_v2.number)
+    resnet = step_deployments["resnet50"]
+    resnet_v3 = ready_step(steps["resnet50"].model)
+    Deployment.objects.filter(pk=resnet.pk).update(state=DeploymentState.SWITCHING, target_version=resnet_v3)
+    with pytest.raises(services.ValidationError) as refused:
+        deploy(owner, v2, replicas=1, pool=pool)
+    text = " ".join(refused.value.messages)
+    assert "step[1] (resnet50 v2): its deployment serves another version and is SWITCHING" in text
+    assert not Deployment.objects.filter(model=version.model).exists()
+
+
 def test_an_ensemble_replica_goes_where_its_steps_are_placed(owner, pipeline, pool):
     steps, version = pipeline
     pool_instance(pool, "h1", 18100)

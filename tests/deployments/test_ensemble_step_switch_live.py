@@ -232,6 +232,7 @@ def test_a_step_switched_through_the_ensemble_under_load_fails_no_request(
     )
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.browser
 @requires_chromium
 def test_the_playground_runs_the_ensemble_from_its_signature(
