@@ -136,7 +136,11 @@ SMOKES = [
         [
             r"^fleet: 4 hosts x 8 devices, 12 deployments, \d+ replicas",
             rf"^placement decision: p50 {NUMBER} ms  p99 {NUMBER} ms",
-            rf"^packing: \d+ devices used, lower bound \d+ \({NUMBER} GiB of footprints\); pending deployments: 0",
+            rf"^packing \(spread\): \d+ devices used, lower bound \d+ \({NUMBER} GiB of footprints\); "
+            r"pending deployments: 0",
+            rf"^packing \(binpack\): \d+ devices used, lower bound \d+ \({NUMBER} GiB of footprints\); "
+            r"pending deployments: 0",
+            rf"^placement decision \(binpack pool\): p50 {NUMBER} ms  p99 {NUMBER} ms",
             r"^over capacity: 0 \(0 expected\)",
             rf"^host loss: \d+ replicas placed elsewhere and READY in {NUMBER} s .* replaced_all_s = grace 60",
         ],
