@@ -9,6 +9,16 @@ No Django here. Order matters, so that no request meets a half-applied change:
 3. servers that disappear are put in maintenance (in-flight requests finish) and deleted. HAProxy refuses to
    delete a server that still has connections: such a server stays *draining* and the next sync tries again.
    A draining server that is wanted again is put back in rotation instead of added.
+
+A server that comes back from maintenance (its instance restarted, a draining server wanted again) enters the
+rotation only through its health check: HAProxy itself counts a server leaving maintenance as UP at once
+(its check health set to ``rise``, "start OK but check immediately"), and a restarted instance is READY to the
+platform as soon as Triton answers, before its agent has loaded the model again - gRPC calls that met it then
+were answered "version N is not at ready state", which HAProxy cannot retry. So it leaves maintenance through
+``drain`` (no new request), is set ``health down`` and only then ``ready``: it is DOWN until its model's
+readiness check passed ``rise`` times. A server *added* stays as HAProxy adds it: the platform adds one only
+for a placement its agent reported serving the version (Triton's readiness, moments ago), and its first
+check follows at once.
 """
 
 from __future__ import annotations
@@ -52,12 +62,18 @@ def _map_commands(
             plan.add(f"del map {path} {key}")
 
 
-def _put_in_rotation(plan: Plan, backend: str, key: str, weight: int) -> None:
-    if weight:
-        plan.add(f"set server {backend}/{key} weight {weight}")
-        plan.add(f"set server {backend}/{key} state ready")
-    else:
+def _set_weight(plan: Plan, backend: str, key: str, weight: int, unchecked: bool) -> None:
+    """``unchecked``: the server is in maintenance (or now at another address), so HAProxy's health for it
+    says nothing about the model: it returns DOWN and is UP only once its checks pass."""
+    if not weight:
         plan.add(f"set server {backend}/{key} state maint")
+        return
+    plan.add(f"set server {backend}/{key} weight {weight}")
+    if unchecked:
+        # Out of maintenance without taking a request (drain), DOWN until its checks pass (see above).
+        plan.add(f"set server {backend}/{key} state drain")
+        plan.add(f"set server {backend}/{key} health down")
+    plan.add(f"set server {backend}/{key} state ready")
 
 
 def runtime_plan(
@@ -88,13 +104,15 @@ def runtime_plan(
                 if weight:
                     plan.add(f"set server {backend}/{key} state ready")
                 continue
-            if was is None or (was.address, was.port) != (server.address, server.port):
+            moved = was is None or (was.address, was.port) != (server.address, server.port)
+            if moved:
                 plan.add(
                     f"set server {backend}/{key} addr {server.address} port {server.port}",
                     "IP changed", "no need to change", "port changed", "IP and port",
                 )  # fmt: skip
-            if was is None or old_weights.get((backend, key), 100) != weight:
-                _put_in_rotation(plan, backend, key, weight)
+            old_weight = 0 if was is None else old_weights.get((backend, key), 100)
+            if moved or old_weight != weight:
+                _set_weight(plan, backend, key, weight, unchecked=moved or not old_weight)
     _map_commands(plan, old_maps, new_maps, o, ("models", "tokens", "limits", "grpc", "sleepy"))
     for backend, servers in sorted(before.items()):
         for key in sorted(servers.keys() - after.get(backend, {}).keys()):

@@ -24,30 +24,13 @@ from tests.support.servers import (
     grpc_answers,
     ready_instance,
     requires_haproxy,
+    server_row,
     server_status,
     worker_pid,
 )
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 under_load = pytest.mark.parametrize("load_class", [Load, GrpcLoad], ids=["http", "grpc"])
-# Over gRPC a restarted instance answers a few calls "version 1 is not at ready state" (UNAVAILABLE in a
-# 200 response) when it comes back into rotation: HTTP retries those 503s elsewhere (retry-on 503), HAProxy
-# cannot retry on a grpc-status. Seen: 7 of 2,564 calls. Until a returning server waits for its model's
-# readiness check (not only the agent's report), this variant is a known failure.
-kill_under_load = pytest.mark.parametrize(
-    "load_class",
-    [
-        Load,
-        pytest.param(
-            GrpcLoad,
-            marks=pytest.mark.xfail(
-                reason="a restarted instance rejoins before its model is ready; gRPC cannot be retried on its status",
-                strict=False,
-            ),
-        ),
-    ],
-    ids=["http", "grpc"],
-)
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +40,7 @@ def _no_rate_limit(team):
     team.save()
 
 
-@kill_under_load
+@under_load
 def test_instance_killed_under_load_fails_no_request(
     owner_client, team, owner, start_agent, make_scaler_version, start_gateway, make_token, artifact_root,
     load_class,
@@ -80,6 +63,8 @@ def test_instance_killed_under_load_fails_no_request(
     with load_class(gateway, "vision__scaler", secret, threads=4, max_seconds=90) as load:
         load.wait_for_requests(300)
         pid = TritonInstance.objects.get(pk=first.pk).pid
+        grpc = load_class is GrpcLoad  # the calls go to the slot's gRPC twin
+        in_flight = server_row(gateway, backend, first.api_key, grpc)["scur"]  # a sample, just before
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
         # Out of rotation: DOWN by the health check, or MAINT when the agent reported the crash first.
@@ -90,8 +75,16 @@ def test_instance_killed_under_load_fails_no_request(
         # The agent restarts the instance; it comes back into rotation at run time.
         wait_for(lambda: server_status(gateway, backend, first.api_key) == "UP", 90, "host-a back")
         load.wait_for_requests(100)
-    print(f"killed instance ({load_class.__name__}): {load.total} requests, statuses {dict(load.statuses)}")
+    killed = server_row(gateway, backend, first.api_key, grpc)
+    print(
+        f"killed instance ({load_class.__name__}): {load.total} requests, statuses {dict(load.statuses)}; "
+        f"{in_flight} in flight on it just before the kill; the gateway retried {killed['wretr']} and sent "
+        f"{killed['wredis']} to the other instance (calls in flight when it died, or refused by it before it "
+        "was out of rotation)"
+    )
     assert load.failures == [], load.failures[:5]
+    # The kill was felt: requests met the dead instance and were sent elsewhere, none failed.
+    assert int(killed["wredis"]) > 0
     assert load.closed_by_gateway == 0
     assert load.statuses[200] >= 700
     assert worker_pid(gateway) == worker, "HAProxy was reloaded"

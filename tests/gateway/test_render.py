@@ -89,6 +89,25 @@ def test_runtime_commands_change_maps_and_servers_without_a_reload(tmp_path):
     ]
 
 
+def test_a_server_back_from_maintenance_is_down_until_checked(tmp_path):
+    o = replace(options(), directory=tmp_path)
+    out = state(weights={("d1", KEY_A): 0, ("d1", KEY_B): 100})
+    back = runtime_commands(out, SLOTS, state(), SLOTS, o)
+    # Drained out of maintenance (no request meanwhile), then DOWN until `rise` checks pass.
+    assert back == [
+        f"set server s0/{KEY_A} weight 100",
+        f"set server s0/{KEY_A} state drain",
+        f"set server s0/{KEY_A} health down",
+        f"set server s0/{KEY_A} state ready",
+    ]
+    # A weight change of a server in rotation keeps it UP.
+    heavier = state(weights={("d1", KEY_A): 50, ("d1", KEY_B): 100})
+    assert runtime_commands(state(), SLOTS, heavier, SLOTS, o) == [
+        f"set server s0/{KEY_A} weight 50",
+        f"set server s0/{KEY_A} state ready",
+    ]
+
+
 def test_a_new_deployment_takes_a_free_slot_and_its_servers_are_added_at_run_time(tmp_path):
     o = replace(options(), directory=tmp_path)
     key_c = "c" * 48

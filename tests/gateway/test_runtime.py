@@ -4,7 +4,9 @@ exhausted slot pool reloads; the files written after runtime changes are a confi
 
 from __future__ import annotations
 
+import http.server
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from apps.fleet.models import InstanceState, TritonInstance
 from apps.gateway.haproxy import Slots
 from apps.gateway.services import Gateway
 from backend_ge.runtime import free_port
+from tests.conftest import wait_for
 from tests.support.models import add_instance, serving_rows
 from tests.support.servers import requires_haproxy
 
@@ -113,3 +116,75 @@ def test_deployments_take_slots_at_run_time_and_only_an_exhausted_pool_reloads(
     assert len([line for line in http if "proto h2" not in line]) == 3
     assert len(http) == 7
     assert text.count(f"server {second_instance.api_key} ") == 1  # gone from every deployment
+
+
+class ModelReadiness:
+    """An instance's HTTP port as the gateway's health checks see it: Triton answering, its model loading
+    (``/v2/models/.../ready`` 400, as Triton answers for a version that is not ready) until ``loaded``."""
+
+    def __init__(self) -> None:
+        self.loaded = False
+        self.asked = 0
+        readiness = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - the stdlib's name
+                readiness.asked += 1
+                ready = (
+                    self.path.startswith("/v2/models/") and self.path.endswith("/ready") and readiness.loaded
+                )
+                self.send_response(200 if ready else 400)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def status(gateway: Gateway, backend: str, key: str) -> str:
+    for line in gateway.process.admin.ask("show stat").splitlines()[1:]:
+        fields = line.split(",")
+        if fields[:2] == [backend, key]:
+            return fields[17]
+    return "absent"
+
+
+def test_a_returning_instance_is_down_until_its_model_check_passes(gateway, team, owner, shared_host):
+    """HAProxy counts a server leaving maintenance as UP at once; a restarted instance is READY to the platform
+    as soon as Triton answers, before its model is loaded again. The server must stay out of rotation (HTTP
+    slot and gRPC twin) until its model's readiness check passes ``rise`` times."""
+    readiness = ModelReadiness()
+    try:
+        instance = add_instance(shared_host, "cpu-0", port=readiness.port)
+        serving_rows(team, owner, "a", instance)
+        TritonInstance.objects.filter(pk=instance.pk).update(state=InstanceState.STOPPED)
+        gateway.start()
+        (slot,) = owners(gateway)
+        key = instance.api_key
+        assert status(gateway, slot, key) == "MAINT"
+
+        # Restarted: the platform puts it back (instance READY, the placement still names its version) ...
+        TritonInstance.objects.filter(pk=instance.pk).update(state=InstanceState.READY)
+        assert gateway.sync() == "runtime"
+        # ... and HAProxy holds it DOWN, in both backends, while the model check fails.
+        for backend in (slot, f"g{slot}"):
+            assert status(gateway, backend, key) == "DOWN", backend
+        asked = readiness.asked
+        wait_for(lambda: readiness.asked >= asked + 4, 10, "the model checks")
+        for backend in (slot, f"g{slot}"):
+            assert status(gateway, backend, key) == "DOWN", backend
+
+        readiness.loaded = True
+        for backend in (slot, f"g{slot}"):
+            wait_for(lambda b=backend: status(gateway, b, key) == "UP", 10, f"{backend} UP once the model is")
+        assert gateway.reloads == 0
+    finally:
+        readiness.close()

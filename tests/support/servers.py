@@ -381,16 +381,23 @@ def slot_of(gateway: GatewayProcess, logical: str) -> str:
     return next((slot for slot, owner in owners.items() if owner == logical), "absent")
 
 
-def server_status(gateway: GatewayProcess, logical: str, key: str) -> str:
-    """The server's status column (UP, DOWN, MAINT, ...) in HAProxy's own statistics."""
+def server_row(gateway: GatewayProcess, logical: str, key: str, grpc: bool = False) -> dict[str, str]:
+    """The server's row in HAProxy's own statistics (``status``: UP, DOWN, MAINT, ...; ``scur``: requests in
+    flight; ``wretr``/``wredis``: requests retried / sent to another server), in the slot or its gRPC twin."""
     backend = slot_of(gateway, logical)
+    backend = f"g{backend}" if grpc else backend
     csv = gateway.admin().ask("show stat")
     header = csv.splitlines()[0].lstrip("# ").split(",")
     for line in csv.splitlines()[1:]:
         row = dict(zip(header, line.split(","), strict=False))
         if row.get("pxname") == backend and row.get("svname") == key:
-            return row["status"]
-    return "absent"
+            return row
+    return {}
+
+
+def server_status(gateway: GatewayProcess, logical: str, key: str) -> str:
+    """The server's status column (UP, DOWN, MAINT, ...) in HAProxy's own statistics."""
+    return server_row(gateway, logical, key).get("status", "absent")
 
 
 def worker_pid(gateway: GatewayProcess) -> int | None:
