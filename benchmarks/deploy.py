@@ -247,6 +247,14 @@ def ready_times(url: str, names: list[str], started: float, timeout: float) -> l
     return sorted(seen.values())
 
 
+def count_ready(url: str, versions: list) -> int:
+    """Models ready in Triton; 0 while the server does not answer (it is being started)."""
+    try:
+        return readiness(url, versions)["ready"]
+    except Exception:  # connection refused, reset: not up yet
+        return 0
+
+
 def restart_to_serving(instance_pk: int, url: str, versions: list, timeout: float) -> dict:
     """SIGKILL the instance's tritonserver; seconds until the first, half and all models answer ready, and
     until the platform has every placement READY again (what the gateway routes on)."""
@@ -353,7 +361,7 @@ def main() -> int:
             agent = start_agent(platform_url, token, scratch, 1, "agent-serial.log")
             # The new agent starts the server and loads every model one at a time; then the same kill.
             wait(
-                lambda: readiness(url, many)["ready"] == args.models,
+                lambda: count_ready(url, many) == args.models,
                 max(10.0, deadline - time.monotonic()),
                 "every model ready under the serial agent",
             )
