@@ -156,6 +156,11 @@ def _hold_lines(o: Options) -> list[str]:
     return [
         f"    http-request set-var(txn.sleepy) var(txn.model),map({o.map_file('sleepy')}) if model_call",
         f"    http-request lua.hold_asleep_grpc {timeout_s * 1000} if model_call {{ var(txn.sleepy) -m found }}",
+        # grpc-message is percent-encoded by the protocol: the map's value as it is.
+        grpc_error(
+            14, "model '%[var(txn.model)]' is scaled to zero and could not be woken: %[var(txn.wake_code)]"
+        )
+        + " if { var(txn.wake_code) -m found }",
         grpc_error(
             14,
             f"model '%[var(txn.model)]' is scaled to zero and no replica became ready within the activation "
