@@ -281,8 +281,19 @@ def restart_to_serving(instance_pk: int, url: str, versions: list, timeout: floa
     return {"first": times[0], "half": times[(len(times) - 1) // 2], "all": times[-1], "platform": platform}
 
 
+def print_restart(parallel: int, figures: dict) -> None:
+    label = f"{parallel} loads at a time:" if parallel > 1 else "one load at a time:"
+    print(
+        f"    {label:<24}first ready {figures['first']:6.1f} s, half {figures['half']:6.1f} s, "
+        f"all {figures['all']:6.1f} s; every placement READY {figures['platform']:6.1f} s",
+        flush=True,
+    )
+
+
 def main() -> int:
     args = parse_args()
+    # A stopped run still stops its agent, servers and web process (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     scratch = setup_environment(args)
     from django.contrib.auth import get_user_model
     from django.db import transaction
@@ -347,6 +358,7 @@ def main() -> int:
 
         many = make_versions(team, owner, args.models, "many", scratch)
         total = deploy_and_wait(many)
+        print(f"{args.models} models deployed in {total:.1f} s", flush=True)
         at_end = readiness(f"127.0.0.1:{ports[0]}", many)
         time.sleep(args.recheck_after)  # several reconcile intervals: nothing may be undone afterwards
         later = readiness(f"127.0.0.1:{ports[0]}", many)
@@ -356,6 +368,8 @@ def main() -> int:
         restarts = {
             args.parallel_loads: restart_to_serving(instance.pk, url, many, deadline - time.monotonic())
         }
+        print(f"restart with {args.parallel_loads} loads at a time measured:", flush=True)
+        print_restart(args.parallel_loads, restarts[args.parallel_loads])
         if args.compare_serial and args.parallel_loads != 1:
             stop_agent(agent)
             agent = start_agent(platform_url, token, scratch, 1, "agent-serial.log")
@@ -395,11 +409,7 @@ def main() -> int:
             f"  restart (SIGKILL of the tritonserver) -> all {args.models} models serving again (target < 60 s):"
         )
         for parallel, figures in restarts.items():
-            label = f"{parallel} loads at a time:" if parallel > 1 else "one load at a time:"
-            print(
-                f"    {label:<24}first ready {figures['first']:6.1f} s, half {figures['half']:6.1f} s, "
-                f"all {figures['all']:6.1f} s; every placement READY {figures['platform']:6.1f} s"
-            )
+            print_restart(parallel, figures)
         return (
             0
             if all(c["ready"] == c["serving"] == args.models and not c["differ"] for c in (at_end, later))
