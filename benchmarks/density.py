@@ -28,6 +28,7 @@ import http.client
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -139,7 +140,7 @@ def stream(port: int, token: str, slugs: list[str], team: str, args, memory: Mem
     rng.shuffle(order)  # popularity is not the deployment order
     picks = rng.choices(order, weights=zipf_weights(len(order), args.zipf), k=args.requests)
     lock = threading.Lock()
-    results = {"answered": 0, "failed": 0, "warm": 0, "errors": {}, "latency_ms": []}
+    results = {"answered": 0, "failed": 0, "warm": 0, "errors": {}, "reasons": {}, "latency_ms": []}
     next_index = [0]
     started = time.monotonic()
     deadline = started + args.timeout
@@ -165,10 +166,10 @@ def stream(port: int, token: str, slugs: list[str], team: str, args, memory: Mem
                 connection.request("POST", f"/v2/models/{team}__{slug}/infer", body=BODY, headers={
                     "Content-Type": "application/json", "Authorization": f"Bearer {token}"})  # fmt: skip
                 response = connection.getresponse()
-                response.read()
+                reply = response.read()
                 status = response.status
-            except OSError:
-                connection = None
+            except OSError as exc:
+                connection, reply = None, repr(exc).encode()
             elapsed_ms = (time.monotonic() - sent) * 1000
             with lock:
                 if status == 200:
@@ -178,6 +179,9 @@ def stream(port: int, token: str, slugs: list[str], team: str, args, memory: Mem
                 else:
                     results["failed"] += 1
                     results["errors"][status] = results["errors"].get(status, 0) + 1
+                    # Why, in a few words: the gateway's 503s name the activation timeout or the failed wake.
+                    reason = re.sub(r"'[^']*'|\d+", "_", reply[:200].decode(errors="replace"))[:90]
+                    results["reasons"][reason] = results["reasons"].get(reason, 0) + 1
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(args.concurrency)]
     for thread in threads:
@@ -312,6 +316,7 @@ def main() -> int:
             "answered": run["answered"],
             "failed": run["failed"],
             "errors": {str(k): v for k, v in run["errors"].items()},
+            "reasons": run["reasons"],
             "seconds": round(run["seconds"], 1),
             "warm_share": round(run["warm"] / run["answered"], 3) if run["answered"] else 0.0,
             "activations": len(colds),
@@ -363,6 +368,8 @@ def main() -> int:
     print(f"deployed and put to sleep: {args.models} in {deploy_s:.1f} s")
     print(f"answered {s2z['answered']}, failed {s2z['failed']} {s2z['errors'] or ''} in {s2z['seconds']} s "
           f"(target 0 failed)")  # fmt: skip
+    for reason, count in sorted(s2z["reasons"].items(), key=lambda item: -item[1])[:5]:
+        print(f"  {count} x {reason}")
     print(f"cold start (held at the gateway, {s2z['activations']} activations, {s2z['evictions']} evictions): "
           f"p50 {s2z['cold_start_p50_ms']} ms  p99 {s2z['cold_start_p99_ms']} ms; "
           f"Triton's own load time {direct_load_ms:.0f} ms")  # fmt: skip

@@ -7,12 +7,18 @@
    plus its python backend stubs), and whether every model is ready in Triton exactly when the database says
    SERVING - right after the last deploy and again ``--recheck-after`` (30) s later, so a reconcile that undoes
    a load shows. Exits 1 when a check differs.
+3. Restart to serving: the instance's tritonserver is killed with SIGKILL and the time until the first, half
+   and all N models answer ready again (the agent restarts the server and reloads them, ``--parallel-loads``
+   at a time) is printed, and until the platform says every placement READY again (target: all under 60 s for
+   100 small models). With ``--compare-serial`` (the default) the agent is then restarted with
+   ``--parallel-loads 1`` and the same kill is timed again, so both figures come from one run, side by side.
 
 Everything runs here: a scratch database and Celery's filesystem broker under a temp directory (or
 ``--database-url``), a platform web process, a real ``python -m hostagent`` process talking to it over the agent
 API, real tritonservers. Bounded by ``--timeout``.
 
-    .venv/bin/python benchmarks/deploy.py [--models 100] [--database-url postgres://...] [--smoke]
+    .venv/bin/python benchmarks/deploy.py [--models 100] [--parallel-loads 4] [--no-compare-serial]
+                                          [--database-url postgres://...] [--smoke]
 """
 
 from __future__ import annotations
@@ -42,6 +48,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1200, help="give up after this many seconds")
     parser.add_argument(
         "--recheck-after", type=float, default=30, help="check readiness again after this many seconds"
+    )
+    parser.add_argument("--parallel-loads", type=int, default=4, help="the agent's --parallel-loads")
+    parser.add_argument(
+        "--compare-serial",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time the restart again with the agent loading one model at a time",
     )
     return smoke.parse_args(parser, argv, models=2, latency_runs=1, recheck_after=1, timeout=240)
 
@@ -189,8 +202,98 @@ def readiness(url: str, versions: list) -> dict:
     return {"ready": ready, "serving": serving, "differ": differ}
 
 
+def start_agent(platform_url: str, token: str, scratch: Path, parallel_loads: int, log_name: str):
+    # The agent talks to a platform web process over the agent API, with neither database nor broker.
+    agent_env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "hostagent", "--platform", platform_url, "--join-token", token,
+         "--credential-file", str(scratch / "host-credential"), "--parallel-loads", str(parallel_loads)],
+        cwd=ROOT, env=agent_env, stdout=(scratch / log_name).open("wb"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def stop_agent(agent: subprocess.Popen) -> None:
+    agent.send_signal(signal.SIGTERM)
+    try:
+        agent.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait(10)
+
+
+def ready_times(url: str, names: list[str], started: float, timeout: float) -> list[float]:
+    """Seconds after ``started`` at which each model answered ready (polled over and over, all models per
+    sweep); raises SystemExit when not all were ready within ``timeout``."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(url, connection_timeout=2, network_timeout=2)
+    seen: dict[str, float] = {}
+    try:
+        while len(seen) < len(names):
+            if time.perf_counter() - started > timeout:
+                raise SystemExit(f"only {len(seen)}/{len(names)} models ready {timeout:.0f}s after the kill")
+            for name in names:
+                if name in seen:
+                    continue
+                try:
+                    if client.is_model_ready(name, "1"):
+                        seen[name] = time.perf_counter() - started
+                except Exception:  # the server is down or starting: try again next sweep
+                    break
+            time.sleep(0.05)
+    finally:
+        client.close()
+    return sorted(seen.values())
+
+
+def count_ready(url: str, versions: list) -> int:
+    """Models ready in Triton; 0 while the server does not answer (it is being started)."""
+    try:
+        return readiness(url, versions)["ready"]
+    except Exception:  # connection refused, reset: not up yet
+        return 0
+
+
+def restart_to_serving(instance_pk: int, url: str, versions: list, timeout: float) -> dict:
+    """SIGKILL the instance's tritonserver; seconds until the first, half and all models answer ready, and
+    until the platform has every placement READY again (what the gateway routes on)."""
+    from apps.deployments.models import DeploymentInstance, PlacementState
+    from apps.fleet.models import TritonInstance
+
+    pid = TritonInstance.objects.get(pk=instance_pk).pid
+    deployments = [v.model.deployments.order_by("-id").first().pk for v in versions]
+    os.kill(pid, signal.SIGKILL)
+    started = time.perf_counter()
+    wait(lambda: TritonInstance.objects.get(pk=instance_pk).pid != pid, 60, "the server to be restarted")
+    times = ready_times(url, [v.model.triton_model_name() for v in versions], started, timeout)
+    wait(
+        lambda: (
+            DeploymentInstance.objects.filter(
+                deployment_id__in=deployments, state=PlacementState.READY
+            ).count()
+            == len(deployments)
+        ),
+        max(10.0, timeout - (time.perf_counter() - started)),
+        "every placement READY after the restart",
+    )
+    platform = time.perf_counter() - started
+    return {"first": times[0], "half": times[(len(times) - 1) // 2], "all": times[-1], "platform": platform}
+
+
+def print_restart(parallel: int, figures: dict) -> None:
+    label = f"{parallel} loads at a time:" if parallel > 1 else "one load at a time:"
+    print(
+        f"    {label:<24}first ready {figures['first']:6.1f} s, half {figures['half']:6.1f} s, "
+        f"all {figures['all']:6.1f} s; every placement READY {figures['platform']:6.1f} s",
+        flush=True,
+    )
+
+
 def main() -> int:
     args = parse_args()
+    # A stopped run still stops its agent, servers and web process (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     scratch = setup_environment(args)
     from django.contrib.auth import get_user_model
     from django.db import transaction
@@ -213,15 +316,8 @@ def main() -> int:
     fleet_services.create_instance(
         actor=None, host=host, name="cpu-0", http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2]
     )
-    # The agent talks to a platform web process over the agent API, with neither database nor broker.
     web, platform_url = start_web(scratch, threads=8)
-    agent_env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "CELERY_BROKER_URL")}
-    log_path = scratch / "agent.log"
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "hostagent", "--platform", platform_url, "--join-token", token,
-         "--credential-file", str(scratch / "host-credential")],
-        cwd=ROOT, env=agent_env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    agent = start_agent(platform_url, token, scratch, args.parallel_loads, "agent.log")
     deadline = time.monotonic() + args.timeout
     try:
         instance = wait(
@@ -262,11 +358,28 @@ def main() -> int:
 
         many = make_versions(team, owner, args.models, "many", scratch)
         total = deploy_and_wait(many)
+        print(f"{args.models} models deployed in {total:.1f} s", flush=True)
         at_end = readiness(f"127.0.0.1:{ports[0]}", many)
         time.sleep(args.recheck_after)  # several reconcile intervals: nothing may be undone afterwards
         later = readiness(f"127.0.0.1:{ports[0]}", many)
         pid = TritonInstance.objects.get(pk=instance.pk).pid
         rss = group_rss_mb(pid)
+        url = f"127.0.0.1:{ports[0]}"
+        restarts = {
+            args.parallel_loads: restart_to_serving(instance.pk, url, many, deadline - time.monotonic())
+        }
+        print(f"restart with {args.parallel_loads} loads at a time measured:", flush=True)
+        print_restart(args.parallel_loads, restarts[args.parallel_loads])
+        if args.compare_serial and args.parallel_loads != 1:
+            stop_agent(agent)
+            agent = start_agent(platform_url, token, scratch, 1, "agent-serial.log")
+            # The new agent starts the server and loads every model one at a time; then the same kill.
+            wait(
+                lambda: count_ready(url, many) == args.models,
+                max(10.0, deadline - time.monotonic()),
+                "every model ready under the serial agent",
+            )
+            restarts[1] = restart_to_serving(instance.pk, url, many, deadline - time.monotonic())
 
         print("\nDeploy benchmark (one CPU instance, real tritonserver + host agent)")
         print(f"  Triton's own load time (direct, median of {args.latency_runs}):   {direct * 1000:8.0f} ms")
@@ -292,17 +405,18 @@ def main() -> int:
         print(
             f"  instance memory (tritonserver + stubs, RSS):        {rss:8.0f} MiB ({rss / max(1, args.models + args.latency_runs):.1f} MiB per model)"
         )
+        print(
+            f"  restart (SIGKILL of the tritonserver) -> all {args.models} models serving again (target < 60 s):"
+        )
+        for parallel, figures in restarts.items():
+            print_restart(parallel, figures)
         return (
             0
             if all(c["ready"] == c["serving"] == args.models and not c["differ"] for c in (at_end, later))
             else 1
         )
     finally:
-        agent.send_signal(signal.SIGTERM)
-        try:
-            agent.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(agent.pid, signal.SIGKILL)
+        stop_agent(agent)
         os.killpg(web.pid, signal.SIGTERM)
         web.wait(30)
         shutil.rmtree(scratch, ignore_errors=True)

@@ -110,6 +110,15 @@ OPTIONS: dict[str, Option] = {
         "How often Triton is compared with the placements.",
         50,
     ),
+    "parallel_loads": Option(
+        "--parallel-loads",
+        "FLEET_PARALLEL_LOADS",
+        int,
+        4,
+        "Models one instance loads at the same time (after a restart, a burst of deploys or activations); "
+        "tritonserver gets as many load threads. 1 loads one after another.",
+        1,
+    ),
     "poll_interval_ms": Option(
         "--poll-interval-ms",
         "FLEET_POLL_INTERVAL_MS",
@@ -173,6 +182,7 @@ class AgentConfig:
     crash_window: int = 600
     max_model_instances: int = MAX_INSTANCE_COUNT
     reconcile_interval_ms: int = 5000
+    parallel_loads: int = 4
     poll_interval_ms: int = 1000
     long_poll_wait: int = 25
     heartbeat_interval: float = 10.0

@@ -1,13 +1,14 @@
 """What one loaded copy of a model takes, measured by the agent around the load (the scheduler's footprint).
 
 - NPU (the instance has devices and ``npu-smi`` answers): the HBM used on the instance's devices after the
-  load minus before. ``npu-smi`` counts every process on the chip, and loads on one instance are serialized
-  by the agent (the caller holds the instance's lock), so the difference is the model's weights and work
-  buffers.
+  load minus before. ``npu-smi`` counts every process on the chip, so the difference is the model's weights
+  and work buffers only when no other load ran on the instance meanwhile (the agent loads several models of
+  an instance at once): a load that overlapped another gives no figure.
 - CPU: the model's python stubs' PSS (the ``triton_python_backend_stub`` children of the tritonserver whose
-  model file lies under ``<repository>/<model>/``) plus the tritonserver's own RSS growth across the load.
-  PSS, not RSS: the stubs share the interpreter and onnxruntime's pages, which PSS divides between them
-  (~31 MiB PSS against ~73 MiB RSS for a small model, see DESIGN.md), so the sum over many models stays true.
+  model file lies under ``<repository>/<model>/``) plus the tritonserver's own RSS growth across the load
+  (left out when another load overlapped it: that growth is shared). PSS, not RSS: the stubs share the
+  interpreter and onnxruntime's pages, which PSS divides between them (~31 MiB PSS against ~73 MiB RSS for a
+  small model, see DESIGN.md), so the sum over many models stays true.
 
 A figure that cannot be read (another user's /proc entries, no npu-smi, a failed run) is None: the platform
 then keeps its estimate. Linux only, like the agent.
@@ -112,16 +113,19 @@ class Meter:
             self.hbm_before = hbm_used_mb(self.device_ids, self.read_inventory)
         self.rss_before = rss_kb(self.server_pid, self.proc)
 
-    def finish(self) -> int | None:
+    def finish(self, alone: bool = True) -> int | None:
+        """The footprint in MiB; ``alone``: no other load on the instance overlapped this one."""
         if self.device_ids and self.hbm_before is not None:
+            if not alone:
+                return None  # the chip's figure holds the other loads too: keep the estimate
             after = hbm_used_mb(self.device_ids, self.read_inventory)
             return None if after is None else max(1, after - self.hbm_before)
         rss_after = rss_kb(self.server_pid, self.proc)
         stubs = [pss_kb(pid, self.proc) for pid in stub_pids(self.server_pid, self.model_name, self.proc)]
         if not stubs or None in stubs or self.rss_before is None or rss_after is None:
             return None  # no stub seen (a non-python backend) or /proc not readable: keep the estimate
-        total_kb = sum(stubs) + max(0, rss_after - self.rss_before)
-        return max(1, math.ceil(total_kb / 1024))
+        growth = max(0, rss_after - self.rss_before) if alone else 0
+        return max(1, math.ceil((sum(stubs) + growth) / 1024))
 
 
 def start(server_pid: int | None, model_name: str, device_ids: Sequence[int] | None) -> Meter | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -25,6 +26,40 @@ class RestartPolicy:
         return min(self.max_delay, self.base_delay * 2 ** max(0, recent_crashes - 1))
 
 
+class LoadOverlap:
+    """Which loads on one instance overlapped in time. Loads run in parallel (``--parallel-loads``), and a
+    footprint read around one load (device memory used, the server's RSS) also counts the others that ran
+    meanwhile: the meter asks whether its load ran alone."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._started = 0
+
+    @contextlib.contextmanager
+    def loading(self):
+        """Around one load of the instance's server."""
+        with self._lock:
+            self._running += 1
+            self._started += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def mark(self) -> tuple[int, int]:
+        """Taken just before a load: (loads started so far, loads running now)."""
+        with self._lock:
+            return self._started, self._running
+
+    def alone_since(self, mark: tuple[int, int]) -> bool:
+        """After that one load ended: True when no other load ran at any moment of it."""
+        started, running = mark
+        with self._lock:
+            return running == 0 and self._running == 0 and self._started == started + 1
+
+
 @dataclass
 class InstanceProcess:
     """The tritonserver of one instance, owned by this agent, with the state this agent reports for it."""
@@ -42,8 +77,11 @@ class InstanceProcess:
     # Who its tritonserver runs as (None: the agent's own user), and whether that user was checked.
     user: sandbox.ServerUser | None = None
     access_checked: bool = False
-    # Loads, unloads and switches on one instance run one at a time; reconcile skips a busy instance.
+    # Held by the reconcile pass that loads, unloads and switches models on the instance (several models at
+    # once, never two steps of one model: ``hostagent.placement.run_per_model``) and by a stop or restart;
+    # the supervisor skips a busy instance.
     lock: threading.RLock = field(default_factory=threading.RLock)
+    loads: LoadOverlap = field(default_factory=LoadOverlap)
 
     @property
     def repository(self) -> Path:

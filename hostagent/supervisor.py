@@ -349,7 +349,7 @@ class HostAgent:
     def _server_for(self, instance: InstanceSpec, proc: InstanceProcess) -> TritonServer:
         # Not strict: one model that fails to load must not take the server's readiness (and every other
         # model's traffic behind a load balancer) with it.
-        extra = ["--strict-readiness=false"]
+        extra = ["--strict-readiness=false", f"--model-load-thread-count={self.config.parallel_loads}"]
         if instance.latency_summaries:
             extra.append("--metrics-config=summary_latencies=true")
         return TritonServer(

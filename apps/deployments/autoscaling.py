@@ -15,8 +15,9 @@ zero, are never evicted. The room counts once the evicted replicas are reported 
 overcommitted); the scheduler's next tick then places the waiting replica.
 
 Writes: the deployment's replica count, its autoscaling settings and memory, asleep_since and the cold
-start, and one event per decision with its figures - an owner beside ``services`` and ``scheduler``
-(``tests/deployments/test_one_writer.py``). Placements are the scheduler's.
+start, one event per decision with its figures, and a replica sample (desired, ready) when they changed - an
+owner beside ``services`` and ``scheduler`` (``tests/deployments/test_one_writer.py``). Placements are the
+scheduler's.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from apps.deployments.models import (
     DeploymentInstance,
     DeploymentState,
     PlacementState,
+    ReplicaSample,
     Rollout,
 )
 from apps.deployments.scaling_policy import Memory, Observation, Policy, decide
@@ -224,6 +226,7 @@ def _apply(deployment: Deployment, observation: Observation) -> str:
         decision.memory.last_traffic_at, wanted = observation.at, current
     saved = decision.memory.dump()
     saved["figures"] = {**figures, "at": observation.at, "replicas": current}
+    saved["sampled"] = deployment.scaling_memory.get("sampled")
     deployment.scaling_memory = saved
     fields = ["scaling_memory"]
     outcome = "unchanged"
@@ -244,6 +247,7 @@ def _apply(deployment: Deployment, observation: Observation) -> str:
         if wanted == 0:
             deployment.asleep_since = datetime.fromtimestamp(observation.at, UTC)
             fields.append("asleep_since")
+        _sample(deployment, observation.at)
         deployment.save(update_fields=fields)
         deployment.events.create(
             kind="autoscaled", message=message, details={**figures, "from": current, "to": wanted}
@@ -257,8 +261,22 @@ def _apply(deployment: Deployment, observation: Observation) -> str:
             outcome = "asleep" if wanted == 0 else "down"
         transaction.on_commit(lambda: scheduler.enqueue(decided))
         return outcome
+    _sample(deployment, observation.at)
     deployment.save(update_fields=fields)
     return outcome
+
+
+def _sample(deployment: Deployment, at: float) -> None:
+    """A replica sample when desired or ready changed since the last one (the chart's steps). What was
+    sampled last is kept in the scaling memory, which the caller saves: no extra read per tick."""
+    ready = scheduler.counted(deployment).filter(state=PlacementState.READY).count()
+    now = [deployment.replicas, ready]
+    if deployment.scaling_memory.get("sampled") == now:
+        return
+    ReplicaSample.objects.create(
+        deployment=deployment, at=datetime.fromtimestamp(at, UTC), desired=now[0], ready=now[1]
+    )
+    deployment.scaling_memory["sampled"] = now
 
 
 def wake(deployment_id: int, now: float | None = None) -> bool:

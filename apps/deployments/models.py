@@ -242,6 +242,31 @@ class DeploymentEvent(models.Model):
         return f"{self.created_at:%H:%M:%S} {self.kind}: {self.message}"
 
 
+class ReplicaSampleQuerySet(TeamScopedQuerySet):
+    team_lookup = "deployment__team"
+
+
+class ReplicaSample(models.Model):
+    """An autoscaled deployment's replicas when they changed, as the autoscaler saw them at an evaluation:
+    ``desired`` (what it decided; 0 asleep) and ``ready`` (placements serving). Written only on a change, so
+    a sleeping model costs nothing; the deployment page's chart draws them as steps, the value before its
+    range carried in."""
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="replica_samples")
+    at = models.DateTimeField()
+    desired = models.PositiveIntegerField()
+    ready = models.PositiveIntegerField()
+
+    objects = ReplicaSampleQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["at", "id"]
+        indexes = [models.Index(fields=["deployment", "at"], name="replica_sample_deployment_at")]
+
+    def __str__(self) -> str:
+        return f"{self.at:%H:%M:%S} {self.ready}/{self.desired}"
+
+
 class RolloutState(models.TextChoices):
     RUNNING = "RUNNING", "Running"
     PAUSED = "PAUSED", "Paused"

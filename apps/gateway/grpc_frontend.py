@@ -171,6 +171,12 @@ def _hold_lines(o: Options) -> list[str]:
     return [
         f"    http-request set-var(txn.sleepy) var(txn.model),map({o.map_file('sleepy')}) if model_call",
         f"    http-request lua.hold_asleep_grpc {timeout_s * 1000} if model_call {{ var(txn.sleepy) -m found }}",
+        # The wake action's reason (wakefail.map): Triton's error, as the HTTP answer gives it.
+        "    "
+        + refusal(
+            14, "model '%[var(txn.model)]' is scaled to zero and could not be woken: %[var(txn.wake_code)]"
+        )
+        + " if { var(txn.wake_code) -m found }",
         "    "
         + refusal(
             14,

@@ -124,6 +124,9 @@ class GatewayState:
     # model -> deployment key (``d12``) of deployments that may sleep (min_replicas 0): their requests are
     # held by ``wake.lua`` while the deployment's slot has no usable server.
     sleepy: dict[str, str] = field(default_factory=dict)
+    # deployment key -> why its wake-up failed (``wake_failure_value``: percent-encoded), for a woken
+    # deployment none of whose replicas could load: a held request is answered 503 with it at once.
+    wake_failures: dict[str, str] = field(default_factory=dict)
 
     def structure(self) -> tuple:
         return tuple(sorted(self.grpc_backends))
@@ -137,6 +140,7 @@ class GatewayState:
             "grpc": self.grpc_routes,
             "checks": {slots.slot_of(name): check for name, check in self.checks.items()},
             "sleepy": self.sleepy,
+            "wakefail": self.wake_failures,
         }
 
     def servers(self, slots: Slots) -> dict[str, dict[str, Server]]:
@@ -273,6 +277,7 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         # wake.lua signals wake-ups and cold starts in these maps (read and cleared by apps.gateway.wake).
         f"    presetenv TGP_WAKEUPS_MAP {o.map_file('wakeups')}",
         f"    presetenv TGP_COLDSTART_MAP {o.map_file('coldstart')}",
+        f"    presetenv TGP_WAKEFAIL_MAP {o.map_file('wakefail')}",
         f"    lua-load '{WAKE_LUA_FILE}'",
         # A port another process listens on is an error, not shared: with SO_REUSEPORT (HAProxy's default) a
         # second HAProxy bound to the same port (another gateway, an orphan, a stats port equal to the
@@ -395,6 +400,10 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         # Scale to zero: a sleeping model's request waits here until a replica serves (wake.lua).
         f"    http-request set-var(txn.sleepy) var(txn.model),map({o.map_file('sleepy')})",
         f"    http-request lua.hold_asleep {o.activation_timeout_s * 1000} if {{ var(txn.sleepy) -m found }}",
+        # A replica could not load (a broken version, no room): at once, with the reason (wake.lua).
+        f"    http-request return status 503 content-type application/json hdr retry-after {RETRY_AFTER_S} lf-string "
+        f"""\"{{\\\"error\\\":\\\"model '%[var(txn.model)]' is scaled to zero and could not be woken: """
+        f"""%[var(txn.wake_reason)]\\\"}}\" if {{ var(txn.wake_reason) -m found }}""",
         f"    http-request return status 503 content-type application/json hdr retry-after {RETRY_AFTER_S} lf-string "
         f"""\"{{\\\"error\\\":\\\"model '%[var(txn.model)]' is scaled to zero and no replica became ready within """
         f"""the activation timeout ({o.activation_timeout_s} s); retry later\\\"}}\" if {{ var(txn.wake_failed) -m found }}""",

@@ -90,6 +90,9 @@ def runtime_plan(
     old_maps, new_maps = old.maps(old_slots), new.maps(new_slots)
     # Health-check paths first: a server added next is checked with its slot's path from its first check.
     _map_commands(plan, old_maps, new_maps, o, ("checks",))
+    # A failed wake-up before the servers: a held request must see it no later than the failed replica's
+    # server, which is in rotation until its health check fails (wake.lua looks at the failure first).
+    _map_commands(plan, old_maps, new_maps, o, ("wakefail",))
     before, after = old.servers(old_slots), new.servers(new_slots)
     old_weights, new_weights = old.server_weights(old_slots), new.server_weights(new_slots)
     for backend, servers in sorted(after.items()):

@@ -20,8 +20,10 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from datetime import timedelta
+from urllib.parse import quote
 
 from django.conf import settings
 from django.db.models import F
@@ -166,6 +168,31 @@ def _add_http_routes(state: GatewayState) -> None:
         state.routes[model] = route
         if deployment.min_replicas == 0 and not deployment.pinned:
             state.sleepy[model] = name
+            failure = _wake_failure(deployment, placements)
+            if failure:
+                state.wake_failures[name] = wake_failure_value(failure)
+
+
+def _wake_failure(deployment, placements) -> str:
+    """Why a woken scale-to-zero deployment cannot serve: it wants replicas, none is READY or loading, and
+    one failed (its last error). Empty while a replica serves, loads or is still to be placed."""
+    if deployment.replicas == 0 or not placements:
+        return ""
+    states = {p.state for p in placements if not p.retiring_reason}
+    if PlacementState.FAILED not in states or states & {
+        PlacementState.READY,
+        PlacementState.LOADING,
+        PlacementState.PENDING,
+    }:
+        return ""
+    return next((p.last_error for p in placements if p.state == PlacementState.FAILED and p.last_error), "")
+
+
+def wake_failure_value(reason: str) -> str:
+    """A reason as a map value: only characters that need no escaping in JSON or the map file, at most 300,
+    percent-encoded (gRPC's grpc-message takes it as it is; wake.lua decodes it for the HTTP body)."""
+    kept = re.sub(r"[^A-Za-z0-9 .,:;()_/-]+", " ", reason).strip()[:300] or "its replica failed to load"
+    return quote(kept, safe="")
 
 
 def _add_grpc_routes(state: GatewayState) -> None:

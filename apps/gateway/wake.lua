@@ -9,13 +9,21 @@
 -- execution timeout). Once a server is usable the request goes on, and how long it was held is written to
 -- coldstart.map (<key> <ms>) for the deployment's page. Past the activation timeout it sets txn.wake_failed
 -- and the config answers 503 with Retry-After (gRPC: UNAVAILABLE). The signal is repeated every second: a gateway restart or a
--- lost entry only delays the wake-up.
+-- lost entry only delays the wake-up. A wake-up that failed (no replica could load: the platform writes
+-- <key> <reason, percent-encoded> into wakefail.map) ends the wait at once: txn.wake_reason (JSON-safe) and
+-- txn.wake_code (as gRPC's grpc-message wants it) carry the reason into the 503 / UNAVAILABLE.
 
 local WAKEUPS = os.getenv("TGP_WAKEUPS_MAP")
 local COLDSTART = os.getenv("TGP_COLDSTART_MAP")
 -- core.set_map only writes maps HAProxy has loaded; loading them here makes sure they are.
 Map.new(WAKEUPS, Map._str)
 Map.new(COLDSTART, Map._str)
+local FAILURES = Map.new(os.getenv("TGP_WAKEFAIL_MAP"), Map._str)
+
+-- The platform writes only [A-Za-z0-9 .,:;()_/-] into a reason before encoding it: decoded, it is JSON-safe.
+local function decoded(value)
+    return (value:gsub("%%(%x%x)", function(hex) return string.char(tonumber(hex, 16)) end))
+end
 
 local STEP_MS = 50
 local SIGNAL_EVERY_MS = 1000
@@ -25,6 +33,17 @@ local function elapsed_ms(start)
     return (now.sec - start.sec) * 1000 + (now.usec - start.usec) // 1000
 end
 
+-- A failed wake-up of the deployment: the reason into txn.wake_reason / txn.wake_code (the 503 answers it).
+local function failed(txn, key)
+    local failure = FAILURES:lookup(key)
+    if failure == nil or failure == "" then
+        return false
+    end
+    txn:set_var("txn.wake_code", failure)
+    txn:set_var("txn.wake_reason", decoded(failure))
+    return true
+end
+
 -- prefix: "" for the HTTP slot, "g" for its gRPC twin (the same placements on their gRPC ports).
 local function hold(txn, timeout_ms, prefix)
     local slot = txn:get_var("txn.backend")
@@ -32,7 +51,11 @@ local function hold(txn, timeout_ms, prefix)
         slot = prefix .. slot
     end
     local key = txn:get_var("txn.sleepy")
-    if slot == nil or key == nil or txn.f:nbsrv(slot) > 0 then
+    if slot == nil or key == nil then
+        return
+    end
+    -- First the failure: a replica that failed to load is in rotation until its health check says so.
+    if failed(txn, key) or txn.f:nbsrv(slot) > 0 then
         return
     end
     timeout_ms = tonumber(timeout_ms)
@@ -40,6 +63,9 @@ local function hold(txn, timeout_ms, prefix)
     local signalled = -SIGNAL_EVERY_MS
     while true do
         local waited = elapsed_ms(start)
+        if failed(txn, key) then
+            return
+        end
         if txn.f:nbsrv(slot) > 0 then
             txn:set_var("txn.held_ms", waited)
             core.set_map(COLDSTART, key, tostring(waited))

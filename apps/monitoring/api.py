@@ -109,6 +109,18 @@ class GatewaySeriesSerializer(serializers.Serializer):
     totals = GatewayTotalsSerializer()
 
 
+class ReplicaSeriesSerializer(serializers.Serializer):
+    """An autoscaled deployment's replicas: the highest desired and ready count in each step."""
+
+    desired = serializers.ListField(child=serializers.IntegerField(allow_null=True))
+    ready = serializers.ListField(child=serializers.IntegerField(allow_null=True))
+    desired_now = serializers.IntegerField()
+    ready_now = serializers.IntegerField()
+    min_replicas = serializers.IntegerField()
+    max_replicas = serializers.IntegerField(allow_null=True)
+    markers = MarkerSerializer(many=True, help_text="The autoscaler's decisions in the range.")
+
+
 class ModelMetricsSerializer(FrameSerializer):
     team = serializers.CharField()
     model = serializers.CharField()
@@ -126,6 +138,11 @@ class ModelMetricsSerializer(FrameSerializer):
     gateway = GatewaySeriesSerializer(
         help_text="At the gateway, per deployment of the model (not per version): requests forwarded, "
         "401 and 429 refusals of requests naming the model, 404s its instances answered, 5xx, average time."
+    )
+    replicas = ReplicaSeriesSerializer(
+        allow_null=True,
+        help_text="With ``deployment`` of an autoscaled deployment: its replicas over time and the "
+        "autoscaler's decisions; null otherwise.",
     )
 
 

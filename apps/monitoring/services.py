@@ -8,7 +8,13 @@ from django.db import transaction
 from django.db.models import Count, Sum
 from django.utils import timezone
 
-from apps.deployments.models import Deployment, DeploymentEvent, DeploymentInstance
+from apps.deployments.models import (
+    Deployment,
+    DeploymentEvent,
+    DeploymentInstance,
+    PlacementState,
+    ReplicaSample,
+)
 from apps.fleet.models import Device, InstanceState, TritonInstance, is_platform_staff
 from apps.gateway.metrics import gateway_series
 from apps.gateway.models import GatewayMetrics
@@ -80,6 +86,96 @@ def markers(deployments, window: rollups.Window) -> list[dict]:
     ]
 
 
+# The autoscaler's decisions, drawn on the replica chart of an autoscaled deployment.
+SCALING_MARKER_KINDS = {
+    "autoscaled": "scaled",
+    "woken": "woken",
+    "evicted": "evicted",
+    "autoscale_capped": "capped",
+    "autoscaling": "settings",
+}
+
+
+def scaling_markers(deployment: Deployment, window: rollups.Window) -> list[dict]:
+    """The autoscaler's decisions within the window, oldest first, labelled with their replica change."""
+    events = DeploymentEvent.objects.filter(
+        deployment=deployment,
+        kind__in=SCALING_MARKER_KINDS,
+        created_at__gte=window.start,
+        created_at__lt=window.end,
+    ).order_by("created_at", "id")
+    out = []
+    for event in events[:200]:
+        details = event.details if isinstance(event.details, dict) else {}
+        label = SCALING_MARKER_KINDS[event.kind]
+        if "to" in details:
+            label = f"{details['from']}→{details['to']}" if "from" in details else f"→{details['to']}"
+        out.append(
+            {
+                "time": int(event.created_at.timestamp()),
+                "kind": event.kind,
+                "label": label,
+                "message": event.message,
+                "deployment": deployment.pk,
+                "version": None,
+            }
+        )
+    return out
+
+
+def replica_series(deployment: Deployment, window: rollups.Window) -> dict | None:
+    """An autoscaled deployment's replicas over the window: per point the highest ``desired`` and ``ready``
+    of its step (a burst that scaled up and back within one step still shows), from the autoscaler's samples
+    (written when they change, so the value before the window is carried in); its decisions as markers.
+    None for a deployment with a fixed replica count."""
+    if not deployment.autoscaled():
+        return None
+    step = window.range.step
+    samples = list(
+        ReplicaSample.objects.filter(deployment=deployment, at__gte=window.start, at__lt=window.end).order_by(
+            "at", "id"
+        )
+    )
+    current = (
+        ReplicaSample.objects.filter(deployment=deployment, at__lt=window.start)
+        .order_by("-at", "-id")
+        .first()
+    )
+    desired: list[int | None] = []
+    ready: list[int | None] = []
+    index = 0
+    now = timezone.now().timestamp()
+    for stamp in window.timestamps():
+        if stamp > now:
+            desired.append(None)
+            ready.append(None)
+            continue
+        peak = [current.desired, current.ready] if current is not None else None
+        while index < len(samples) and samples[index].at.timestamp() < stamp + step:
+            current = samples[index]
+            index += 1
+            peak = (
+                [max(peak[0], current.desired), max(peak[1], current.ready)]
+                if peak
+                else [
+                    current.desired,
+                    current.ready,
+                ]
+            )
+        desired.append(peak[0] if peak else None)
+        ready.append(peak[1] if peak else None)
+    placements = deployment.placements.filter(retiring_reason="", state=PlacementState.READY)
+    return {
+        "desired": desired,
+        "ready": ready,
+        "desired_now": deployment.replicas,
+        "ready_now": placements.count(),
+        "min_replicas": deployment.min_replicas,
+        "max_replicas": deployment.max_replicas,
+        "markers": scaling_markers(deployment, window),
+    }
+
+
 def model_metrics(
     model: RegisteredModel,
     range_key: str | None = None,
@@ -119,6 +215,8 @@ def model_metrics(
         "deployment": deployment.pk if deployment is not None else None,
         "versions": versions,
         "markers": markers([deployment] if deployment is not None else model.deployments.all(), window),
+        # An autoscaled deployment's replicas (desired, ready) with the autoscaler's decisions.
+        "replicas": replica_series(deployment, window) if deployment is not None else None,
         "totals": {**totals, "error_rate": rollups.ratio(totals["failure"], totals["requests"])},
         "failure_reasons": rollups.failure_reasons(rows, window),
         # The same span at the gateway: forwarded requests, refusals naming this model, 5xx, gateway time.

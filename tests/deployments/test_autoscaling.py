@@ -4,6 +4,8 @@ wake. The decision function itself is tested in ``test_scaling_policy.py``."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from django.utils import timezone
 
@@ -192,3 +194,46 @@ def test_the_deploy_form_sets_autoscaling_with_its_bounds_in_one_commit(client, 
     # Without the box ticked the fields are ignored: a plain deployment.
     page = client.get("/teams/vision/deployments/new/?model=sleepy").content.decode()
     assert 'id="id_autoscale"' in page and 'name="idle_period_s"' in page
+
+
+def test_the_replica_chart_has_the_counts_over_time_and_the_decisions_as_markers(
+    maintainer_client, owner, scheduled
+):
+    autoscaling.configure(actor=owner, deployment=scheduled, values={
+        "min_replicas": 0, "max_replicas": 3, "target_in_flight": 4, "scale_down_window_s": 0, "idle_period_s": 60})  # fmt: skip
+    now = time.time() // 60 * 60 - 20 * 60  # 20 minutes ago, on a minute
+    autoscaling.evaluate({scheduled.pk: (0, 0)}, now=now)  # 1 desired, 0 ready: the first sample
+    autoscaling.evaluate({scheduled.pk: (0, 0)}, now=now + 5)  # unchanged: no sample
+    autoscaling.evaluate({scheduled.pk: (19.2, 10)}, now=now + 60)  # 1 -> 3
+    Deployment.objects.get(pk=scheduled.pk).placements.update(state=PlacementState.READY)
+    autoscaling.evaluate({scheduled.pk: (12, 20)}, now=now + 120)  # 3 ready now
+    samples = list(Deployment.objects.get(pk=scheduled.pk).replica_samples.values_list("desired", "ready"))
+    assert samples == [(1, 0), (3, 0), (3, 3)]
+
+    reply = maintainer_client.get(
+        f"/api/v1/teams/vision/models/m/metrics/?deployment={scheduled.pk}&range=1h"
+    )
+    assert reply.status_code == 200, reply.content
+    replicas = reply.json()["replicas"]
+    stamps = reply.json()["timestamps"]
+    at = {stamp: i for i, stamp in enumerate(stamps)}
+    first = at[int(now)]
+    assert replicas["desired"][first - 1] is None  # before the first sample: nothing known
+    assert (replicas["desired"][first], replicas["ready"][first]) == (1, 0)
+    assert (replicas["desired"][first + 1], replicas["ready"][first + 1]) == (3, 0)
+    assert (replicas["desired"][first + 2], replicas["ready"][first + 2]) == (3, 3)
+    assert (replicas["desired"][first + 10], replicas["ready"][first + 10]) == (3, 3)  # carried on
+    assert (replicas["desired_now"], replicas["ready_now"], replicas["max_replicas"]) == (3, 3, 3)
+    scaled = [m for m in replicas["markers"] if m["kind"] == "autoscaled"]
+    assert [m["label"] for m in scaled] == ["1→3"]
+    assert scaled[0]["message"] == "1 -> 3 replicas: 19.2 in flight per replica, target 4"
+
+    # A shorter range starting after the samples still carries the last value in.
+    reply = maintainer_client.get(
+        f"/api/v1/teams/vision/models/m/metrics/?deployment={scheduled.pk}&range=15m"
+    )
+    assert set(reply.json()["replicas"]["desired"][:5]) == {3}
+    # A deployment with a fixed replica count has no replica chart.
+    autoscaling.configure(actor=owner, deployment=scheduled, values={"min_replicas": None})
+    reply = maintainer_client.get(f"/api/v1/teams/vision/models/m/metrics/?deployment={scheduled.pk}")
+    assert reply.json()["replicas"] is None

@@ -28,9 +28,16 @@ OWNERS = {
     "apps/deployments/rollouts.py": {"Rollout", "RolloutAnalysis"},
     # The autoscaler's decisions are replica counts (sleep and wake too), each with its event; the
     # placements they lead to are the scheduler's.
-    "apps/deployments/autoscaling.py": {"Deployment", "DeploymentEvent"},
+    "apps/deployments/autoscaling.py": {"Deployment", "DeploymentEvent", "ReplicaSample"},
 }
-MODELS = {"Deployment", "DeploymentInstance", "DeploymentEvent", "Rollout", "RolloutAnalysis"}
+MODELS = {
+    "Deployment",
+    "DeploymentInstance",
+    "DeploymentEvent",
+    "Rollout",
+    "RolloutAnalysis",
+    "ReplicaSample",
+}
 # Related managers and foreign keys that reach the five models' rows (from a team, a model, an instance or
 # each other), and the names the codebase gives such rows: a name or attribute so called holds one.
 RELATED = {
@@ -39,6 +46,7 @@ RELATED = {
     "events": "DeploymentEvent",
     "rollouts": "Rollout",
     "analyses": "RolloutAnalysis",
+    "replica_samples": "ReplicaSample",
 }
 ROW_NAMES = {
     "deployment": "Deployment",

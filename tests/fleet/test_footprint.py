@@ -21,6 +21,8 @@ def test_npu_footprint_is_hbm_used_after_minus_before_on_the_instance_devices(tm
     assert meter.hbm_before == 3445 + 3418
     monkeypatch.setenv("FAKE_NPU_SMI_TABLE", "910b3_x8_processes_24.1.rc2")  # 54592 and 54592 MB
     assert meter.finish() == (54592 - 3445) + (54592 - 3418)
+    # Another load on the instance overlapped this one: the chip's difference holds both, so no figure.
+    assert meter.finish(alone=False) is None
 
 
 def test_npu_footprint_is_none_without_a_readable_npu_smi():
@@ -59,6 +61,8 @@ def test_cpu_footprint_is_the_stubs_pss_plus_tritons_growth(tmp_path):
     fake_process(proc, 300, 42, [stub, f"{repo}/vision__scaler/1/model.py"], pss_kb=77_000)
     assert footprint.stub_pids(100, "vision__scaler", proc) == [201, 202]
     assert meter.finish() == -(-(30_000 + 20_000 + 10_240) // 1024)  # 59 MiB, rounded up
+    # Loads overlapped: Triton's growth is shared between them, the model's own stubs are still its own.
+    assert meter.finish(alone=False) == -(-(30_000 + 20_000) // 1024)  # 49 MiB
 
 
 def test_cpu_footprint_is_none_when_no_stub_is_seen(tmp_path):

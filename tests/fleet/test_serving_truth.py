@@ -77,8 +77,15 @@ def triton_ready(url: str) -> set[tuple[str, int]]:
     """(name, version) of every model version Triton has available: its statistics API lists exactly those
     (a version leaves the list when its unload starts, and joins it when its load finished). One request, so
     sampling often does not steal the agent's CPU."""
-    reply = requests.get(f"http://{url}/v2/models/stats", headers=instance_key_headers(url), timeout=10)
-    reply.raise_for_status()
+    for _attempt in range(10):
+        reply = requests.get(f"http://{url}/v2/models/stats", headers=instance_key_headers(url), timeout=10)
+        # Triton lists the live models, then reads each one's statistics: a version whose unload starts in
+        # between fails the whole answer with 503 (seen with several loads and unloads at once). Ask again.
+        if reply.status_code != 503:
+            break
+        print(f"statistics answered 503, asked again: {reply.text}")
+        time.sleep(0.05)
+    assert reply.status_code == 200, f"statistics failed ({reply.status_code}): {reply.text}"
     return {(m["name"], int(m["version"])) for m in reply.json()["model_stats"]}
 
 

@@ -77,14 +77,17 @@
     el.textContent = "";
     var series = [{ label: "time (UTC)", value: function (u, ts) { return ts == null ? "–" : utc(ts, true) + " UTC"; } }];
     lines.forEach(function (line, i) {
-      series.push({
+      var one = {
         label: line.label,
         stroke: line.color || PALETTE[i % PALETTE.length],
         dash: line.dash || [],
         width: 2,
         points: { show: false },
         value: fmt(unit, digits),
-      });
+      };
+      // A count that holds until it changes (replicas): steps, not slopes between the points.
+      if (line.stepped && uPlot.paths && uPlot.paths.stepped) { one.paths = uPlot.paths.stepped({ align: 1 }); }
+      series.push(one);
     });
     var plot = new uPlot({
       width: Math.max(el.clientWidth, 240),
@@ -158,6 +161,18 @@
       draw("chart-batch", ts, perVersion("avg_batch_size"), "", 2, markers);
       draw("chart-errors", ts, perVersion("error_rate", percent), "%", 2, markers);
       drawGateway("chart-gateway", ts, d.gateway, markers);
+      if (d.replicas) {
+        // An autoscaled deployment: its replicas (desired, ready) with the autoscaler's decisions as markers.
+        draw("chart-replicas", ts, [
+          { label: "desired", color: PALETTE[0], values: d.replicas.desired, stepped: true },
+          { label: "ready", color: PALETTE[2], dash: [6, 4], values: d.replicas.ready, stepped: true },
+        ], "", 0, d.replicas.markers);
+        var now = root.querySelector(".replicas-now");
+        if (now) {
+          now.textContent = d.replicas.ready_now + " of " + d.replicas.desired_now + " replicas ready now (" +
+            d.replicas.min_replicas + ".." + d.replicas.max_replicas + ")";
+        }
+      }
       var totals = root.querySelector(".metric-totals");
       if (totals) {
         var reasons = Object.keys(d.failure_reasons).map(function (k) { return k + " " + d.failure_reasons[k]; }).join(", ");
