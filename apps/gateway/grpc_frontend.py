@@ -13,8 +13,8 @@ rules to the name it found. In this order:
 3. Token (``UNAUTHENTICATED``), rate limit (``RESOURCE_EXHAUSTED``), the model's route in ``models.map`` and
    the team check: another team's model and an unknown one are the same ``NOT_FOUND``.
 4. Canary and pinning as for HTTP: an unversioned call is pinned to the route's version (or the canary's, for
-   ``weight`` % of them, one ``rand()`` draw) by appending ``model_version`` to the message (the Lua filter
-   ``grpc_pin``, the only way HAProxy 2.6 changes a body); a call naming the canary version goes to the canary.
+   ``weight`` % of them, one ``rand()`` draw) by inserting ``model_version`` into the message (the Lua filter
+   ``grpc_walk`` on the slot's gRPC twin, the only way HAProxy 2.6 changes a body); a call naming the canary version goes to the canary.
    ``ModelStatistics`` is not pinned: unversioned, it asks for every version of the model.
 5. A model call for a sleeping deployment (scale to zero) is held until its gRPC twin has a ready server,
    as HTTP requests are (``wake.lua``); past the activation timeout it gets ``UNAVAILABLE`` with the reason.
@@ -76,7 +76,6 @@ def frontend_lines(o: Options) -> list[str]:
     return [
         "frontend grpc",
         f"    bind {o.grpc_bind} proto h2",
-        "    filter lua.grpc_walk",
         f"    http-request del-header {o.grpc_key_header}",
         f"    http-request set-var(txn.glimit) int({o.grpc_max_message + DRAIN_SLACK})",
         f"    http-request track-sc2 str(all) table {COUNTS_TABLE}",
@@ -189,9 +188,15 @@ def _hold_lines(o: Options) -> list[str]:
 
 
 def backend_lines(slot: str, o: Options, checks: Path, servers: list[str]) -> list[str]:
-    """The gRPC twin of an HTTP slot, checked (over the instances' HTTP ports) like the slot."""
+    """The gRPC twin of an HTTP slot, checked (over the instances' HTTP ports) like the slot.
+
+    The Lua filter that walks the rest of each message and pins the version is declared here, not on the
+    frontend: only a model call that passed every rule reaches a twin, and a Lua filter costs each call it is
+    attached to about as much CPU as the rest of the gateway (HAProxy 2.6 builds its Lua objects for every
+    callback, ~150k instructions per call), so refusals, server-level calls and streams do not pay it."""
     return [
         f"backend {twin(slot)}",
+        "    filter lua.grpc_walk",
         "    balance leastconn",
         "    option httpchk",
         f"    http-check send meth GET uri-lf /v2/models/%[str({slot}),map({checks},-)]/ready",

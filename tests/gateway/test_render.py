@@ -162,3 +162,15 @@ def test_canary_route_renders_the_split(tmp_path):
 def test_a_model_name_outside_the_platform_alphabet_is_refused(tmp_path):
     with pytest.raises(GatewayError):
         render_config(state(checks={"d1": "x/../y"}), SLOTS, replace(options(), directory=tmp_path))
+
+
+def test_the_grpc_message_filter_is_only_on_the_slots_grpc_twins(tmp_path):
+    # A Lua filter costs every call it is attached to (~150k instructions): refusals, server-level calls and
+    # streams must not carry it; every model call's backend (a slot's twin) must.
+    config = render_config(state(), SLOTS, replace(options(), directory=tmp_path))
+    sections = {block.split("\n", 1)[0]: block for block in config.split("\n\n")}
+    frontend = next(block for name, block in sections.items() if name == "frontend grpc")
+    assert "filter lua." not in frontend
+    for slot in SLOTS.names():
+        assert "    filter lua.grpc_walk\n" in sections[f"backend g{slot}"]
+    assert "filter lua." not in sections["backend grpc_any"]
