@@ -205,10 +205,10 @@ def test_a_step_switched_through_the_ensemble_under_load_fails_no_request(
                 and placement.canary_version_id is None
             )
 
-        deadline = time.monotonic() + 240
-        while not step_followed() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert step_followed(), describe(ensemble, resnet) + "\n" + agent.output()[-3000:]
+        try:
+            wait_for(step_followed, 240, "the step to follow its ensemble to v2", interval=0.5)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{describe(ensemble, resnet)}\n{agent.output()[-3000:]}") from None
         during_switch = load.sent - switch_started
         wait_for(
             lambda: loaded_versions(instance).get("vision__resnet50") == ["2"], 60, "resnet50 v1 to unload"

@@ -152,7 +152,11 @@ def test_grpc_first_calls_are_held_and_a_cold_model_evicts_the_idle_one(
 
     # alpha idles past its idle period (the autoscaler is not run, so it stays loaded): beta's first request
     # must evict it to load in its room.
-    time.sleep(policy["idle_period_s"] + 0.5)
+    def alpha_idle_for_its_period() -> bool:
+        last = (Deployment.objects.get(pk=deployments["alpha"]).scaling_memory or {}).get("last_traffic_at")
+        return last is not None and time.time() - last >= policy["idle_period_s"]
+
+    wait_for(alpha_idle_for_its_period, policy["idle_period_s"] + 30, "alpha to be idle for its idle period")
     answered: list = []
     request = threading.Thread(
         target=http_infer, args=(gateway.port, "vision__beta", secret, answered), daemon=True
