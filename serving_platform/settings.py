@@ -40,14 +40,21 @@ def _secret_key() -> str:
         )
     # Generated once and kept, so sessions survive restarts of the embedded default. Created 0600: it is
     # never readable, even for a moment, by another user (Triton's servers run as other users).
+    # `make run` starts web, worker and beat at once: the key is written whole under a private name and
+    # linked into place, so a process that loses the race reads the winner's key, never an empty file.
     key_file = VAR_DIR / "secret_key"
-    try:
-        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        key_file.chmod(0o600)
-    else:
+    if not key_file.exists():
+        draft = VAR_DIR / f".secret_key.{os.getpid()}"
+        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as handle:
             handle.write(secrets.token_urlsafe(64))
+        try:
+            os.link(draft, key_file)
+        except FileExistsError:
+            pass
+        finally:
+            draft.unlink()
+    key_file.chmod(0o600)
     return key_file.read_text().strip()
 
 

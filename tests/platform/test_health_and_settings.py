@@ -172,3 +172,21 @@ def test_unknown_api_url_is_a_json_404(owner_client):
     response = owner_client.get("/api/v1/no-such-thing/")
     assert response.status_code == 404
     assert response.json()["error"] == "not_found" and "/api/docs/" in response.json()["message"]
+
+
+def test_processes_started_together_on_a_fresh_var_dir_share_one_whole_secret_key(tmp_path):
+    """`make run` starts web, worker and beat at once: each must read the same key, none an empty file."""
+    env = {k: v for k, v in os.environ.items() if k != "SECRET_KEY"}
+    env.update(DEBUG="1", VAR_DIR=str(tmp_path))
+    script = "from django.conf import settings; import django; django.setup(); print(settings.SECRET_KEY)"
+    env["DJANGO_SETTINGS_MODULE"] = "serving_platform.settings"
+    starts = [
+        subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(6)
+    ]
+    keys = {process.communicate(timeout=120)[0].strip() for process in starts}
+    assert all(process.returncode == 0 for process in starts)
+    key_file = tmp_path / "secret_key"
+    assert keys == {key_file.read_text().strip()} and len(keys.pop()) >= 50
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert not list(tmp_path.glob(".secret_key.*")), "a draft key was left behind"
