@@ -58,15 +58,21 @@ demo: migrate
 run: demo
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(LOCAL_AGENT_ENV) $(VENV)/bin/honcho start -f Procfile
 
+## Test processes side by side (pytest-xdist): most live tests wait on real servers, so two workers fill two
+## cores. Each worker has its own test database; a module's tests stay together on one worker, so the servers
+## a module shares start once. PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+
 ## Run the whole test suite (set DATABASE_URL / CELERY_BROKER_URL to test on PostgreSQL + Redis).
 test: install chromium
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 ## The developer's loop: no real servers, no browser - what a change to a view or a service needs.
 ## tests.no_servers fails a test there that starts a server without its mark; no test collected fails too.
 FAST_MARKERS := not triton and not servers and not browser and not fuzz
 test-fast: install
-	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -p tests.no_servers -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest $(PYTEST_PARALLEL) -p tests.no_servers -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

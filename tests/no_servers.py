@@ -96,14 +96,29 @@ def pytest_unconfigure(config) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     _current.append(item)
+    item.stash[_seen_before] = len(_violations)
     try:
         yield
     finally:
         _current.pop()
 
 
+_seen_before = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    # A server started from a thread fails only that thread, which pytest does not see: the test's own report
+    # fails instead (a report is what reaches the controller when the tests run in several processes).
+    outcome = yield
+    report = outcome.get_result()
+    new = _violations[item.stash.get(_seen_before, len(_violations)) :]
+    if report.when == "call" and report.passed and new:
+        report.outcome = "failed"
+        report.longrepr = "\n".join(new)
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
-    # A server started from a thread fails only that thread: the run fails here too.
     if _violations and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

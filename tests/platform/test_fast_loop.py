@@ -32,3 +32,47 @@ from tests.no_servers import command_line, mark_needed
 )
 def test_a_server_command_needs_the_mark_that_keeps_it_out_of_the_fast_loop(args, mark):
     assert mark_needed(command_line(args)) == mark
+
+
+GUARDED_TESTS = """
+import subprocess
+import sys
+import threading
+
+
+def test_starts_a_server_from_a_thread():
+    def serve():
+        try:
+            subprocess.Popen([sys.executable, "-m", "hostagent", "--help"]).wait()
+        except BaseException:
+            pass  # the thread swallows what the guard raises; the run must fail anyway
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    thread.join()
+
+
+def test_runs_a_short_command():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "two workers"])
+def test_a_server_started_from_a_thread_fails_its_test_in_the_fast_loop(tmp_path, workers):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "test_guarded.py").write_text(GUARDED_TESTS)
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "tests.no_servers", "-p", "no:cacheprovider", "-p", "no:django",
+         "-q", "--rootdir", str(tmp_path), "-c", "/dev/null", *workers, str(tmp_path / "test_guarded.py")],
+        cwd=root, env={**__import__("os").environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "1 failed, 1 passed" in result.stdout, result.stdout[-3000:]
+    assert "test_starts_a_server_from_a_thread" in result.stdout and "without @pytest.mark.servers" in (
+        result.stdout
+    )
