@@ -14,8 +14,8 @@
 -- * The filter `grpc_walk` forwards the body while walking the rest of the message from txn.gnext: it
 --   forwards only bytes it has walked, so the message's last byte reaches an instance only once every field
 --   has been checked. Past the head, any model_name or model_version is refused (a repeat, or a version the
---   routing did not see); a refusal there aborts the call, so the instance holds an incomplete message it
---   never runs. The filter also pins the version the gateway chose (txn.gpin) by inserting a model_version
+--   routing did not see); a refusal there turns the refused field's first byte into a key no protobuf
+--   parser accepts, so the instance refuses the whole message before running anything. The filter also pins the version the gateway chose (txn.gpin) by inserting a model_version
 --   field right after the prefix (the only one: the action has seen none in the head and the filter refuses
 --   any later) and fixing the length prefix. HAProxy 2.6 lets only filters change a body.
 --
@@ -217,12 +217,19 @@ function Walk:start_analyze(txn, chn)
     end
 end
 
--- Ends the call: the bytes not forwarded (at least the message's last one) never reach the instance.
-local function abort(self, txn, msg, why)
+-- A key of field 1 with wire type 7, which no protobuf parser accepts: a message holding it is refused whole
+-- when the instance's gRPC server deserializes it, before any handler runs.
+local INVALID_KEY = "\x0f"
+
+-- Refuses the call at `at`, the start of a field the walk refused (not forwarded yet: the walk forwards only
+-- bytes it has checked): its first byte becomes INVALID_KEY and the rest of the body goes on as sent, so the
+-- stream ends as streams do on both sides and the instance refuses the message. Ending the transaction from the
+-- filter (txn:done()) instead left the stream to the instance open until the server timeout - a session a
+-- hostile client could pile up with malformed calls.
+local function abort(self, txn, msg, why, at)
     txn:set_var("txn.gabort", why)
+    msg:set(INVALID_KEY, at - self.base + (self.extra or 0), 1)
     filter.unregister_data_filter(self, msg.channel)
-    txn:done()
-    return 0
 end
 
 function Walk:http_payload(txn, msg)
@@ -239,7 +246,7 @@ function Walk:http_payload(txn, msg)
             -- msg offsets are relative to the first byte this filter has not forwarded: 0 is the prefix.
             local pin = "\x12" .. encode_varint(#version) .. version
             if msg:input() < 5 then
-                return abort(self, txn, msg, "the gRPC prefix is not in the first data")
+                return 0 -- the prefix is in the head the action read: it comes with the next data
             end
             msg:set("\0" .. string.pack(">I4", stop - 5 + #pin) .. pin, 0, 5)
             self.extra = #pin -- bytes in front of the original ones, forwarded with them
@@ -254,18 +261,22 @@ function Walk:http_payload(txn, msg)
         local number, after = field_at(window, 1, last, self.stop - self.next)
         if number == false then
             if msg:eom() then
-                return abort(self, txn, msg, "truncated field")
+                return abort(self, txn, msg, "truncated field", self.next)
             end
             break -- the rest of the header comes with the next data
         elseif number == nil then
-            return abort(self, txn, msg, after)
+            return abort(self, txn, msg, after, self.next)
         elseif number == 1 or number == 2 then
-            return abort(self, txn, msg, "model_name or model_version after the message's head")
+            return abort(self, txn, msg, "model_name or model_version after the message's head", self.next)
         end
         self.next = self.next + after - 1
     end
     if self.next >= self.stop and available > self.stop then
-        return abort(self, txn, msg, "more than one gRPC message")
+        -- Every field of the call's message was checked; what follows it is a second message, which a unary
+        -- method never reads as its request. It goes on as sent, and the server refuses the extra message.
+        txn:set_var("txn.gabort", "more than one gRPC message")
+        filter.unregister_data_filter(self, msg.channel)
+        return
     end
     local forward = math.min(self.next, available) - self.base
     self.base = self.base + forward
