@@ -167,3 +167,19 @@ def fake_atc(tmp_path, monkeypatch):
             if line.strip():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(line.split()[0]), signal.SIGKILL)
+
+
+# --- the order modules run in ----------------------------------------------------------------------------------
+REAL_SERVER_MARKS = ("triton", "servers", "browser", "fuzz")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Modules with the most real-server tests first, the rest in their own order after them: with several
+    workers (``make test``: each takes whole modules) the long modules start at once and the short ones fill in
+    at the end, instead of a long module starting last and running alone. The order is the same in every
+    worker, as pytest-xdist requires."""
+    live: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        live[module] = live.get(module, 0) + any(item.get_closest_marker(m) for m in REAL_SERVER_MARKS)
+    items.sort(key=lambda item: -live[item.nodeid.split("::", 1)[0]])
