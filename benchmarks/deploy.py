@@ -254,9 +254,10 @@ def ready_times(url: str, key_headers: dict, names: list[str], started: float, t
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pgid: int) -> float:
-    """CPU (user + system) of every process in a process group so far, with what its processes reaped
-    (python stubs that ended: Triton's, or the ones a killed server left)."""
+def cpu_seconds(pgid: int, *, reaped: bool) -> float:
+    """CPU (user + system) of every live process in a process group so far; with ``reaped`` also what its
+    processes reaped (python stubs that ended). Not for the agent: it reaps the killed server, whose whole
+    life would then count."""
     total = 0
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -265,7 +266,8 @@ def cpu_seconds(pgid: int) -> float:
             stat = (proc / "stat").read_text()
             fields = stat[stat.rindex(")") + 2 :].split()
             if int(fields[2]) == pgid:  # fields[2] is the process group
-                total += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
+                # utime, stime (, cutime, cstime: children waited for)
+                total += sum(int(x) for x in fields[11 : 15 if reaped else 13])
         except (OSError, ValueError):
             continue
     return total / TICKS
@@ -292,7 +294,7 @@ def restart_to_serving(instance_pk: int, url: str, versions: list, timeout: floa
     instance = TritonInstance.objects.get(pk=instance_pk)
     pid = instance.pid
     deployments = [v.model.deployments.order_by("-id").first().pk for v in versions]
-    before = {name: cpu_seconds(pgid) for name, pgid in others.items()}
+    before = {name: cpu_seconds(pgid, reaped=False) for name, pgid in others.items()}
     wall_before = time.perf_counter()
     os.kill(pid, signal.SIGKILL)
     started = time.perf_counter()
@@ -304,7 +306,7 @@ def restart_to_serving(instance_pk: int, url: str, versions: list, timeout: floa
     new_pid = wait(restarted_pid, 60, "the server to be restarted")
     names = [v.model.triton_model_name() for v in versions]
     times = ready_times(url, instance.key_headers(), names, started, timeout)
-    cpu = {"tritonserver + stubs": cpu_seconds(new_pid)}
+    cpu = {"tritonserver + stubs": cpu_seconds(new_pid, reaped=True)}
     wait(
         lambda: (
             DeploymentInstance.objects.filter(
@@ -316,7 +318,7 @@ def restart_to_serving(instance_pk: int, url: str, versions: list, timeout: floa
         "every placement READY after the restart",
     )
     platform = time.perf_counter() - started
-    cpu |= {name: cpu_seconds(pgid) - before[name] for name, pgid in others.items()}
+    cpu |= {name: cpu_seconds(pgid, reaped=False) - before[name] for name, pgid in others.items()}
     return {
         "first": times[0],
         "half": times[(len(times) - 1) // 2],
