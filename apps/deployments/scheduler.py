@@ -9,8 +9,10 @@ enough hosts. What cannot be placed stays pending with the reason, and the beat 
 tries again.
 
 Concurrency: the pool's row is locked (``SELECT ... FOR UPDATE``; pools in one order: a team's dedicated ones
-first, then by name) before its instances' used memory is summed, so two deploys into one pool are
-serialized and never overcommit an instance.
+first, then by name) before its instances' reserved memory is read, so two deploys into one pool are
+serialized and never overcommit an instance. Each instance's reserved memory (``TritonInstance.reserved_mb``)
+is kept by the writers of placements inside the same transaction (``refresh_reserved``), so a decision
+reads one row per instance however many placements its pool holds.
 
 Writes: placements it creates, retires or releases, the deployment's ``pending_reason`` and PENDING <->
 DEPLOYING, and one event per decision with its inputs - an owner beside ``apps.deployments.services``
@@ -20,6 +22,7 @@ a deployment's state from its placements' reports: that stays with ``services``.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -43,6 +46,8 @@ from apps.deployments.models import (
 from apps.fleet.models import DesiredInstanceState, InstanceState, PlacementPolicy, Pool, TritonInstance
 from apps.fleet.services import notify_hosts
 from apps.registry.models import FOOTPRINT_BASE_MB, FOOTPRINT_MARGIN, ModelVersion
+
+log = logging.getLogger(__name__)
 
 GONE = (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED)
 ALTERNATIVES_SHOWN = 5
@@ -211,12 +216,10 @@ def _footprint_sql(version: str):
     )
 
 
-def used_mb_sql(placements: str = "placements"):
-    """The memory an instance's live placements hold (retiring ones too: they hold it until unloaded), as one
-    SQL aggregate over the relation ``placements`` of the rows annotated: per placement its deployment's
-    served version, plus the target during a switch (both are loaded). The same sum as ``deployment_need_mb``
-    per replica, so a decision never reads more than one query for its whole pool."""
-    deployment = f"{placements}__deployment"
+def _placement_mb_sql(placement: str = ""):
+    """What one placement holds, in SQL: its deployment's served version, plus the target during a switch
+    (both are loaded). ``placement``: the path to the placement ("" from a placement row itself)."""
+    deployment = f"{placement}deployment"
     target = Case(
         When(
             **{f"{deployment}__target_version": F(f"{deployment}__active_version")},
@@ -225,20 +228,112 @@ def used_mb_sql(placements: str = "placements"):
         default=_footprint_sql(f"{deployment}__target_version"),
         output_field=IntegerField(),
     )
-    live = Q(**{f"{placements}__isnull": False}) & ~Q(**{f"{placements}__state": PlacementState.UNLOADED})
-    live &= ~Q(**{f"{deployment}__state": DeploymentState.UNDEPLOYED})
+    return _footprint_sql(f"{deployment}__active_version") + target
+
+
+def _live_sql(placement: str = "") -> Q:
+    """A placement that holds memory: not unloaded (retiring ones hold it until unloaded), of a deployment
+    not undeployed."""
+    return ~Q(**{f"{placement}state": PlacementState.UNLOADED}) & ~Q(
+        **{f"{placement}deployment__state": DeploymentState.UNDEPLOYED}
+    )
+
+
+def used_mb_sql(placements: str = "placements"):
+    """The memory an instance's live placements hold, as one SQL aggregate over the relation ``placements``
+    of the rows annotated - the definition of ``TritonInstance.reserved_mb``, which the decisions read
+    instead (``refresh_reserved`` keeps it; ``reserved_drift`` compares the two)."""
+    live = Q(**{f"{placements}__isnull": False}) & _live_sql(f"{placements}__")
     return Coalesce(
-        Sum(_footprint_sql(f"{deployment}__active_version") + target, filter=live),
-        Value(0),
-        output_field=IntegerField(),
+        Sum(_placement_mb_sql(f"{placements}__"), filter=live), Value(0), output_field=IntegerField()
     )
 
 
 def used_by_instance(instance_ids: list[int] | None = None, *, pool: Pool | None = None) -> dict[int, int]:
-    """Memory the live placements on these instances (or the pool's) hold (``used_mb_sql``)."""
+    """Memory the live placements on these instances (or the pool's) hold, summed now (``used_mb_sql``)."""
     where = Q(host__pool=pool) if pool is not None else Q(pk__in=instance_ids or [])
     rows = TritonInstance.objects.filter(where).annotate(used=used_mb_sql()).values_list("pk", "used")
     return {pk: used for pk, used in rows if used}
+
+
+def refresh_reserved(instance_ids: Iterable[int]) -> None:
+    """Set these instances' ``reserved_mb`` to what their live placements hold. Called by every change of a
+    placement's liveness or of what it holds (created, revived, unloaded, its deployment's versions switched,
+    a footprint measured), inside that change's transaction and after it.
+
+    The instances' rows are locked first (in id order; NO KEY UPDATE, so a placement row's foreign key check
+    is not blocked), and only then are their placements read, in a statement of its own: under READ COMMITTED
+    that statement sees every change committed by a transaction that refreshed these rows before us, and one
+    that refreshes them after us waits for our commit - a recomputation, not an increment, so no change is
+    counted twice or lost. Decisions hold their pool's lock besides (``candidates_in``): two never read the
+    same figure. Summed here with ``ModelVersion.footprint_estimate_mb`` from plain columns (a decision pays
+    for this, and compiling ``used_mb_sql`` costs more than running it); ``reserved_drift`` checks the two
+    agree."""
+    ids = sorted({pk for pk in instance_ids if pk})
+    if not ids:
+        return
+    locked = TritonInstance.objects.select_for_update(no_key=True).filter(pk__in=ids).order_by("pk")
+    list(locked.values_list("pk", flat=True))
+    rows = (
+        DeploymentInstance.objects.filter(instance_id__in=ids)
+        .exclude(state=PlacementState.UNLOADED)
+        .exclude(deployment__state=DeploymentState.UNDEPLOYED)
+        .values_list(
+            "instance_id",
+            "deployment__active_version_id",
+            "deployment__active_version__footprint_mb",
+            "deployment__active_version__size_bytes",
+            "deployment__target_version_id",
+            "deployment__target_version__footprint_mb",
+            "deployment__target_version__size_bytes",
+        )
+    )
+    held = dict.fromkeys(ids, 0)
+    for instance_id, active, a_mb, a_size, target, t_mb, t_size in rows:
+        if active is not None:
+            held[instance_id] += ModelVersion(footprint_mb=a_mb, size_bytes=a_size).footprint_estimate_mb()
+        if target is not None and target != active:
+            held[instance_id] += ModelVersion(footprint_mb=t_mb, size_bytes=t_size).footprint_estimate_mb()
+    by_figure: dict[int, list[int]] = defaultdict(list)
+    for instance_id, mb in held.items():
+        by_figure[mb].append(instance_id)
+    for mb, pks in by_figure.items():
+        TritonInstance.objects.filter(pk__in=pks).update(reserved_mb=mb)
+
+
+def refresh_reserved_of(deployment_ids: Iterable[int]) -> None:
+    """``refresh_reserved`` for the instances of these deployments' placements (what each holds changed:
+    a switch began or ended, a footprint was measured)."""
+    rows = DeploymentInstance.objects.filter(deployment_id__in=list(deployment_ids))
+    refresh_reserved(rows.values_list("instance_id", flat=True))
+
+
+def footprint_changed(version_id: int) -> None:
+    """A version's footprint was measured (it replaces the estimate): the instances holding it follow."""
+    using = Deployment.objects.filter(Q(active_version_id=version_id) | Q(target_version_id=version_id))
+    refresh_reserved_of(using.values_list("pk", flat=True))
+
+
+def reserved_drift(instance_ids: Iterable[int] | None = None) -> dict[int, tuple[int, int]]:
+    """Instances whose ``reserved_mb`` differs from the sum over their live placements: {id: (kept, sum)}.
+    Empty when every writer kept it (the tests check it after each kind of change; the beat repairs any)."""
+    rows = (
+        TritonInstance.objects.all()
+        if instance_ids is None
+        else TritonInstance.objects.filter(pk__in=list(instance_ids))
+    )
+    rows = rows.annotate(used=used_mb_sql()).values_list("pk", "reserved_mb", "used")
+    return {pk: (kept, used) for pk, kept, used in rows if kept != used}
+
+
+def repair_reserved() -> int:
+    """The beat's check: recompute the figure where it drifted (a writer that forgot it). Returns how many
+    instances were repaired (0 expected, logged otherwise)."""
+    drift = reserved_drift()
+    if drift:
+        log.warning("reserved_mb drifted on %d instance(s), recomputed: %s", len(drift), drift)
+        refresh_reserved(drift)
+    return len(drift)
 
 
 def schedulable_instances(pool: Pool, *, now=None):
@@ -265,19 +360,15 @@ def candidates_in(pool: Pool, *, lock: bool) -> list[Candidate]:
     writes a lock on 1,600 rows per decision in a pool of 200 hosts x 8 devices.)"""
     if lock:
         Pool.objects.select_for_update().filter(pk=pool.pk).values_list("pk", flat=True).first()
-    # Only the columns a decision reads: a pool of 1,600 instances is read on every decision.
-    # Only the columns a decision reads, and the memory each instance's placements hold summed by the
-    # database: a pool of 1,600 instances is read on every decision, in one query.
-    instances = schedulable_instances(pool).annotate(used=used_mb_sql())
-    rows = instances.values_list("pk", "host_id", "host__name", "name", "capacity_mb", "used")
+    # Only the columns a decision reads, and each instance's reserved memory as kept by the writers
+    # (``refresh_reserved``): a pool of 1,600 instances is read on every decision, in one query that does not
+    # grow with the placements.
+    rows = schedulable_instances(pool).values_list(
+        "pk", "host_id", "host__name", "name", "capacity_mb", "reserved_mb"
+    )
+    budget = pool.memory_budget_mb
     return [
-        Candidate(
-            instance_id=pk,
-            host_id=host_id,
-            label=f"{host_name}/{name}",  # as str(instance)
-            capacity_mb=capacity if capacity is not None else pool.memory_budget_mb,
-            used_mb=used,
-        )
+        Candidate(pk, host_id, f"{host_name}/{name}", budget if capacity is None else capacity, used)
         for pk, host_id, host_name, name, capacity, used in rows
     ]
 
@@ -420,6 +511,7 @@ def _create_placements(
         for candidate, pool, choice in decided
         for need in [needs[candidate.instance_id]]
     )
+    refresh_reserved(c.instance_id for c, _, _ in decided)
     pks = reused + [p.pk for p in created]
     return list(DeploymentInstance.objects.filter(pk__in=pks).select_related("instance__host").order_by("pk"))
 
@@ -510,6 +602,7 @@ def _add_step_replica(
         )
     else:
         row = DeploymentInstance.objects.create(deployment=step_deployment, instance_id=candidate.instance_id)
+    refresh_reserved([candidate.instance_id])
     grew = ""
     if step.short > 0:
         step.short -= 1  # a replica it lacked (its own was on a lost or drained instance)

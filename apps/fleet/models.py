@@ -330,6 +330,15 @@ class TritonInstance(models.Model):
         blank=True,
         help_text="Memory its models may use (NPU: HBM minus the reserve). Empty: its pool's CPU budget.",
     )
+    # Written only by ``apps.deployments`` (the scheduler and the services that create, revive, unload and
+    # re-size placements), in the transaction of the placement change, under this row's lock: a decision
+    # reads one column per instance instead of summing every placement of its pool.
+    reserved_mb = models.PositiveIntegerField(
+        default=0,
+        editable=False,
+        help_text="Memory its live placements hold (the sum of their versions' footprints), kept by the "
+        "scheduler with every placement change.",
+    )
     from_template = models.BooleanField(default=False, editable=False)
     unwanted_since = models.DateTimeField(
         null=True,
