@@ -197,10 +197,14 @@ def footprints(version_ids: Iterable[int]) -> dict[int, int]:
     return {v.pk: v.footprint_estimate_mb() for v in rows}
 
 
-def deployment_need_mb(deployment: Deployment) -> int:
+def replica_held_mb(deployment: Deployment) -> int:
     """What one replica holds: the served version, plus the target during a switch (both are loaded)."""
-    sizes = footprints([deployment.active_version_id, deployment.target_version_id])
-    return sum(sizes.values()) or 1
+    return sum(footprints([deployment.active_version_id, deployment.target_version_id]).values())
+
+
+def deployment_need_mb(deployment: Deployment) -> int:
+    """What one replica needs free (at least 1 MiB, so a deployment without a version still asks)."""
+    return replica_held_mb(deployment) or 1
 
 
 def _footprint_sql(version: str):
@@ -266,7 +270,7 @@ def refresh_reserved(instance_ids: Iterable[int]) -> None:
     that statement sees every change committed by a transaction that refreshed these rows before us, and one
     that refreshes them after us waits for our commit - a recomputation, not an increment, so no change is
     counted twice or lost. Decisions hold their pool's lock besides (``candidates_in``): two never read the
-    same figure. Summed here with ``ModelVersion.footprint_estimate_mb`` from plain columns (a decision pays
+    same figure. (A decision adds what its new placements hold instead: ``place_replicas``.) Summed here with ``ModelVersion.footprint_estimate_mb`` from plain columns (a decision pays
     for this, and compiling ``used_mb_sql`` costs more than running it); ``reserved_drift`` checks the two
     agree."""
     ids = sorted({pk for pk in instance_ids if pk})
@@ -407,13 +411,15 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
         )
     )
     existing = {instance_id: pk for pk, instance_id, _, _, _ in rows}
+    holding = {instance_id for _, instance_id, _, _, state in rows if state != PlacementState.UNLOADED}
     current = [(instance_id, host_id) for _, instance_id, host_id, retiring, state in rows
                if not retiring and state != PlacementState.UNLOADED]  # fmt: skip
     missing = deployment.replicas - len(current)
     if missing <= 0:
         _set_pending(deployment, "")
         return []
-    need = deployment_need_mb(deployment)
+    held = replica_held_mb(deployment)
+    need = held or 1
     steps = _ensemble_steps(deployment)
     needs: dict[int, int] = {}
     taken_hosts = {host_id for _, host_id in current}
@@ -454,6 +460,13 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
             "page); or deploy on chosen instances"
         )
     placements = _create_placements(deployment, decided, needs, existing)
+    # What the new replicas hold is added to their instances' reserved memory, where no placement of the
+    # deployment held it already (a retired one placed again before it unloaded). An increment, not
+    # ``refresh_reserved``: exact because the deployment's row lock (held by the caller) orders this with
+    # every report on its placements, and the UPDATE applies to the row as the last writer left it.
+    adding = [c.instance_id for c, _, _ in decided if c.instance_id not in holding]
+    if held and adding:
+        TritonInstance.objects.filter(pk__in=adding).update(reserved_mb=F("reserved_mb") + held)
     if steps is not None:
         placements += _place_steps_with(deployment, decided, steps)
     still = missing - len(decided)
@@ -511,7 +524,6 @@ def _create_placements(
         for candidate, pool, choice in decided
         for need in [needs[candidate.instance_id]]
     )
-    refresh_reserved(c.instance_id for c, _, _ in decided)
     pks = reused + [p.pk for p in created]
     return list(DeploymentInstance.objects.filter(pk__in=pks).select_related("instance__host").order_by("pk"))
 
