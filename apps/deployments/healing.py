@@ -10,7 +10,7 @@ One tick, each deployment in its own short transaction under its row lock:
    where none is, idle replicas of scale-to-zero deployments are evicted: ``autoscaling.make_room``);
 4. retired replicas are told to unload once the deployment has its replicas READY elsewhere.
 First, each instance's reserved memory (``TritonInstance.reserved_mb``) is checked against the sum over its
-placements and recomputed where it drifted (0 expected: the writers keep it, ``scheduler.refresh_reserved``).
+placements and recomputed where it drifted (0 expected: the writers keep it, ``reserved.refresh_reserved``).
 The decisions are ``apps.deployments.scheduler``'s; a deployment's state follows from its placements in
 ``apps.deployments.services``.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 from django.db import transaction
 from django.db.models import Case, Count, F, Q, Value, When
 
-from apps.deployments import autoscaling, ensembles, scheduler, services
+from apps.deployments import autoscaling, ensembles, reserved, scheduler, services
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet import pools
 from apps.fleet.models import Host, TritonInstance
@@ -146,7 +146,7 @@ def tick() -> dict[str, int]:
     counts = {"retired": 0, "drained": 0, "removed_instances": 0, "placed": 0, "released": 0}
     # The reserved memory the decisions read is kept by the writers of placements; a figure that drifted (a
     # row changed behind their back) is recomputed before this tick decides anything on it.
-    counts["reserved_repaired"] = scheduler.repair_reserved()
+    counts["reserved_repaired"] = reserved.repair_reserved()
     lost = scheduler.lost_placements()
     order = Deployment.objects.filter(pk__in=list(lost)).order_by(ensembles_first(), "pk")
     for deployment_id in order.values_list("pk", flat=True):

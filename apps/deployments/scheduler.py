@@ -22,19 +22,20 @@ a deployment's state from its placements' reports: that stays with ``services``.
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.db.models import Case, F, IntegerField, Q, Sum, Value, When
-from django.db.models.functions import Cast, Ceil, Coalesce
+from django.db.models import Count, F, Q, Subquery, Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from apps.deployments import ensembles
+from apps.deployments.choice import ALTERNATIVES_SHOWN, Candidate, Choice, choose, gib, most_free
 from apps.deployments.models import (
     Deployment,
     DeploymentEvent,
@@ -43,14 +44,14 @@ from apps.deployments.models import (
     PlacementState,
     Spread,
 )
+from apps.deployments.reserved import refresh_reserved
 from apps.fleet.models import DesiredInstanceState, InstanceState, PlacementPolicy, Pool, TritonInstance
 from apps.fleet.services import notify_hosts
-from apps.registry.models import FOOTPRINT_BASE_MB, FOOTPRINT_MARGIN, ModelVersion
+from apps.registry.models import ModelVersion
 
 log = logging.getLogger(__name__)
 
 GONE = (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED)
-ALTERNATIVES_SHOWN = 5
 POLICY_WORDS = {
     PlacementPolicy.SPREAD: "policy spread: the least loaded instance that fits",
     PlacementPolicy.BINPACK: "policy binpack: the most loaded instance that still fits",
@@ -60,121 +61,6 @@ POLICY_WORDS = {
 def grace() -> timedelta:
     """A host unheard of for longer is lost: no new replicas, and its replicas are placed elsewhere."""
     return timedelta(seconds=settings.SCHEDULER_HOST_GRACE_S)
-
-
-def gib(mb: int) -> str:
-    return f"{mb / 1024:.1f} GiB"
-
-
-@dataclass
-class Candidate:
-    """One instance the scheduler may place on, with its memory as the locked rows say."""
-
-    instance_id: int
-    host_id: int
-    label: str
-    capacity_mb: int
-    used_mb: int
-
-    @property
-    def free_mb(self) -> int:
-        return self.capacity_mb - self.used_mb
-
-    def as_dict(self) -> dict:
-        return {"instance": self.label, "capacity_mb": self.capacity_mb, "free_mb": self.free_mb}
-
-
-@dataclass
-class Choice:
-    chosen: list[Candidate]
-    reason: str  # empty when every replica asked for was placed
-    alternatives: list[dict]
-
-
-def choose(
-    candidates: list[Candidate],
-    *,
-    need_mb: int,
-    count: int,
-    spread: str,
-    replicas: int,
-    taken_hosts: Iterable[int] = (),
-    taken_instances: Iterable[int] = (),
-    pool_name: str = "the pool",
-    policy: str = PlacementPolicy.SPREAD,
-    need_of: Callable[[Candidate], int | None] | None = None,
-) -> Choice:
-    """Pick ``count`` instances for replicas of ``need_mb`` each. Pure: ``candidates`` are updated in place
-    (their used memory grows by what was placed), nothing is read or written. ``taken_*``: where the
-    deployment's other replicas run (never two on one instance; with spread=host, one per host while the
-    pool has at least ``replicas`` hosts). ``need_of``: what a replica needs on that instance when it
-    differs by instance (an ensemble: itself, plus the steps not placed there yet; None: it cannot go
-    there); instances needing no more than ``need_mb`` come first."""
-    hosts, instances = set(taken_hosts), set(taken_instances)
-    strict = spread == Spread.HOST and len({c.host_id for c in candidates}) >= replicas
-    chosen: list[Candidate] = []
-    reason = ""
-
-    def need(c: Candidate) -> int | None:
-        return need_mb if need_of is None else need_of(c)
-
-    for _ in range(count):
-        open_ = [c for c in candidates if c.instance_id not in instances]
-        if strict:
-            open_ = [c for c in open_ if c.host_id not in hosts]
-        fits = [c for c in open_ if need(c) is not None and c.free_mb >= need(c)]
-        if not fits:
-            reason = _why_not(open_, candidates, need_mb, pool_name, strict, need_of)
-            break
-        # With spread=host, a host without a replica first; then an instance that needs nothing placed
-        # beside the replica (an ensemble's steps already there); then by the pool's policy - ``spread``: the
-        # least loaded (most free), ``binpack``: the most loaded that still fits (least free); the id breaks
-        # ties.
-        sign = 1 if policy == PlacementPolicy.BINPACK else -1
-        best = min(
-            fits, key=lambda c: (c.host_id in hosts, need(c) > need_mb, sign * c.free_mb, c.instance_id)
-        )
-        best.used_mb += need(best)
-        hosts.add(best.host_id)
-        instances.add(best.instance_id)
-        chosen.append(best)
-    ranked = sorted(candidates, key=lambda c: -c.free_mb)[:ALTERNATIVES_SHOWN]
-    return Choice(chosen, reason, [c.as_dict() for c in ranked])
-
-
-def _why_not(
-    open_: list[Candidate],
-    every: list[Candidate],
-    need_mb: int,
-    pool_name: str,
-    strict: bool,
-    need_of: Callable[[Candidate], int | None] | None = None,
-) -> str:
-    if not every:
-        return (
-            f"no schedulable instance in {pool_name} (hosts online, not cordoned, instances not quarantined)"
-        )
-    if not open_:
-        return f"every schedulable host of {pool_name} already has a replica (spread=host)"
-    if need_of is not None:
-        sized = [(c, need_of(c)) for c in open_]
-        possible = [(c, n) for c, n in sized if n is not None]
-        if not possible:
-            return (
-                f"no instance in {pool_name} serves its steps or may get a replica of each step it lacks "
-                "(a step deployed on chosen instances, or in another pool)"
-            )
-        best, n = min(possible, key=lambda item: (item[1] - item[0].free_mb, item[0].instance_id))
-        return (
-            f"no instance in {pool_name} has room for it with the steps it lacks there; the closest is "
-            f"{best.label}: needs {gib(n)}, {gib(max(0, best.free_mb))} free"
-        )
-    largest = max(open_, key=lambda c: c.free_mb)
-    where = " on a host without a replica" if strict and len(open_) < len(every) else ""
-    return (
-        f"no instance in {pool_name} has {gib(need_mb)} free{where}; "
-        f"the largest free is {gib(max(0, largest.free_mb))} on {largest.label}"
-    )
 
 
 def check_intent(team, *, replicas: int, pool: Pool | None, spread: str) -> None:
@@ -198,146 +84,21 @@ def footprints(version_ids: Iterable[int]) -> dict[int, int]:
 
 
 def replica_held_mb(deployment: Deployment) -> int:
-    """What one replica holds: the served version, plus the target during a switch (both are loaded)."""
-    return sum(footprints([deployment.active_version_id, deployment.target_version_id]).values())
+    """What one replica holds: the served version, plus the target during a switch (both are loaded).
+    Versions the deployment row has loaded already (a deploy's) are not read again."""
+    loaded, unread = {}, []
+    for field in ("active_version", "target_version"):
+        pk = getattr(deployment, f"{field}_id")
+        if pk is not None and Deployment._meta.get_field(field).is_cached(deployment):
+            loaded[pk] = getattr(deployment, field).footprint_estimate_mb()
+        elif pk is not None:
+            unread.append(pk)
+    return sum({**loaded, **(footprints(unread) if unread else {})}.values())
 
 
 def deployment_need_mb(deployment: Deployment) -> int:
     """What one replica needs free (at least 1 MiB, so a deployment without a version still asks)."""
     return replica_held_mb(deployment) or 1
-
-
-def _footprint_sql(version: str):
-    """``ModelVersion.footprint_estimate_mb`` of the version at the path ``version``, in SQL (0 for none)."""
-    estimate = Value(FOOTPRINT_BASE_MB) + Cast(
-        Ceil(F(f"{version}__size_bytes") * FOOTPRINT_MARGIN / 2**20), IntegerField()
-    )
-    return Case(
-        When(**{f"{version}__footprint_mb__gt": 0}, then=F(f"{version}__footprint_mb")),
-        When(**{f"{version}__isnull": False}, then=estimate),
-        default=Value(0),
-        output_field=IntegerField(),
-    )
-
-
-def _placement_mb_sql(placement: str = ""):
-    """What one placement holds, in SQL: its deployment's served version, plus the target during a switch
-    (both are loaded). ``placement``: the path to the placement ("" from a placement row itself)."""
-    deployment = f"{placement}deployment"
-    target = Case(
-        When(
-            **{f"{deployment}__target_version": F(f"{deployment}__active_version")},
-            then=Value(0),
-        ),
-        default=_footprint_sql(f"{deployment}__target_version"),
-        output_field=IntegerField(),
-    )
-    return _footprint_sql(f"{deployment}__active_version") + target
-
-
-def _live_sql(placement: str = "") -> Q:
-    """A placement that holds memory: not unloaded (retiring ones hold it until unloaded), of a deployment
-    not undeployed."""
-    return ~Q(**{f"{placement}state": PlacementState.UNLOADED}) & ~Q(
-        **{f"{placement}deployment__state": DeploymentState.UNDEPLOYED}
-    )
-
-
-def used_mb_sql(placements: str = "placements"):
-    """The memory an instance's live placements hold, as one SQL aggregate over the relation ``placements``
-    of the rows annotated - the definition of ``TritonInstance.reserved_mb``, which the decisions read
-    instead (``refresh_reserved`` keeps it; ``reserved_drift`` compares the two)."""
-    live = Q(**{f"{placements}__isnull": False}) & _live_sql(f"{placements}__")
-    return Coalesce(
-        Sum(_placement_mb_sql(f"{placements}__"), filter=live), Value(0), output_field=IntegerField()
-    )
-
-
-def used_by_instance(instance_ids: list[int] | None = None, *, pool: Pool | None = None) -> dict[int, int]:
-    """Memory the live placements on these instances (or the pool's) hold, summed now (``used_mb_sql``)."""
-    where = Q(host__pool=pool) if pool is not None else Q(pk__in=instance_ids or [])
-    rows = TritonInstance.objects.filter(where).annotate(used=used_mb_sql()).values_list("pk", "used")
-    return {pk: used for pk, used in rows if used}
-
-
-def refresh_reserved(instance_ids: Iterable[int]) -> None:
-    """Set these instances' ``reserved_mb`` to what their live placements hold. Called by every change of a
-    placement's liveness or of what it holds (created, revived, unloaded, its deployment's versions switched,
-    a footprint measured), inside that change's transaction and after it.
-
-    The instances' rows are locked first (in id order; NO KEY UPDATE, so a placement row's foreign key check
-    is not blocked), and only then are their placements read, in a statement of its own: under READ COMMITTED
-    that statement sees every change committed by a transaction that refreshed these rows before us, and one
-    that refreshes them after us waits for our commit - a recomputation, not an increment, so no change is
-    counted twice or lost. Decisions hold their pool's lock besides (``candidates_in``): two never read the
-    same figure. (A decision adds what its new placements hold instead: ``place_replicas``.) Summed here with ``ModelVersion.footprint_estimate_mb`` from plain columns (a decision pays
-    for this, and compiling ``used_mb_sql`` costs more than running it); ``reserved_drift`` checks the two
-    agree."""
-    ids = sorted({pk for pk in instance_ids if pk})
-    if not ids:
-        return
-    locked = TritonInstance.objects.select_for_update(no_key=True).filter(pk__in=ids).order_by("pk")
-    list(locked.values_list("pk", flat=True))
-    rows = (
-        DeploymentInstance.objects.filter(instance_id__in=ids)
-        .exclude(state=PlacementState.UNLOADED)
-        .exclude(deployment__state=DeploymentState.UNDEPLOYED)
-        .values_list(
-            "instance_id",
-            "deployment__active_version_id",
-            "deployment__active_version__footprint_mb",
-            "deployment__active_version__size_bytes",
-            "deployment__target_version_id",
-            "deployment__target_version__footprint_mb",
-            "deployment__target_version__size_bytes",
-        )
-    )
-    held = dict.fromkeys(ids, 0)
-    for instance_id, active, a_mb, a_size, target, t_mb, t_size in rows:
-        if active is not None:
-            held[instance_id] += ModelVersion(footprint_mb=a_mb, size_bytes=a_size).footprint_estimate_mb()
-        if target is not None and target != active:
-            held[instance_id] += ModelVersion(footprint_mb=t_mb, size_bytes=t_size).footprint_estimate_mb()
-    by_figure: dict[int, list[int]] = defaultdict(list)
-    for instance_id, mb in held.items():
-        by_figure[mb].append(instance_id)
-    for mb, pks in by_figure.items():
-        TritonInstance.objects.filter(pk__in=pks).update(reserved_mb=mb)
-
-
-def refresh_reserved_of(deployment_ids: Iterable[int]) -> None:
-    """``refresh_reserved`` for the instances of these deployments' placements (what each holds changed:
-    a switch began or ended, a footprint was measured)."""
-    rows = DeploymentInstance.objects.filter(deployment_id__in=list(deployment_ids))
-    refresh_reserved(rows.values_list("instance_id", flat=True))
-
-
-def footprint_changed(version_id: int) -> None:
-    """A version's footprint was measured (it replaces the estimate): the instances holding it follow."""
-    using = Deployment.objects.filter(Q(active_version_id=version_id) | Q(target_version_id=version_id))
-    refresh_reserved_of(using.values_list("pk", flat=True))
-
-
-def reserved_drift(instance_ids: Iterable[int] | None = None) -> dict[int, tuple[int, int]]:
-    """Instances whose ``reserved_mb`` differs from the sum over their live placements: {id: (kept, sum)}.
-    Empty when every writer kept it (the tests check it after each kind of change; the beat repairs any)."""
-    rows = (
-        TritonInstance.objects.all()
-        if instance_ids is None
-        else TritonInstance.objects.filter(pk__in=list(instance_ids))
-    )
-    rows = rows.annotate(used=used_mb_sql()).values_list("pk", "reserved_mb", "used")
-    return {pk: (kept, used) for pk, kept, used in rows if kept != used}
-
-
-def repair_reserved() -> int:
-    """The beat's check: recompute the figure where it drifted (a writer that forgot it). Returns how many
-    instances were repaired (0 expected, logged otherwise)."""
-    drift = reserved_drift()
-    if drift:
-        log.warning("reserved_mb drifted on %d instance(s), recomputed: %s", len(drift), drift)
-        refresh_reserved(drift)
-    return len(drift)
 
 
 def schedulable_instances(pool: Pool, *, now=None):
@@ -365,16 +126,77 @@ def candidates_in(pool: Pool, *, lock: bool) -> list[Candidate]:
     if lock:
         Pool.objects.select_for_update().filter(pk=pool.pk).values_list("pk", flat=True).first()
     # Only the columns a decision reads, and each instance's reserved memory as kept by the writers
-    # (``refresh_reserved``): a pool of 1,600 instances is read on every decision, in one query that does not
-    # grow with the placements.
-    rows = schedulable_instances(pool).values_list(
-        "pk", "host_id", "host__name", "name", "capacity_mb", "reserved_mb"
-    )
+    # (``refresh_reserved``): one query that does not grow with the pool's placements.
+    return _as_candidates(pool, schedulable_instances(pool))
+
+
+def _as_candidates(pool: Pool, instances, *, with_hosts: bool = False) -> list:
+    """Candidates from instance rows (``with_hosts``: pairs with the rows' ``hosts`` annotation)."""
+    fields = ["pk", "host_id", "host__name", "name", "capacity_mb", "reserved_mb"]
+    rows = instances.values_list(*fields, *(["hosts"] if with_hosts else []))
     budget = pool.memory_budget_mb
-    return [
-        Candidate(pk, host_id, f"{host_name}/{name}", budget if capacity is None else capacity, used)
-        for pk, host_id, host_name, name, capacity, used in rows
+    made = [
+        (Candidate(row[0], row[1], f"{row[2]}/{row[3]}", budget if row[4] is None else row[4], row[5]), row)
+        for row in rows
     ]
+    return [(c, row[6]) for c, row in made] if with_hosts else [c for c, _ in made]
+
+
+def _by_free(pool: Pool, *, most_free: bool):
+    """The pool's schedulable instances annotated with their free memory, in the order ``choose`` ranks
+    them by the policy (most free first for ``spread``, least for ``binpack``; the id breaks ties)."""
+    free = Coalesce(F("capacity_mb"), Value(pool.memory_budget_mb)) - F("reserved_mb")
+    rows = schedulable_instances(pool).annotate(free=free)
+    return rows.order_by("-free" if most_free else "free", "pk")
+
+
+# How many instances a decision reads beyond the replicas it places and the alternatives it shows: enough
+# that the instances a choice needs are among them unless hosts are nearly full (then it reads them all).
+RANKED_MARGIN = 32
+
+
+def _choose_in(pool: Pool, **intent) -> tuple[Choice, list[Candidate]]:
+    """Lock the pool and choose in it; returns the choice and the candidates it was made on.
+
+    A model's replica needs the same memory everywhere, so only a prefix of the pool's instances in the
+    policy's order can be chosen (``_by_free``): the decision reads that prefix - those that fit, and for
+    the alternatives shown the most free - not the pool's 1,600 rows. The choice on the prefix is the one
+    on the whole pool whenever every replica was placed and, if a host had to be shared, no instance was
+    left out; otherwise the whole pool is read and the choice made again (the reason then names the
+    largest free instance, and ``make_room`` sees every instance). An ensemble's need differs by instance:
+    it always reads the whole pool."""
+    Pool.objects.select_for_update().filter(pk=pool.pk).values_list("pk", flat=True).first()
+    if intent["need_of"] is None:
+        binpack = pool.placement_policy == PlacementPolicy.BINPACK
+        limit = intent["count"] + ALTERNATIVES_SHOWN + RANKED_MARGIN
+        ranked = _by_free(pool, most_free=not binpack)
+        if binpack:
+            ranked = ranked.filter(free__gte=intent["need_mb"])
+        # With spread=host, whether each replica gets a host of its own depends on how many hosts the
+        # whole pool has: counted in the same statement.
+        hosts = Subquery(
+            schedulable_instances(pool).order_by().annotate(one=Value(1)).values("one")
+            .annotate(n=Count("host_id", distinct=True)).values("n")
+        )  # fmt: skip
+        rows = _as_candidates(pool, ranked.annotate(hosts=hosts)[: limit + 1], with_hosts=True)
+        prefix, cut = [c for c, _ in rows[:limit]], len(rows) > limit
+        hosts_in_pool = rows[0][1] if rows else 0
+        choice = choose(prefix, **intent, hosts_in_pool=hosts_in_pool)
+        if not choice.reason and not (choice.shared_host and (cut or binpack)):
+            if binpack:
+                choice.alternatives = most_free_after(pool, intent["count"], choice.chosen)
+            return choice, prefix
+    candidates = candidates_in(pool, lock=False)
+    return choose(candidates, **intent), candidates
+
+
+def most_free_after(pool: Pool, count: int, chosen: list[Candidate]) -> list[dict]:
+    """The alternatives a choice shows - the pool's instances with the most free memory once its replicas
+    are placed - read apart (a binpack prefix holds the least free): what the chosen ones took counted."""
+    rows = _as_candidates(pool, _by_free(pool, most_free=True)[: count + ALTERNATIVES_SHOWN])
+    taken = {c.instance_id: c for c in chosen}
+    rows = [taken.get(c.instance_id, c) for c in rows]
+    return [c.as_dict() for c in heapq.nlargest(ALTERNATIVES_SHOWN, rows, key=most_free)]
 
 
 def pools_for(deployment: Deployment) -> list[Pool]:
@@ -428,10 +250,9 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
     reasons = []
     pools = pools_for(deployment)
     for pool in pools:
-        candidates = candidates_in(pool, lock=True)
         need_of = _need_with_steps(steps, need, pool) if steps is not None else None
-        choice = choose(
-            candidates,
+        choice, candidates = _choose_in(
+            pool,
             need_mb=need,
             count=missing - len(decided),
             spread=deployment.spread,
@@ -806,9 +627,9 @@ def lost_placements(now=None) -> dict[int, list[tuple[int, str]]]:
 
 def instance_usage(instances: Iterable[TritonInstance]) -> dict[int, dict]:
     """Per instance: capacity (its own, else its host's pool's CPU budget; None outside any pool), the memory
-    its live placements hold, and what is free - the figures a decision would read."""
+    its live placements hold, and what is free - the figures a decision reads (``reserved_mb``)."""
     instances = list(instances)
-    used = used_by_instance([i.pk for i in instances])
+    used = {i.pk: i.reserved_mb for i in instances}
     budgets = dict(
         Pool.objects.filter(hosts__instances__in=[i.pk for i in instances]).values_list("hosts__instances", "memory_budget_mb")
     )  # fmt: skip

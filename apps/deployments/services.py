@@ -18,7 +18,7 @@ from django.db import transaction
 from django.db.models import F, Q
 
 from apps.audit.services import record
-from apps.deployments import ensembles, scheduler
+from apps.deployments import ensembles, reserved, scheduler
 from apps.deployments.checks import (
     check_instances_usable,
     check_no_live_rollout,
@@ -55,7 +55,7 @@ def _decide(placements: list[DeploymentInstance], **fields) -> list[DeploymentIn
     DeploymentInstance.objects.filter(pk__in=pks).update(generation=F("generation") + 1, **fields)
     if "state" in fields:
         # An unloaded placement set PENDING holds memory again (and a switch's target just began to count).
-        scheduler.refresh_reserved(p.instance_id for p in placements)
+        reserved.refresh_reserved(p.instance_id for p in placements)
     return list(DeploymentInstance.objects.filter(pk__in=pks).select_related("instance__host"))
 
 
@@ -116,7 +116,7 @@ def deploy_version(
             placements = [
                 DeploymentInstance.objects.create(deployment=deployment, instance=i) for i in instances
             ]
-            scheduler.refresh_reserved(i.pk for i in instances)
+            reserved.refresh_reserved(i.pk for i in instances)
         else:
             placements = scheduler.place_replicas(deployment)
         record(
@@ -288,7 +288,7 @@ def _settle(deployment: Deployment) -> None:
             update_fields=["active_version", "target_version", "state", "last_error", "updated_at"]
         )
         if switched:
-            scheduler.refresh_reserved_of([deployment.pk])  # the old version no longer counts
+            reserved.refresh_reserved_of([deployment.pk])  # the old version no longer counts
         deployment.events.create(
             kind="switched" if switched else "deployed",
             message=f"{target} serves on every instance",
@@ -313,7 +313,7 @@ def _settle(deployment: Deployment) -> None:
             version=target,
         )
         deployment.save(update_fields=["target_version", "last_error", "state", "updated_at"])
-        scheduler.refresh_reserved_of([deployment.pk])  # the failed target no longer counts
+        reserved.refresh_reserved_of([deployment.pk])  # the failed target no longer counts
         transaction.on_commit(lambda: _enqueue(back))
         rows = list(_replicas(deployment).order_by().values_list("state", "served_version_id"))
         _follow_placements(deployment, rows)
@@ -323,7 +323,7 @@ def _settle(deployment: Deployment) -> None:
         kind="deploy_failed", message=f"deploying {target} failed: {errors}", version=target
     )
     deployment.save(update_fields=["target_version", "last_error", "state", "updated_at"])
-    scheduler.refresh_reserved_of([deployment.pk])  # the failed target no longer counts
+    reserved.refresh_reserved_of([deployment.pk])  # the failed target no longer counts
 
 
 def _replicas(deployment: Deployment):
@@ -400,7 +400,7 @@ def _report(
     if rows.update(**fields) != 1:
         return None
     if PlacementState.UNLOADED in (state, fields.get("state")):
-        scheduler.refresh_reserved([instance_id])  # the placement stopped (or started) holding memory
+        reserved.refresh_reserved([instance_id])  # the placement stopped (or started) holding memory
     return deployment, instance_id
 
 
@@ -586,7 +586,7 @@ def footprint_measured(version_id: int, footprint_mb: int) -> bool:
     with transaction.atomic():
         recorded = record_footprint(version_id, footprint_mb)
         if recorded:
-            scheduler.footprint_changed(version_id)
+            reserved.footprint_changed(version_id)
     return recorded
 
 

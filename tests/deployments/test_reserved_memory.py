@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from apps.deployments import healing, scheduler, services
+from apps.deployments import healing, reserved, services
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet import pools
 from apps.fleet.models import Host, Pool, TritonInstance
@@ -40,13 +40,13 @@ def sized(model, number: int = 1, mb: int | None = 300):
     return version
 
 
-def reserved() -> dict[str, int]:
+def reserved_by_host() -> dict[str, int]:
     rows = TritonInstance.objects.order_by("host__name").values_list("host__name", "reserved_mb")
     return dict(rows)
 
 
 def assert_kept() -> None:
-    assert scheduler.reserved_drift() == {}
+    assert reserved.reserved_drift() == {}
 
 
 def tick() -> None:
@@ -76,20 +76,20 @@ def deploy(owner, version, **intent) -> Deployment:
 
 def test_deploy_switch_and_undeploy_keep_the_figure(owner, model, pool):
     deployment = deploy(owner, sized(model, mb=300), replicas=2, pool=pool)
-    assert sorted(reserved().values()) == [0, 300, 300]
+    assert sorted(reserved_by_host().values()) == [0, 300, 300]
     report(deployment)
     assert Deployment.objects.get(pk=deployment.pk).state == DeploymentState.SERVING
     services.switch_version(actor=owner, deployment=deployment, version=sized(model, 2, mb=700))
     assert_kept()
-    assert sorted(reserved().values()) == [0, 1000, 1000]  # both versions loaded during the switch
+    assert sorted(reserved_by_host().values()) == [0, 1000, 1000]  # both versions loaded during the switch
     report(deployment)
     assert Deployment.objects.get(pk=deployment.pk).state == DeploymentState.SERVING
-    assert sorted(reserved().values()) == [0, 700, 700]  # the old one unloaded
+    assert sorted(reserved_by_host().values()) == [0, 700, 700]  # the old one unloaded
     services.undeploy(actor=owner, deployment=deployment)
     assert_kept()
     report(deployment, loaded=False)
     assert Deployment.objects.get(pk=deployment.pk).state == DeploymentState.UNDEPLOYED
-    assert set(reserved().values()) == {0}
+    assert set(reserved_by_host().values()) == {0}
 
 
 def test_a_failed_first_deploy_reserves_nothing(owner, model, pool):
@@ -100,7 +100,7 @@ def test_a_failed_first_deploy_reserves_nothing(owner, model, pool):
     )
     assert_kept()
     assert Deployment.objects.get(pk=deployment.pk).state == DeploymentState.FAILED
-    assert set(reserved().values()) == {0}
+    assert set(reserved_by_host().values()) == {0}
 
 
 def test_healing_a_lost_host_keeps_the_figure(owner, model, team, pool):
@@ -113,30 +113,30 @@ def test_healing_a_lost_host_keeps_the_figure(owner, model, team, pool):
         last_heartbeat_at=timezone.now() - timedelta(seconds=90)
     )
     tick()  # retired (still held until unloaded) and replaced elsewhere
-    assert sum(reserved().values()) == 3 * 300 + 3 * 50
+    assert sum(reserved_by_host().values()) == 3 * 300 + 3 * 50
     report(deployment, only={"retiring_reason": ""})
     tick()  # the replacement serves: the lost replica is told to unload
     lost.refresh_from_db()
     assert lost.unload
     services.placement_unloaded(lost.pk, lost.generation, "unloaded")
     assert_kept()
-    assert sum(reserved().values()) == 2 * 300 + 3 * 50
+    assert sum(reserved_by_host().values()) == 2 * 300 + 3 * 50
 
 
 def test_draining_a_host_keeps_the_figure(owner, model, team, pool):
     first = TritonInstance.objects.get(host__name="h0")
     deployment = deploy(owner, sized(model, mb=300), replicas=1, pool=pool, instances=None)
     DeploymentInstance.objects.filter(deployment=deployment).update(instance=first)
-    scheduler.refresh_reserved(TritonInstance.objects.values_list("pk", flat=True))  # moved by hand above
+    reserved.refresh_reserved(TritonInstance.objects.values_list("pk", flat=True))  # moved by hand above
     report(deployment)
     pools.set_cordon(actor=owner, host=first.host, cordoned=True, drain=True)
     tick()
     moved = deployment.placements.get(retiring_reason="")
-    assert moved.instance_id != first.pk and reserved()["h0"] == 300
+    assert moved.instance_id != first.pk and reserved_by_host()["h0"] == 300
     report(deployment, only={"retiring_reason": ""})
     tick()
     report(deployment, only={"instance": first})  # its unload report
-    assert reserved()["h0"] == 0 and sum(reserved().values()) == 300
+    assert reserved_by_host()["h0"] == 0 and sum(reserved_by_host().values()) == 300
     tick()
 
 
@@ -145,19 +145,19 @@ def test_a_measured_footprint_replaces_the_estimate_on_the_instances(owner, mode
     estimate = version.footprint_estimate_mb()
     assert estimate == 64 + 15
     deployment = deploy(owner, version, replicas=2, pool=pool)
-    assert sorted(reserved().values()) == [0, estimate, estimate]
+    assert sorted(reserved_by_host().values()) == [0, estimate, estimate]
     assert services.footprint_measured(version.pk, 1234)
     assert_kept()
-    assert sorted(reserved().values()) == [0, 1234, 1234]
+    assert sorted(reserved_by_host().values()) == [0, 1234, 1234]
     assert not services.footprint_measured(version.pk, 99)  # only the first load's measure counts
     report(deployment)
-    assert sorted(reserved().values()) == [0, 1234, 1234]
+    assert sorted(reserved_by_host().values()) == [0, 1234, 1234]
 
 
 def test_the_beat_repairs_a_figure_changed_behind_the_writers_back(owner, model, pool):
     deployment = deploy(owner, sized(model, mb=300), replicas=1, pool=pool)
     instance = deployment.placements.get().instance
     TritonInstance.objects.filter(pk=instance.pk).update(reserved_mb=5)
-    assert scheduler.reserved_drift() == {instance.pk: (5, 300)}
+    assert reserved.reserved_drift() == {instance.pk: (5, 300)}
     assert healing.tick()["reserved_repaired"] == 1
     assert_kept()
