@@ -28,7 +28,11 @@ from apps.registry.models import ModelKind
 
 
 def _locked(deployment_id: int) -> Deployment | None:
-    deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
+    """The deployment's row, locked, with what its decisions read besides (one statement, not five)."""
+    rows = Deployment.objects.select_for_update(of=("self",)).select_related(
+        "model", "pool", "active_version", "target_version"
+    )
+    deployment = rows.filter(pk=deployment_id).first()
     return None if deployment is None or deployment.state in scheduler.GONE else deployment
 
 
@@ -37,7 +41,6 @@ def _retire(deployment_id: int, items: list[tuple[int, str]]) -> int:
         deployment = _locked(deployment_id)
         if deployment is None:
             return 0
-        settled: set[int] = set()
         fresh = {p.pk: p for p in deployment.placements.filter(pk__in=[pk for pk, _ in items], retiring_reason="")
                  .select_related("instance__host")}  # fmt: skip
         by_reason: dict[str, list[DeploymentInstance]] = {}
@@ -50,7 +53,9 @@ def _retire(deployment_id: int, items: list[tuple[int, str]]) -> int:
         placed = scheduler.place_replicas(deployment)
         transaction.on_commit(lambda: scheduler.enqueue(placed))
         # The deployments' states follow from the replicas that still count (an ensemble's steps moved too).
-        for placement in [*fresh.values(), *steps]:
+        services.settle_locked(deployment)
+        settled: set[int] = {deployment.pk}
+        for placement in steps:
             if placement.deployment_id not in settled:
                 settled.add(placement.deployment_id)
                 services.placement_finished(placement)
@@ -137,9 +142,17 @@ def short_of_replicas() -> list[int]:
 
 
 def with_retired_replicas() -> list[int]:
+    """Deployments with retired replicas still loaded whose replacements serve: as many READY replicas as
+    they ask for (``scheduler.release_retired`` unloads the retired ones then; the others wait, unread)."""
     rows = DeploymentInstance.objects.exclude(retiring_reason="").filter(unload=False)
     rows = rows.exclude(state=PlacementState.UNLOADED).exclude(deployment__state__in=scheduler.GONE)
-    return sorted(set(rows.values_list("deployment_id", flat=True)))
+    ready = Count(
+        "placements",
+        filter=Q(placements__retiring_reason="", placements__state=PlacementState.READY),
+    )
+    deployments = Deployment.objects.filter(pk__in=rows.values("deployment_id"))
+    ready_ones = deployments.annotate(ready=ready).filter(ready__gte=F("replicas"))
+    return list(ready_ones.order_by("pk").values_list("pk", flat=True))
 
 
 def tick() -> dict[str, int]:

@@ -16,6 +16,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable
 
+from django.db import transaction
 from django.db.models import Case, F, IntegerField, Q, Sum, Value, When
 from django.db.models.functions import Cast, Ceil, Coalesce
 
@@ -24,6 +25,7 @@ from apps.fleet.models import Pool, TritonInstance
 from apps.registry.models import FOOTPRINT_BASE_MB, FOOTPRINT_MARGIN, ModelVersion
 
 log = logging.getLogger(__name__)
+DRIFT_LOGGED = 10  # instances named in the warning: (kept, summed) each
 
 
 def _footprint_sql(version: str):
@@ -154,6 +156,8 @@ def repair_reserved() -> int:
     instances were repaired (0 expected, logged otherwise)."""
     drift = reserved_drift()
     if drift:
-        log.warning("reserved_mb drifted on %d instance(s), recomputed: %s", len(drift), drift)
-        refresh_reserved(drift)
+        shown = dict(sorted(drift.items())[:DRIFT_LOGGED])
+        log.warning("reserved_mb drifted on %d instance(s), recomputed: %s", len(drift), shown)
+        with transaction.atomic():  # the beat runs outside a transaction; the rows' lock needs one
+            refresh_reserved(drift)
     return len(drift)

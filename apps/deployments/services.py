@@ -248,6 +248,12 @@ def placement_finished(placement: DeploymentInstance) -> None:
         _settle(deployment)
 
 
+def settle_locked(deployment: Deployment) -> None:
+    """``placement_finished`` for a deployment whose row the caller has locked in its transaction (the beat,
+    having moved its replicas): its state follows from its placements."""
+    _settle(deployment)
+
+
 def _settle(deployment: Deployment) -> None:
     """Derive the deployment's state from its placements. The caller holds the deployment's row lock.
 

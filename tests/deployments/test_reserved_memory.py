@@ -154,6 +154,7 @@ def test_a_measured_footprint_replaces_the_estimate_on_the_instances(owner, mode
     assert sorted(reserved_by_host().values()) == [0, 1234, 1234]
 
 
+@pytest.mark.django_db(transaction=True)  # the beat runs outside any transaction
 def test_the_beat_repairs_a_figure_changed_behind_the_writers_back(owner, model, pool):
     deployment = deploy(owner, sized(model, mb=300), replicas=1, pool=pool)
     instance = deployment.placements.get().instance
