@@ -11,8 +11,9 @@ tries again.
 Concurrency: the pool's row is locked (``SELECT ... FOR UPDATE``; pools in one order: a team's dedicated ones
 first, then by name) before its instances' reserved memory is read, so two deploys into one pool are
 serialized and never overcommit an instance. Each instance's reserved memory (``TritonInstance.reserved_mb``)
-is kept by the writers of placements inside the same transaction (``refresh_reserved``), so a decision
-reads one row per instance however many placements its pool holds.
+is kept by the writers of placements inside the same transaction (``apps.deployments.reserved``), so a
+decision reads its pool's instances without their placements - and only those its choice can reach, in the
+policy's order (``_choose_in``). The pure choice is ``apps.deployments.choice``.
 
 Writes: placements it creates, retires or releases, the deployment's ``pending_reason`` and PENDING <->
 DEPLOYING, and one event per decision with its inputs - an owner beside ``apps.deployments.services``
@@ -223,7 +224,7 @@ MakeRoom = Callable[[Deployment, Pool, list[Candidate], int], str]
 def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None) -> list[DeploymentInstance]:
     """Place the replicas the deployment lacks. Returns the placements decided, for the caller to hand to
     their hosts once committed (``enqueue``). A handful of queries whatever the count: the deployment's
-    placements, the need, per pool its lock and its candidates with their used memory (one aggregate), then
+    placements, the need, per pool its lock and its candidates with their reserved memory (one query), then
     the rows and events written in bulk. ``make_room``: asked when a pool has no room (eviction)."""
     if deployment.pinned or deployment.state in GONE:
         return []
