@@ -162,3 +162,25 @@ def test_the_beat_repairs_a_figure_changed_behind_the_writers_back(owner, model,
     assert reserved.reserved_drift() == {instance.pk: (5, 300)}
     assert healing.tick()["reserved_repaired"] == 1
     assert_kept()
+
+
+def test_a_footprint_reported_by_the_agent_api_moves_the_instance_s_reserved_memory(owner, model):
+    from tests.fleet.helpers import joined_client
+
+    _, agent, instance = joined_client("host-f")
+    version = sized(model, mb=None)
+    deployment = deploy(owner, version, instances=[instance])
+    instance.refresh_from_db()
+    assert instance.reserved_mb == version.footprint_estimate_mb() == 64 + 15
+    placement = deployment.placements.get()
+    body = {
+        "generation": placement.generation,
+        "result": "loaded",
+        "version": version.pk,
+        "footprint_mb": 420,
+    }
+    answer = agent.post(f"/agent/v1/placements/{placement.pk}/report", body, content_type="application/json")
+    assert answer.status_code == 200 and answer.json()["accepted"] is True
+    instance.refresh_from_db()
+    assert instance.reserved_mb == 420
+    assert_kept()
