@@ -286,8 +286,13 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
     # deployment held it already (a retired one placed again before it unloaded). An increment, not
     # ``refresh_reserved``: exact because the deployment's row lock (held by the caller) orders this with
     # every report on its placements, and the UPDATE applies to the row as the last writer left it.
-    adding = [c.instance_id for c, _, _ in decided if c.instance_id not in holding]
+    adding = sorted(c.instance_id for c, _, _ in decided if c.instance_id not in holding)
     if held and adding:
+        if len(adding) > 1:
+            # Rows locked in id order, as ``refresh_reserved`` locks them: two transactions never wait on
+            # each other's instances (one UPDATE locks its rows in the order it finds them).
+            list(TritonInstance.objects.select_for_update(no_key=True).filter(pk__in=adding).order_by("pk")
+                 .values_list("pk", flat=True))  # fmt: skip
         TritonInstance.objects.filter(pk__in=adding).update(reserved_mb=F("reserved_mb") + held)
     if steps is not None:
         placements += _place_steps_with(deployment, decided, steps)
