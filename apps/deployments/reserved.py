@@ -103,6 +103,7 @@ def refresh_reserved(instance_ids: Iterable[int]) -> None:
         DeploymentInstance.objects.filter(instance_id__in=ids)
         .exclude(state=PlacementState.UNLOADED)
         .exclude(deployment__state=DeploymentState.UNDEPLOYED)
+        .order_by()  # the model's ordering would join the hosts for nothing
         .values_list(
             "instance_id",
             "deployment__active_version_id",

@@ -31,7 +31,8 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.db.models import Count, F, Q, Subquery, Value
+from django.db import connection
+from django.db.models import Count, F, IntegerField, Q, Subquery, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -131,16 +132,18 @@ def candidates_in(pool: Pool, *, lock: bool) -> list[Candidate]:
     return _as_candidates(pool, schedulable_instances(pool))
 
 
-def _as_candidates(pool: Pool, instances, *, with_hosts: bool = False) -> list:
-    """Candidates from instance rows (``with_hosts``: pairs with the rows' ``hosts`` annotation)."""
-    fields = ["pk", "host_id", "host__name", "name", "capacity_mb", "reserved_mb"]
-    rows = instances.values_list(*fields, *(["hosts"] if with_hosts else []))
+CANDIDATE_FIELDS = ("pk", "host_id", "host__name", "name", "capacity_mb", "reserved_mb", "hosts", "part")
+
+
+def _as_candidates(pool: Pool, rows) -> list[Candidate]:
+    """Candidates from instance rows: a queryset, or rows of ``CANDIDATE_FIELDS``."""
+    if not isinstance(rows, list):
+        rows = rows.values_list(*CANDIDATE_FIELDS[:6])
     budget = pool.memory_budget_mb
-    made = [
-        (Candidate(row[0], row[1], f"{row[2]}/{row[3]}", budget if row[4] is None else row[4], row[5]), row)
+    return [
+        Candidate(row[0], row[1], f"{row[2]}/{row[3]}", budget if row[4] is None else row[4], row[5])
         for row in rows
     ]
-    return [(c, row[6]) for c, row in made] if with_hosts else [c for c, _ in made]
 
 
 def _by_free(pool: Pool, *, most_free: bool):
@@ -179,22 +182,36 @@ def _choose_in(pool: Pool, **intent) -> tuple[Choice, list[Candidate]]:
             schedulable_instances(pool).order_by().annotate(one=Value(1)).values("one")
             .annotate(n=Count("host_id", distinct=True)).values("n")
         )  # fmt: skip
-        rows = _as_candidates(pool, ranked.annotate(hosts=hosts)[: limit + 1], with_hosts=True)
-        prefix, cut = [c for c, _ in rows[:limit]], len(rows) > limit
-        hosts_in_pool = rows[0][1] if rows else 0
+        rows = ranked.annotate(hosts=hosts, part=Value(0))[: limit + 1].values_list(*CANDIDATE_FIELDS)
+        if binpack:
+            # The alternatives shown are the most free instances; a binpack prefix holds the least free
+            # that fit: both read in one statement.
+            most = _by_free(pool, most_free=True).annotate(hosts=Value(None, IntegerField()), part=Value(1))
+            most = most[: intent["count"] + ALTERNATIVES_SHOWN].values_list(*CANDIDATE_FIELDS)
+            if connection.features.supports_slicing_ordering_in_compound:
+                rows = rows.union(most, all=True)
+            else:  # SQLite (the embedded default): two statements
+                rows = [*rows, *most]
+        rows = list(rows)
+        prefix = _as_candidates(pool, [row for row in rows if row[7] == 0])
+        # The order the policy ranks them in (a compound statement's parts come in no promised order).
+        sign = 1 if binpack else -1
+        prefix.sort(key=lambda c: (sign * (c.capacity_mb - c.used_mb), c.instance_id))
+        prefix, cut = prefix[:limit], len(prefix) > limit
+        hosts_in_pool = next((row[6] for row in rows if row[7] == 0), 0)
         choice = choose(prefix, **intent, hosts_in_pool=hosts_in_pool)
         if not choice.reason and not (choice.shared_host and (cut or binpack)):
             if binpack:
-                choice.alternatives = most_free_after(pool, intent["count"], choice.chosen)
+                most_free_rows = _as_candidates(pool, [row for row in rows if row[7] == 1])
+                choice.alternatives = _most_free_after(most_free_rows, choice.chosen)
             return choice, prefix
     candidates = candidates_in(pool, lock=False)
     return choose(candidates, **intent), candidates
 
 
-def most_free_after(pool: Pool, count: int, chosen: list[Candidate]) -> list[dict]:
+def _most_free_after(rows: list[Candidate], chosen: list[Candidate]) -> list[dict]:
     """The alternatives a choice shows - the pool's instances with the most free memory once its replicas
-    are placed - read apart (a binpack prefix holds the least free): what the chosen ones took counted."""
-    rows = _as_candidates(pool, _by_free(pool, most_free=True)[: count + ALTERNATIVES_SHOWN])
+    are placed - from the most free before it (``rows``): what the chosen ones took counted."""
     taken = {c.instance_id: c for c in chosen}
     rows = [taken.get(c.instance_id, c) for c in rows]
     return [c.as_dict() for c in heapq.nlargest(ALTERNATIVES_SHOWN, rows, key=most_free)]

@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from apps.deployments import healing, reserved, services
+from apps.deployments import healing, reserved, scheduler, services
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet import pools
 from apps.fleet.models import Host, Pool, TritonInstance
@@ -184,3 +184,61 @@ def test_a_footprint_reported_by_the_agent_api_moves_the_instance_s_reserved_mem
     instance.refresh_from_db()
     assert instance.reserved_mb == 420
     assert_kept()
+
+
+@pytest.mark.parametrize("hosts, per_host", [(6, 2), (3, 5)])
+@pytest.mark.parametrize("policy", ["spread", "binpack"])
+def test_a_decision_on_the_policy_s_prefix_chooses_as_on_the_whole_pool(
+    db, monkeypatch, policy, hosts, per_host
+):
+    """The decision reads only the instances its choice can reach (``scheduler._choose_in``); with a prefix
+    of one row beyond the replicas and alternatives, every choice - placed, shared host, nothing fits - is
+    the one made on all the pool's instances, with the same reason and alternatives."""
+    import random
+
+    from apps.deployments.choice import choose
+
+    monkeypatch.setattr(scheduler, "RANKED_MARGIN", 0)
+    pool = Pool.objects.create(name="p", memory_budget_mb=1000, placement_policy=policy)
+    rng = random.Random(5)
+    for h in range(hosts):
+        host = Host.objects.create(
+            name=f"p{h}", address="127.0.0.1", last_heartbeat_at=timezone.now(), pool=pool
+        )
+        for i in range(per_host):
+            instance = add_instance(host, f"cpu-{i}", 18100 + 20 * h + 3 * i)
+            TritonInstance.objects.filter(pk=instance.pk).update(
+                reserved_mb=rng.choice([0, 100, 400, 700, 950])
+            )
+    cases = [
+        dict(need_mb=need, count=count, spread=spread, replicas=replicas)
+        for need in (50, 300, 600, 2000)
+        for count, replicas in ((1, 1), (3, 3), (4, 8))
+        for spread in ("host", "none")
+    ]
+    for case in cases:
+        intent = dict(
+            case, taken_hosts=set(), taken_instances=set(), pool_name="p", policy=policy, need_of=None
+        )
+        ours, _ = scheduler._choose_in(pool, **intent)
+        whole = choose(scheduler.candidates_in(pool, lock=False), **intent)
+        assert [c.instance_id for c in ours.chosen] == [c.instance_id for c in whole.chosen], case
+        assert (ours.reason, ours.alternatives) == (whole.reason, whole.alternatives), case
+
+
+def test_a_prefix_that_would_share_a_host_reads_the_whole_pool(db, monkeypatch):
+    """The most free instances all on a host that has a replica already: the choice must look past them."""
+    monkeypatch.setattr(scheduler, "RANKED_MARGIN", 0)
+    pool = Pool.objects.create(name="p", memory_budget_mb=1000)
+    busy, other = (
+        Host.objects.create(name=name, address="127.0.0.1", last_heartbeat_at=timezone.now(), pool=pool)
+        for name in ("busy", "other")
+    )
+    for i in range(7):
+        add_instance(busy, f"cpu-{i}", 18100 + 3 * i)
+    elsewhere = add_instance(other, "cpu-0", 18200)
+    TritonInstance.objects.filter(pk=elsewhere.pk).update(reserved_mb=500)
+    intent = dict(need_mb=100, count=1, spread="none", replicas=2, taken_hosts={busy.pk}, taken_instances=set(),
+                  pool_name="p", policy="spread", need_of=None)  # fmt: skip
+    choice, _ = scheduler._choose_in(pool, **intent)
+    assert [c.instance_id for c in choice.chosen] == [elsewhere.pk] and not choice.shared_host
