@@ -157,6 +157,12 @@ class TritonServer:
     repository and the ``runtime`` tree, and gets ``<workdir>/run`` as its own working directory. The log
     and the runtime tree (by default ``<workdir>/runtime``) stay the caller's.
 
+    ``auto_complete_config=False`` serves configs as written, for callers whose configs are complete (the
+    platform's are): with it on, the python backend starts an extra stub for every load to ask
+    ``auto_complete_config`` and then sleeps 1 s in that stub's health check (``StubLauncher::UpdateHealth``
+    in Triton 2.51), which is most of a small model's load time. Minimal seed configs (``backend: "ge"``
+    alone) need it on.
+
     ``die_with_parent`` asks Linux to SIGINT the server when the *thread* that called ``start()`` ends; use
     it from a main thread (CLI, tests), not from a short-lived worker thread.
     """
@@ -180,6 +186,7 @@ class TritonServer:
         extra_args: Sequence[str] = (),
         exit_timeout: int = 30,
         die_with_parent: bool = False,
+        auto_complete_config: bool = True,
     ) -> None:
         unknown = sorted(set(open_apis) - set(TRITON_APIS))
         if unknown:
@@ -200,6 +207,7 @@ class TritonServer:
         self.extra_args = list(extra_args)
         self.exit_timeout = exit_timeout
         self.die_with_parent = die_with_parent
+        self.auto_complete_config = auto_complete_config
         self.log_path = self.workdir / "tritonserver.log"
         self.run_dir = self.workdir / "run"
         self.process: subprocess.Popen | None = None
@@ -252,6 +260,8 @@ class TritonServer:
             # The same header name for both protocols: Triton prefixes it for gRPC itself.
             spec = f"{','.join(self.restricted_apis)}:{API_KEY_HEADER}={self.api_key}"
             cmd += [f"--http-restricted-api={spec}", f"--grpc-restricted-protocol={spec}"]
+        if not self.auto_complete_config:
+            cmd.append("--disable-auto-complete-config")
         cmd += [f"--load-model={name}" for name in self.load_models]
         cmd += [f"--backend-config={item}" for item in self.backend_config]
         return cmd + self.extra_args

@@ -134,7 +134,8 @@ def direct_load_seconds(version, scratch: Path, runs: int) -> float:
     name = version.model.triton_model_name()
     materialize_model(repository, name, {version.number: version.servable_dir()}, version.config_text)
     timings = []
-    with TritonServer(repository, workdir=scratch / "direct") as server:
+    # Served as the agent serves it (complete configs, no auto-complete stub).
+    with TritonServer(repository, workdir=scratch / "direct", auto_complete_config=False) as server:
         server.start()
         for _ in range(runs):
             started = time.perf_counter()
@@ -222,29 +223,54 @@ def stop_agent(agent: subprocess.Popen) -> None:
         agent.wait(10)
 
 
-def ready_times(url: str, names: list[str], started: float, timeout: float) -> list[float]:
-    """Seconds after ``started`` at which each model answered ready (polled over and over, all models per
-    sweep); raises SystemExit when not all were ready within ``timeout``."""
-    import tritonclient.http as httpclient
+def ready_times(url: str, key_headers: dict, names: list[str], started: float, timeout: float) -> list[float]:
+    """Seconds after ``started`` at which each model was ready, from Triton's repository index (one request
+    per sweep, every 50 ms: asking each model in turn would cost the machine under test more CPU than the
+    agent does); raises SystemExit when not all were ready within ``timeout``."""
+    import requests
 
-    client = httpclient.InferenceServerClient(url, connection_timeout=2, network_timeout=2)
+    wanted = set(names)
     seen: dict[str, float] = {}
-    try:
-        while len(seen) < len(names):
+    with requests.Session() as session:
+        while len(seen) < len(wanted):
             if time.perf_counter() - started > timeout:
                 raise SystemExit(f"only {len(seen)}/{len(names)} models ready {timeout:.0f}s after the kill")
-            for name in names:
-                if name in seen:
-                    continue
-                try:
-                    if client.is_model_ready(name, "1"):
-                        seen[name] = time.perf_counter() - started
-                except Exception:  # the server is down or starting: try again next sweep
-                    break
+            try:
+                index = session.post(
+                    f"http://{url}/v2/repository/index", json={}, headers=key_headers, timeout=2
+                )
+                entries = index.json() if index.status_code == 200 else []
+            except (requests.RequestException, ValueError):  # the server is down or starting
+                entries = []
+            now = time.perf_counter() - started
+            for entry in entries:
+                name = entry.get("name")
+                if name in wanted and name not in seen and entry.get("state") == "READY":
+                    seen[name] = now
             time.sleep(0.05)
-    finally:
-        client.close()
     return sorted(seen.values())
+
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pgid: int, *, reaped: bool) -> float:
+    """CPU (user + system) of every live process in a process group so far; with ``reaped`` also what its
+    processes reaped (python stubs that ended). Not for the agent: it reaps the killed server, whose whole
+    life would then count."""
+    total = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) == pgid:  # fields[2] is the process group
+                # utime, stime (, cutime, cstime: children waited for)
+                total += sum(int(x) for x in fields[11 : 15 if reaped else 13])
+        except (OSError, ValueError):
+            continue
+    return total / TICKS
 
 
 def count_ready(url: str, versions: list) -> int:
@@ -255,18 +281,32 @@ def count_ready(url: str, versions: list) -> int:
         return 0
 
 
-def restart_to_serving(instance_pk: int, url: str, versions: list, timeout: float) -> dict:
+def restart_to_serving(instance_pk: int, url: str, versions: list, timeout: float, others: dict) -> dict:
     """SIGKILL the instance's tritonserver; seconds until the first, half and all models answer ready, and
-    until the platform has every placement READY again (what the gateway routes on)."""
+    until the platform has every placement READY again (what the gateway routes on).
+
+    Also the CPU seconds the reload cost: the new tritonserver and its stubs (a new process group), and the
+    ``others`` (name -> process group: the agent, the platform's web process) over the same window. With
+    ``os.cpu_count()`` cores the reload cannot take less than that CPU / cores: the floor."""
     from apps.deployments.models import DeploymentInstance, PlacementState
     from apps.fleet.models import TritonInstance
 
-    pid = TritonInstance.objects.get(pk=instance_pk).pid
+    instance = TritonInstance.objects.get(pk=instance_pk)
+    pid = instance.pid
     deployments = [v.model.deployments.order_by("-id").first().pk for v in versions]
+    before = {name: cpu_seconds(pgid, reaped=False) for name, pgid in others.items()}
+    wall_before = time.perf_counter()
     os.kill(pid, signal.SIGKILL)
     started = time.perf_counter()
-    wait(lambda: TritonInstance.objects.get(pk=instance_pk).pid != pid, 60, "the server to be restarted")
-    times = ready_times(url, [v.model.triton_model_name() for v in versions], started, timeout)
+
+    def restarted_pid() -> int | None:
+        now = TritonInstance.objects.get(pk=instance_pk).pid
+        return now if now not in (pid, None) else None
+
+    new_pid = wait(restarted_pid, 60, "the server to be restarted")
+    names = [v.model.triton_model_name() for v in versions]
+    times = ready_times(url, instance.key_headers(), names, started, timeout)
+    cpu = {"tritonserver + stubs": cpu_seconds(new_pid, reaped=True)}
     wait(
         lambda: (
             DeploymentInstance.objects.filter(
@@ -278,14 +318,33 @@ def restart_to_serving(instance_pk: int, url: str, versions: list, timeout: floa
         "every placement READY after the restart",
     )
     platform = time.perf_counter() - started
-    return {"first": times[0], "half": times[(len(times) - 1) // 2], "all": times[-1], "platform": platform}
+    cpu |= {name: cpu_seconds(pgid, reaped=False) - before[name] for name, pgid in others.items()}
+    return {
+        "first": times[0],
+        "half": times[(len(times) - 1) // 2],
+        "all": times[-1],
+        "platform": platform,
+        "cpu": cpu,
+        "window": time.perf_counter() - wall_before,
+        "load": os.getloadavg()[0],
+    }
 
 
-def print_restart(parallel: int, figures: dict) -> None:
+def print_restart(parallel: int, figures: dict, models: int) -> None:
     label = f"{parallel} loads at a time:" if parallel > 1 else "one load at a time:"
+    cores = os.cpu_count() or 1
+    total_cpu = sum(figures["cpu"].values())
+    floor = total_cpu / cores
     print(
         f"    {label:<24}first ready {figures['first']:6.1f} s, half {figures['half']:6.1f} s, "
         f"all {figures['all']:6.1f} s; every placement READY {figures['platform']:6.1f} s",
+        flush=True,
+    )
+    split = ", ".join(f"{name} {seconds:.1f}" for name, seconds in figures["cpu"].items())
+    print(
+        f"    {'':<24}CPU {total_cpu:.1f} s ({split}) = {total_cpu / models:.3f} s per model; "
+        f"floor on {cores} cores {floor:.1f} s, READY at {figures['platform'] / max(floor, 1e-9):.1f}x the "
+        f"floor (load average {figures['load']:.1f})",
         flush=True,
     )
 
@@ -365,11 +424,14 @@ def main() -> int:
         pid = TritonInstance.objects.get(pk=instance.pk).pid
         rss = group_rss_mb(pid)
         url = f"127.0.0.1:{ports[0]}"
+        others = {"agent": agent.pid, "platform web": web.pid}
         restarts = {
-            args.parallel_loads: restart_to_serving(instance.pk, url, many, deadline - time.monotonic())
+            args.parallel_loads: restart_to_serving(
+                instance.pk, url, many, deadline - time.monotonic(), others
+            )
         }
         print(f"restart with {args.parallel_loads} loads at a time measured:", flush=True)
-        print_restart(args.parallel_loads, restarts[args.parallel_loads])
+        print_restart(args.parallel_loads, restarts[args.parallel_loads], args.models)
         if args.compare_serial and args.parallel_loads != 1:
             stop_agent(agent)
             agent = start_agent(platform_url, token, scratch, 1, "agent-serial.log")
@@ -379,7 +441,8 @@ def main() -> int:
                 max(10.0, deadline - time.monotonic()),
                 "every model ready under the serial agent",
             )
-            restarts[1] = restart_to_serving(instance.pk, url, many, deadline - time.monotonic())
+            others["agent"] = agent.pid
+            restarts[1] = restart_to_serving(instance.pk, url, many, deadline - time.monotonic(), others)
 
         print("\nDeploy benchmark (one CPU instance, real tritonserver + host agent)")
         print(f"  Triton's own load time (direct, median of {args.latency_runs}):   {direct * 1000:8.0f} ms")
@@ -409,7 +472,7 @@ def main() -> int:
             f"  restart (SIGKILL of the tritonserver) -> all {args.models} models serving again (target < 60 s):"
         )
         for parallel, figures in restarts.items():
-            print_restart(parallel, figures)
+            print_restart(parallel, figures, args.models)
         return (
             0
             if all(c["ready"] == c["serving"] == args.models and not c["differ"] for c in (at_end, later))

@@ -133,13 +133,25 @@ def make_versions(args, rng: random.Random, prefix: str = ""):
 
 
 def over_capacity(pool) -> int:
-    """Instances of the pool holding more than their capacity now."""
-    from apps.deployments import scheduler
+    """Instances of the pool holding more than their capacity now (summed over their placements, not read
+    from the reserved memory the decisions read)."""
+    from apps.deployments import reserved
     from apps.fleet.models import TritonInstance
 
     rows = list(TritonInstance.objects.filter(host__pool=pool).values_list("pk", "capacity_mb"))
-    used = scheduler.used_by_instance([pk for pk, _ in rows])
+    used = reserved.used_by_instance([pk for pk, _ in rows])
     return sum(1 for pk, capacity in rows if used.get(pk, 0) > capacity)
+
+
+def reserved_drift(pool) -> int:
+    """Instances of the pool whose reserved memory (what the decisions read) differs from the sum over their
+    placements (0 expected: the writers keep it)."""
+    from apps.deployments import reserved
+    from apps.fleet.models import TritonInstance
+
+    return len(
+        reserved.reserved_drift(TritonInstance.objects.filter(host__pool=pool).values_list("pk", flat=True))
+    )
 
 
 def timed_decisions(scheduler, durations: list[float], queries: list[int] | None = None):
@@ -334,6 +346,7 @@ def run(args, scratch: Path) -> dict:
     owner, versions = make_versions(args, rng, prefix="b")
     figures["binpack"] = deploy_all(args, packed, versions, owner, rng)
     figures["over_capacity"] += figures["binpack"]["over_capacity"] + over_capacity(pool)
+    figures["reserved_drift"] = reserved_drift(pool) + reserved_drift(packed)
     return figures
 
 
@@ -360,6 +373,9 @@ def print_figures(f: dict) -> None:
     )
     print(f"over capacity: {f['over_capacity']} (0 expected)")
     print(
+        f"reserved memory differing from the sum over placements: {f['reserved_drift']} instances (0 expected)"
+    )
+    print(
         f"host loss: {f['lost_host_replicas']} replicas placed elsewhere and READY in {f['replace_measured_s']} s "
         f"after the first tick ({f['loss_ticks']} ticks); replaced_all_s = grace {f['grace_s']} + tick "
         f"{f['tick_s']} + {f['replace_measured_s']} = {f['replaced_all_s']} s (target < grace + 15 s)"
@@ -382,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     print_figures(figures)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2) + "\n")
-    return 1 if figures["over_capacity"] else 0
+    return 1 if figures["over_capacity"] or figures["reserved_drift"] else 0
 
 
 if __name__ == "__main__":

@@ -124,7 +124,8 @@ class HostDetailView(LoginRequiredMixin, TemplateView):
         return context
 
     def post(self, request, *args, **kwargs):
-        """Staff: a new one-time join token for the host's agent, or revoke the host's credential."""
+        """Staff: a new one-time join token for the host's agent, revoke its credential, cordon, drain,
+        uncordon, or change its labels."""
         host = get_object_or_404(Host.objects.for_user(request.user), name=self.kwargs["host_name"])
         if not is_platform_staff(request.user):
             raise PermissionDenied(
@@ -139,13 +140,39 @@ class HostDetailView(LoginRequiredMixin, TemplateView):
         if operation == "join-token":
             token = services.issue_join_token(actor=request.user, host=host)
             return self.render_to_response(self.get_context_data(join_token=token))
+        if operation == "labels":
+            return self._set_labels(request, host)
         if operation == "revoke":
             services.revoke_host(actor=request.user, host=host)
             messages.success(request, f"{host.name} is revoked: its agent's calls are refused from now on.")
             return redirect("host-detail", host_name=host.name)
         return HttpResponseBadRequest(
-            f"Unknown operation '{operation}'; use join-token, revoke, cordon, drain or uncordon."
+            f"Unknown operation '{operation}'; use join-token, revoke, labels, cordon, drain or uncordon."
         )
+
+    def _set_labels(self, request, host: Host):
+        text = request.POST.get("labels", "")
+        try:
+            labels = parse_labels(text)
+            host = pools.set_labels(actor=request.user, host=host, labels=labels)
+        except ValidationError as exc:
+            context = self.get_context_data(labels_error="; ".join(exc.messages), labels_text=text)
+            return self.render_to_response(context, status=400)
+        messages.success(request, f"{host.name}: labels saved; pool: {host.pool or 'none'}.")
+        return redirect("host-detail", host_name=host.name)
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """``key=value`` lines (blank ones skipped) as the labels object the API takes; checked by the service."""
+    labels: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        key, sep, value = line.strip().partition("=")
+        if not sep:
+            raise ValidationError({"labels": [f"'{line.strip()[:70]}' is not key=value."]})
+        labels[key.strip()] = value.strip()
+    return labels
 
 
 class InstanceDetailView(LoginRequiredMixin, TemplateView):

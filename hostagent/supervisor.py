@@ -368,6 +368,10 @@ class HostAgent:
             # If this agent is killed outright, Linux interrupts its servers (a graceful stop) instead of
             # leaving them orphaned on the instance's ports.
             die_with_parent=True,
+            # The platform serves only complete configs (build_served_config requires typed inputs and
+            # outputs): the backend's auto-complete has nothing to add, and costs an extra stub and a 1 s
+            # sleep per load (measured 9.1 s -> 3.4 s for 20 small models, 0.32 -> 0.15 CPU-s per load).
+            auto_complete_config=False,
         )
 
     def _start_instance(self, instance: InstanceSpec, proc: InstanceProcess) -> bool:

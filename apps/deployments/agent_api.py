@@ -33,7 +33,6 @@ from apps.fleet.agent_api import BadReport, error, host_instances, host_only, re
 from apps.fleet.models import hash_host_secret
 from apps.fleet.services import host_for_credential
 from apps.registry.models import ModelVersion
-from apps.registry.services import record_footprint
 from backend_ge.errors import public_error
 from hostagent.protocol import PlacementResult, check_placement_report
 from hostagent.repository import file_manifest
@@ -242,7 +241,7 @@ def placement_report(request, placement_id: int):
             placement.pk, generation, version, kind=kind, message=message, canary=canary
         )
         if accepted and report.footprint_mb is not None:
-            record_footprint(version.pk, report.footprint_mb)
+            services.footprint_measured(version.pk, report.footprint_mb)
     elif result == PlacementResult.FAILED:
         accepted = services.placement_failed(
             placement.pk, generation, err, version=version, still_serving=still, message=message

@@ -9,8 +9,11 @@ enough hosts. What cannot be placed stays pending with the reason, and the beat 
 tries again.
 
 Concurrency: the pool's row is locked (``SELECT ... FOR UPDATE``; pools in one order: a team's dedicated ones
-first, then by name) before its instances' used memory is summed, so two deploys into one pool are
-serialized and never overcommit an instance.
+first, then by name) before its instances' reserved memory is read, so two deploys into one pool are
+serialized and never overcommit an instance. Each instance's reserved memory (``TritonInstance.reserved_mb``)
+is kept by the writers of placements inside the same transaction (``apps.deployments.reserved``), so a
+decision reads its pool's instances without their placements - and only those its choice can reach, in the
+policy's order (``_choose_in``). The pure choice is ``apps.deployments.choice``.
 
 Writes: placements it creates, retires or releases, the deployment's ``pending_reason`` and PENDING <->
 DEPLOYING, and one event per decision with its inputs - an owner beside ``apps.deployments.services``
@@ -20,18 +23,21 @@ a deployment's state from its placements' reports: that stays with ``services``.
 
 from __future__ import annotations
 
+import heapq
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.db.models import Case, F, IntegerField, Q, Sum, Value, When
-from django.db.models.functions import Cast, Ceil, Coalesce
+from django.db import connection
+from django.db.models import Count, F, IntegerField, Q, Subquery, Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from apps.deployments import ensembles
+from apps.deployments.choice import ALTERNATIVES_SHOWN, Candidate, Choice, choose, gib, most_free
 from apps.deployments.models import (
     Deployment,
     DeploymentEvent,
@@ -40,12 +46,14 @@ from apps.deployments.models import (
     PlacementState,
     Spread,
 )
+from apps.deployments.reserved import refresh_reserved
 from apps.fleet.models import DesiredInstanceState, InstanceState, PlacementPolicy, Pool, TritonInstance
 from apps.fleet.services import notify_hosts
-from apps.registry.models import FOOTPRINT_BASE_MB, FOOTPRINT_MARGIN, ModelVersion
+from apps.registry.models import ModelVersion
+
+log = logging.getLogger(__name__)
 
 GONE = (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED)
-ALTERNATIVES_SHOWN = 5
 POLICY_WORDS = {
     PlacementPolicy.SPREAD: "policy spread: the least loaded instance that fits",
     PlacementPolicy.BINPACK: "policy binpack: the most loaded instance that still fits",
@@ -55,121 +63,6 @@ POLICY_WORDS = {
 def grace() -> timedelta:
     """A host unheard of for longer is lost: no new replicas, and its replicas are placed elsewhere."""
     return timedelta(seconds=settings.SCHEDULER_HOST_GRACE_S)
-
-
-def gib(mb: int) -> str:
-    return f"{mb / 1024:.1f} GiB"
-
-
-@dataclass
-class Candidate:
-    """One instance the scheduler may place on, with its memory as the locked rows say."""
-
-    instance_id: int
-    host_id: int
-    label: str
-    capacity_mb: int
-    used_mb: int
-
-    @property
-    def free_mb(self) -> int:
-        return self.capacity_mb - self.used_mb
-
-    def as_dict(self) -> dict:
-        return {"instance": self.label, "capacity_mb": self.capacity_mb, "free_mb": self.free_mb}
-
-
-@dataclass
-class Choice:
-    chosen: list[Candidate]
-    reason: str  # empty when every replica asked for was placed
-    alternatives: list[dict]
-
-
-def choose(
-    candidates: list[Candidate],
-    *,
-    need_mb: int,
-    count: int,
-    spread: str,
-    replicas: int,
-    taken_hosts: Iterable[int] = (),
-    taken_instances: Iterable[int] = (),
-    pool_name: str = "the pool",
-    policy: str = PlacementPolicy.SPREAD,
-    need_of: Callable[[Candidate], int | None] | None = None,
-) -> Choice:
-    """Pick ``count`` instances for replicas of ``need_mb`` each. Pure: ``candidates`` are updated in place
-    (their used memory grows by what was placed), nothing is read or written. ``taken_*``: where the
-    deployment's other replicas run (never two on one instance; with spread=host, one per host while the
-    pool has at least ``replicas`` hosts). ``need_of``: what a replica needs on that instance when it
-    differs by instance (an ensemble: itself, plus the steps not placed there yet; None: it cannot go
-    there); instances needing no more than ``need_mb`` come first."""
-    hosts, instances = set(taken_hosts), set(taken_instances)
-    strict = spread == Spread.HOST and len({c.host_id for c in candidates}) >= replicas
-    chosen: list[Candidate] = []
-    reason = ""
-
-    def need(c: Candidate) -> int | None:
-        return need_mb if need_of is None else need_of(c)
-
-    for _ in range(count):
-        open_ = [c for c in candidates if c.instance_id not in instances]
-        if strict:
-            open_ = [c for c in open_ if c.host_id not in hosts]
-        fits = [c for c in open_ if need(c) is not None and c.free_mb >= need(c)]
-        if not fits:
-            reason = _why_not(open_, candidates, need_mb, pool_name, strict, need_of)
-            break
-        # With spread=host, a host without a replica first; then an instance that needs nothing placed
-        # beside the replica (an ensemble's steps already there); then by the pool's policy - ``spread``: the
-        # least loaded (most free), ``binpack``: the most loaded that still fits (least free); the id breaks
-        # ties.
-        sign = 1 if policy == PlacementPolicy.BINPACK else -1
-        best = min(
-            fits, key=lambda c: (c.host_id in hosts, need(c) > need_mb, sign * c.free_mb, c.instance_id)
-        )
-        best.used_mb += need(best)
-        hosts.add(best.host_id)
-        instances.add(best.instance_id)
-        chosen.append(best)
-    ranked = sorted(candidates, key=lambda c: -c.free_mb)[:ALTERNATIVES_SHOWN]
-    return Choice(chosen, reason, [c.as_dict() for c in ranked])
-
-
-def _why_not(
-    open_: list[Candidate],
-    every: list[Candidate],
-    need_mb: int,
-    pool_name: str,
-    strict: bool,
-    need_of: Callable[[Candidate], int | None] | None = None,
-) -> str:
-    if not every:
-        return (
-            f"no schedulable instance in {pool_name} (hosts online, not cordoned, instances not quarantined)"
-        )
-    if not open_:
-        return f"every schedulable host of {pool_name} already has a replica (spread=host)"
-    if need_of is not None:
-        sized = [(c, need_of(c)) for c in open_]
-        possible = [(c, n) for c, n in sized if n is not None]
-        if not possible:
-            return (
-                f"no instance in {pool_name} serves its steps or may get a replica of each step it lacks "
-                "(a step deployed on chosen instances, or in another pool)"
-            )
-        best, n = min(possible, key=lambda item: (item[1] - item[0].free_mb, item[0].instance_id))
-        return (
-            f"no instance in {pool_name} has room for it with the steps it lacks there; the closest is "
-            f"{best.label}: needs {gib(n)}, {gib(max(0, best.free_mb))} free"
-        )
-    largest = max(open_, key=lambda c: c.free_mb)
-    where = " on a host without a replica" if strict and len(open_) < len(every) else ""
-    return (
-        f"no instance in {pool_name} has {gib(need_mb)} free{where}; "
-        f"the largest free is {gib(max(0, largest.free_mb))} on {largest.label}"
-    )
 
 
 def check_intent(team, *, replicas: int, pool: Pool | None, spread: str) -> None:
@@ -192,53 +85,22 @@ def footprints(version_ids: Iterable[int]) -> dict[int, int]:
     return {v.pk: v.footprint_estimate_mb() for v in rows}
 
 
+def replica_held_mb(deployment: Deployment) -> int:
+    """What one replica holds: the served version, plus the target during a switch (both are loaded).
+    Versions the deployment row has loaded already (a deploy's) are not read again."""
+    loaded, unread = {}, []
+    for field in ("active_version", "target_version"):
+        pk = getattr(deployment, f"{field}_id")
+        if pk is not None and Deployment._meta.get_field(field).is_cached(deployment):
+            loaded[pk] = getattr(deployment, field).footprint_estimate_mb()
+        elif pk is not None:
+            unread.append(pk)
+    return sum({**loaded, **(footprints(unread) if unread else {})}.values())
+
+
 def deployment_need_mb(deployment: Deployment) -> int:
-    """What one replica holds: the served version, plus the target during a switch (both are loaded)."""
-    sizes = footprints([deployment.active_version_id, deployment.target_version_id])
-    return sum(sizes.values()) or 1
-
-
-def _footprint_sql(version: str):
-    """``ModelVersion.footprint_estimate_mb`` of the version at the path ``version``, in SQL (0 for none)."""
-    estimate = Value(FOOTPRINT_BASE_MB) + Cast(
-        Ceil(F(f"{version}__size_bytes") * FOOTPRINT_MARGIN / 2**20), IntegerField()
-    )
-    return Case(
-        When(**{f"{version}__footprint_mb__gt": 0}, then=F(f"{version}__footprint_mb")),
-        When(**{f"{version}__isnull": False}, then=estimate),
-        default=Value(0),
-        output_field=IntegerField(),
-    )
-
-
-def used_mb_sql(placements: str = "placements"):
-    """The memory an instance's live placements hold (retiring ones too: they hold it until unloaded), as one
-    SQL aggregate over the relation ``placements`` of the rows annotated: per placement its deployment's
-    served version, plus the target during a switch (both are loaded). The same sum as ``deployment_need_mb``
-    per replica, so a decision never reads more than one query for its whole pool."""
-    deployment = f"{placements}__deployment"
-    target = Case(
-        When(
-            **{f"{deployment}__target_version": F(f"{deployment}__active_version")},
-            then=Value(0),
-        ),
-        default=_footprint_sql(f"{deployment}__target_version"),
-        output_field=IntegerField(),
-    )
-    live = Q(**{f"{placements}__isnull": False}) & ~Q(**{f"{placements}__state": PlacementState.UNLOADED})
-    live &= ~Q(**{f"{deployment}__state": DeploymentState.UNDEPLOYED})
-    return Coalesce(
-        Sum(_footprint_sql(f"{deployment}__active_version") + target, filter=live),
-        Value(0),
-        output_field=IntegerField(),
-    )
-
-
-def used_by_instance(instance_ids: list[int] | None = None, *, pool: Pool | None = None) -> dict[int, int]:
-    """Memory the live placements on these instances (or the pool's) hold (``used_mb_sql``)."""
-    where = Q(host__pool=pool) if pool is not None else Q(pk__in=instance_ids or [])
-    rows = TritonInstance.objects.filter(where).annotate(used=used_mb_sql()).values_list("pk", "used")
-    return {pk: used for pk, used in rows if used}
+    """What one replica needs free (at least 1 MiB, so a deployment without a version still asks)."""
+    return replica_held_mb(deployment) or 1
 
 
 def schedulable_instances(pool: Pool, *, now=None):
@@ -265,21 +127,94 @@ def candidates_in(pool: Pool, *, lock: bool) -> list[Candidate]:
     writes a lock on 1,600 rows per decision in a pool of 200 hosts x 8 devices.)"""
     if lock:
         Pool.objects.select_for_update().filter(pk=pool.pk).values_list("pk", flat=True).first()
-    # Only the columns a decision reads: a pool of 1,600 instances is read on every decision.
-    # Only the columns a decision reads, and the memory each instance's placements hold summed by the
-    # database: a pool of 1,600 instances is read on every decision, in one query.
-    instances = schedulable_instances(pool).annotate(used=used_mb_sql())
-    rows = instances.values_list("pk", "host_id", "host__name", "name", "capacity_mb", "used")
+    # Only the columns a decision reads, and each instance's reserved memory as kept by the writers
+    # (``refresh_reserved``): one query that does not grow with the pool's placements.
+    return _as_candidates(pool, schedulable_instances(pool))
+
+
+CANDIDATE_FIELDS = ("pk", "host_id", "host__name", "name", "capacity_mb", "reserved_mb", "hosts", "part")
+
+
+def _as_candidates(pool: Pool, rows) -> list[Candidate]:
+    """Candidates from instance rows: a queryset, or rows of ``CANDIDATE_FIELDS``."""
+    if not isinstance(rows, list):
+        rows = rows.values_list(*CANDIDATE_FIELDS[:6])
+    budget = pool.memory_budget_mb
     return [
-        Candidate(
-            instance_id=pk,
-            host_id=host_id,
-            label=f"{host_name}/{name}",  # as str(instance)
-            capacity_mb=capacity if capacity is not None else pool.memory_budget_mb,
-            used_mb=used,
-        )
-        for pk, host_id, host_name, name, capacity, used in rows
+        Candidate(row[0], row[1], f"{row[2]}/{row[3]}", budget if row[4] is None else row[4], row[5])
+        for row in rows
     ]
+
+
+def _by_free(pool: Pool, *, most_free: bool):
+    """The pool's schedulable instances annotated with their free memory, in the order ``choose`` ranks
+    them by the policy (most free first for ``spread``, least for ``binpack``; the id breaks ties)."""
+    free = Coalesce(F("capacity_mb"), Value(pool.memory_budget_mb)) - F("reserved_mb")
+    rows = schedulable_instances(pool).annotate(free=free)
+    return rows.order_by("-free" if most_free else "free", "pk")
+
+
+# How many instances a decision reads beyond the replicas it places and the alternatives it shows: enough
+# that the instances a choice needs are among them unless hosts are nearly full (then it reads them all).
+RANKED_MARGIN = 32
+
+
+def _choose_in(pool: Pool, **intent) -> tuple[Choice, list[Candidate]]:
+    """Lock the pool and choose in it; returns the choice and the candidates it was made on.
+
+    A model's replica needs the same memory everywhere, so only a prefix of the pool's instances in the
+    policy's order can be chosen (``_by_free``): the decision reads that prefix - those that fit, and for
+    the alternatives shown the most free - not the pool's 1,600 rows. The choice on the prefix is the one
+    on the whole pool whenever every replica was placed and, if a host had to be shared, no instance was
+    left out; otherwise the whole pool is read and the choice made again (the reason then names the
+    largest free instance, and ``make_room`` sees every instance). An ensemble's need differs by instance:
+    it always reads the whole pool."""
+    Pool.objects.select_for_update().filter(pk=pool.pk).values_list("pk", flat=True).first()
+    if intent["need_of"] is None:
+        binpack = pool.placement_policy == PlacementPolicy.BINPACK
+        limit = intent["count"] + ALTERNATIVES_SHOWN + RANKED_MARGIN
+        ranked = _by_free(pool, most_free=not binpack)
+        if binpack:
+            ranked = ranked.filter(free__gte=intent["need_mb"])
+        # With spread=host, whether each replica gets a host of its own depends on how many hosts the
+        # whole pool has: counted in the same statement.
+        hosts = Subquery(
+            schedulable_instances(pool).order_by().annotate(one=Value(1)).values("one")
+            .annotate(n=Count("host_id", distinct=True)).values("n")
+        )  # fmt: skip
+        rows = ranked.annotate(hosts=hosts, part=Value(0))[: limit + 1].values_list(*CANDIDATE_FIELDS)
+        if binpack:
+            # The alternatives shown are the most free instances; a binpack prefix holds the least free
+            # that fit: both read in one statement.
+            most = _by_free(pool, most_free=True).annotate(hosts=Value(None, IntegerField()), part=Value(1))
+            most = most[: intent["count"] + ALTERNATIVES_SHOWN].values_list(*CANDIDATE_FIELDS)
+            if connection.features.supports_slicing_ordering_in_compound:
+                rows = rows.union(most, all=True)
+            else:  # SQLite (the embedded default): two statements
+                rows = [*rows, *most]
+        rows = list(rows)
+        prefix = _as_candidates(pool, [row for row in rows if row[7] == 0])
+        # The order the policy ranks them in (a compound statement's parts come in no promised order).
+        sign = 1 if binpack else -1
+        prefix.sort(key=lambda c: (sign * (c.capacity_mb - c.used_mb), c.instance_id))
+        prefix, cut = prefix[:limit], len(prefix) > limit
+        hosts_in_pool = next((row[6] for row in rows if row[7] == 0), 0)
+        choice = choose(prefix, **intent, hosts_in_pool=hosts_in_pool)
+        if not choice.reason and not (choice.shared_host and (cut or binpack)):
+            if binpack:
+                most_free_rows = _as_candidates(pool, [row for row in rows if row[7] == 1])
+                choice.alternatives = _most_free_after(most_free_rows, choice.chosen)
+            return choice, prefix
+    candidates = candidates_in(pool, lock=False)
+    return choose(candidates, **intent), candidates
+
+
+def _most_free_after(rows: list[Candidate], chosen: list[Candidate]) -> list[dict]:
+    """The alternatives a choice shows - the pool's instances with the most free memory once its replicas
+    are placed - from the most free before it (``rows``): what the chosen ones took counted."""
+    taken = {c.instance_id: c for c in chosen}
+    rows = [taken.get(c.instance_id, c) for c in rows]
+    return [c.as_dict() for c in heapq.nlargest(ALTERNATIVES_SHOWN, rows, key=most_free)]
 
 
 def pools_for(deployment: Deployment) -> list[Pool]:
@@ -306,7 +241,7 @@ MakeRoom = Callable[[Deployment, Pool, list[Candidate], int], str]
 def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None) -> list[DeploymentInstance]:
     """Place the replicas the deployment lacks. Returns the placements decided, for the caller to hand to
     their hosts once committed (``enqueue``). A handful of queries whatever the count: the deployment's
-    placements, the need, per pool its lock and its candidates with their used memory (one aggregate), then
+    placements, the need, per pool its lock and its candidates with their reserved memory (one query), then
     the rows and events written in bulk. ``make_room``: asked when a pool has no room (eviction)."""
     if deployment.pinned or deployment.state in GONE:
         return []
@@ -316,13 +251,15 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
         )
     )
     existing = {instance_id: pk for pk, instance_id, _, _, _ in rows}
+    holding = {instance_id for _, instance_id, _, _, state in rows if state != PlacementState.UNLOADED}
     current = [(instance_id, host_id) for _, instance_id, host_id, retiring, state in rows
                if not retiring and state != PlacementState.UNLOADED]  # fmt: skip
     missing = deployment.replicas - len(current)
     if missing <= 0:
         _set_pending(deployment, "")
         return []
-    need = deployment_need_mb(deployment)
+    held = replica_held_mb(deployment)
+    need = held or 1
     steps = _ensemble_steps(deployment)
     needs: dict[int, int] = {}
     taken_hosts = {host_id for _, host_id in current}
@@ -331,10 +268,9 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
     reasons = []
     pools = pools_for(deployment)
     for pool in pools:
-        candidates = candidates_in(pool, lock=True)
         need_of = _need_with_steps(steps, need, pool) if steps is not None else None
-        choice = choose(
-            candidates,
+        choice, candidates = _choose_in(
+            pool,
             need_mb=need,
             count=missing - len(decided),
             spread=deployment.spread,
@@ -363,6 +299,18 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
             "page); or deploy on chosen instances"
         )
     placements = _create_placements(deployment, decided, needs, existing)
+    # What the new replicas hold is added to their instances' reserved memory, where no placement of the
+    # deployment held it already (a retired one placed again before it unloaded). An increment, not
+    # ``refresh_reserved``: exact because the deployment's row lock (held by the caller) orders this with
+    # every report on its placements, and the UPDATE applies to the row as the last writer left it.
+    adding = sorted(c.instance_id for c, _, _ in decided if c.instance_id not in holding)
+    if held and adding:
+        if len(adding) > 1:
+            # Rows locked in id order, as ``refresh_reserved`` locks them: two transactions never wait on
+            # each other's instances (one UPDATE locks its rows in the order it finds them).
+            list(TritonInstance.objects.select_for_update(no_key=True).filter(pk__in=adding).order_by("pk")
+                 .values_list("pk", flat=True))  # fmt: skip
+        TritonInstance.objects.filter(pk__in=adding).update(reserved_mb=F("reserved_mb") + held)
     if steps is not None:
         placements += _place_steps_with(deployment, decided, steps)
     still = missing - len(decided)
@@ -510,6 +458,7 @@ def _add_step_replica(
         )
     else:
         row = DeploymentInstance.objects.create(deployment=step_deployment, instance_id=candidate.instance_id)
+    refresh_reserved([candidate.instance_id])
     grew = ""
     if step.short > 0:
         step.short -= 1  # a replica it lacked (its own was on a lost or drained instance)
@@ -701,9 +650,9 @@ def lost_placements(now=None) -> dict[int, list[tuple[int, str]]]:
 
 def instance_usage(instances: Iterable[TritonInstance]) -> dict[int, dict]:
     """Per instance: capacity (its own, else its host's pool's CPU budget; None outside any pool), the memory
-    its live placements hold, and what is free - the figures a decision would read."""
+    its live placements hold, and what is free - the figures a decision reads (``reserved_mb``)."""
     instances = list(instances)
-    used = used_by_instance([i.pk for i in instances])
+    used = {i.pk: i.reserved_mb for i in instances}
     budgets = dict(
         Pool.objects.filter(hosts__instances__in=[i.pk for i in instances]).values_list("hosts__instances", "memory_budget_mb")
     )  # fmt: skip

@@ -18,7 +18,7 @@ from django.db import transaction
 from django.db.models import F, Q
 
 from apps.audit.services import record
-from apps.deployments import ensembles, scheduler
+from apps.deployments import ensembles, reserved, scheduler
 from apps.deployments.checks import (
     check_instances_usable,
     check_no_live_rollout,
@@ -39,6 +39,7 @@ from apps.deployments.signals import canary_failed, deployment_created, deployme
 from apps.fleet.models import Pool, TritonInstance
 from apps.fleet.services import notify_hosts
 from apps.registry.models import ModelVersion, RegisteredModel
+from apps.registry.services import record_footprint
 
 
 def _enqueue(placements: Iterable[DeploymentInstance]) -> None:
@@ -52,6 +53,9 @@ def _decide(placements: list[DeploymentInstance], **fields) -> list[DeploymentIn
     Returns the placements re-read with their new generation, for ``_enqueue``."""
     pks = [p.pk for p in placements]
     DeploymentInstance.objects.filter(pk__in=pks).update(generation=F("generation") + 1, **fields)
+    if "state" in fields:
+        # An unloaded placement set PENDING holds memory again (and a switch's target just began to count).
+        reserved.refresh_reserved(p.instance_id for p in placements)
     return list(DeploymentInstance.objects.filter(pk__in=pks).select_related("instance__host"))
 
 
@@ -112,6 +116,7 @@ def deploy_version(
             placements = [
                 DeploymentInstance.objects.create(deployment=deployment, instance=i) for i in instances
             ]
+            reserved.refresh_reserved(i.pk for i in instances)
         else:
             placements = scheduler.place_replicas(deployment)
         record(
@@ -243,6 +248,12 @@ def placement_finished(placement: DeploymentInstance) -> None:
         _settle(deployment)
 
 
+def settle_locked(deployment: Deployment) -> None:
+    """``placement_finished`` for a deployment whose row the caller has locked in its transaction (the beat,
+    having moved its replicas): its state follows from its placements."""
+    _settle(deployment)
+
+
 def _settle(deployment: Deployment) -> None:
     """Derive the deployment's state from its placements. The caller holds the deployment's row lock.
 
@@ -282,6 +293,8 @@ def _settle(deployment: Deployment) -> None:
         deployment.save(
             update_fields=["active_version", "target_version", "state", "last_error", "updated_at"]
         )
+        if switched:
+            reserved.refresh_reserved_of([deployment.pk])  # the old version no longer counts
         deployment.events.create(
             kind="switched" if switched else "deployed",
             message=f"{target} serves on every instance",
@@ -306,6 +319,7 @@ def _settle(deployment: Deployment) -> None:
             version=target,
         )
         deployment.save(update_fields=["target_version", "last_error", "state", "updated_at"])
+        reserved.refresh_reserved_of([deployment.pk])  # the failed target no longer counts
         transaction.on_commit(lambda: _enqueue(back))
         rows = list(_replicas(deployment).order_by().values_list("state", "served_version_id"))
         _follow_placements(deployment, rows)
@@ -315,6 +329,7 @@ def _settle(deployment: Deployment) -> None:
         kind="deploy_failed", message=f"deploying {target} failed: {errors}", version=target
     )
     deployment.save(update_fields=["target_version", "last_error", "state", "updated_at"])
+    reserved.refresh_reserved_of([deployment.pk])  # the failed target no longer counts
 
 
 def _replicas(deployment: Deployment):
@@ -375,18 +390,24 @@ def _report(
     """Conditionally update a placement for ``generation``; returns its locked deployment and the placement's
     instance id (for the event), or None when stale. The caller runs inside ``transaction.atomic()``."""
     ids = (
-        DeploymentInstance.objects.filter(pk=placement_id).values_list("deployment_id", "instance_id").first()
+        DeploymentInstance.objects.filter(pk=placement_id)
+        .values_list("deployment_id", "instance_id", "state")
+        .first()
     )
     if ids is None:
         return None
-    deployment_id, instance_id = ids
+    deployment_id, instance_id, state = ids
     # The deployment's row lock first, as switch_version and undeploy take it: a decision and a report on
     # the same deployment are serialized.
     deployment = Deployment.objects.select_for_update().get(pk=deployment_id)
     rows = DeploymentInstance.objects.filter(pk=placement_id, generation=generation)
     if where is not None:
         rows = rows.filter(where)
-    return (deployment, instance_id) if rows.update(**fields) == 1 else None
+    if rows.update(**fields) != 1:
+        return None
+    if PlacementState.UNLOADED in (state, fields.get("state")):
+        reserved.refresh_reserved([instance_id])  # the placement stopped (or started) holding memory
+    return deployment, instance_id
 
 
 def _report_progress(placement_id: int, generation: int, **fields) -> bool:
@@ -562,6 +583,17 @@ def placement_canary_failed(
         canary_failed.send(sender=Deployment, deployment=deployment, canary=canary, error=error)
         _settle(deployment)
         return True
+
+
+def footprint_measured(version_id: int, footprint_mb: int) -> bool:
+    """An agent measured what one loaded copy of the version takes: recorded on its first load only
+    (``apps.registry.services.record_footprint``), and the instances holding it reserve the measured figure
+    instead of the estimate from then on."""
+    with transaction.atomic():
+        recorded = record_footprint(version_id, footprint_mb)
+        if recorded:
+            reserved.footprint_changed(version_id)
+    return recorded
 
 
 # --- For the rollout state machine (apps.deployments.rollouts): what a rollout does to its deployment.

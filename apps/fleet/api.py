@@ -5,11 +5,13 @@ team. Visibility is ``Host.objects.for_user``: shared hosts and hosts dedicated 
 (platform staff see all); another team's dedicated host is a 404. Starting, stopping and restarting an
 instance is for platform staff on shared hosts, and also for the owning team's maintainers and owners on a
 dedicated host; anyone else who can see the instance gets a 403 that says so. Staff add hosts (each gets a
-one-time join token for its agent), revoke them and create instances.
+one-time join token for its agent), change their labels (``PATCH``: pools follow), revoke them and create
+instances.
 """
 
 from __future__ import annotations
 
+from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db.models import Q
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema, extend_schema_field, inline_serializer
@@ -25,6 +27,7 @@ from apps.fleet.models import (
     Host,
     Pool,
     TritonInstance,
+    check_labels,
     host_name_validator,
     is_platform_staff,
 )
@@ -239,6 +242,39 @@ class HostSerializer(serializers.ModelSerializer):
             raise serializers.ValidationError(f"A host named '{value}' already exists.")
         return value
 
+    def validate_labels(self, value) -> dict:
+        return checked_labels(value)
+
+
+def checked_labels(value) -> dict:
+    try:
+        return check_labels(value)
+    except DjangoValidationError as exc:
+        raise serializers.ValidationError(exc.message_dict["labels"]) from exc
+
+
+class HostLabelsSerializer(serializers.Serializer):
+    """What staff may change on a host after it joined: its labels (``pool=<name>`` makes it a member of that
+    pool). The whole set is replaced."""
+
+    labels = serializers.JSONField(
+        help_text='Key/value strings, e.g. {"pool": "ascend", "rack": "r12"}; keys of lowercase letters, '
+        "digits and . _ / -, values of letters, digits and . _ - (1-63 characters)."
+    )
+
+    def validate(self, attrs):
+        unknown = (
+            sorted(set(self.initial_data) - set(self.fields)) if isinstance(self.initial_data, dict) else []
+        )
+        if unknown:
+            raise serializers.ValidationError(
+                {name: ["Only labels may be changed here."] for name in unknown}
+            )
+        return attrs
+
+    def validate_labels(self, value) -> dict:
+        return checked_labels(value)
+
 
 class HostDetailSerializer(HostSerializer):
     devices = DeviceSerializer(many=True, read_only=True)
@@ -298,6 +334,19 @@ class HostViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gen
         host = self.get_queryset().get(pk=host.pk)
         body = HostSerializer(host, context={"request": request}).data
         return Response({**body, "join_token": token}, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=HostLabelsSerializer, responses={200: HostSerializer})
+    def partial_update(self, request, *args, **kwargs):
+        """Staff change the host's labels; it joins or leaves pools by its ``pool`` label (the instances a
+        pool's template made for it are drained and removed when it leaves). Audited."""
+        host = self.get_object()
+        require_staff(request.user, "change a host's labels")
+        serializer = HostLabelsSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        host = pools.set_labels(actor=request.user, host=host, labels=serializer.validated_data["labels"])
+        return Response(
+            HostSerializer(self.get_queryset().get(pk=host.pk), context={"request": request}).data
+        )
 
     @extend_schema(request=None, responses={200: JoinTokenSerializer})
     @action(detail=True, methods=["post"], url_path="join-token")

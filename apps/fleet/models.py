@@ -8,9 +8,11 @@ team's dedicated host is a 404.
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 from datetime import timedelta
 
+from django.core.exceptions import ValidationError
 from django.core.validators import RegexValidator
 from django.db import models
 from django.db.models import Q
@@ -25,6 +27,42 @@ host_name_validator = RegexValidator(
     r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$",
     "Use lowercase letters, digits and hyphens (it names the instances' users and directories).",
 )
+
+# Host labels (``pool=<name>`` makes a host a member of that pool): a small allow-list of key and value
+# syntax, so a label can always be shown, matched and written into a config without escaping.
+LABEL_KEY = re.compile(r"^[a-z0-9](?:[a-z0-9._/-]{0,61}[a-z0-9])?$")
+LABEL_VALUE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
+MAX_LABELS = 32
+
+
+def check_labels(labels) -> dict[str, str]:
+    """Host labels as staff may set them: an object of at most ``MAX_LABELS`` string pairs, keys of lowercase
+    letters, digits and ``. _ / -``, values of letters, digits and ``. _ -`` (1-63 characters, starting and
+    ending with a letter or digit). Raises a ValidationError naming ``labels`` otherwise."""
+
+    def refuse(message: str):
+        return ValidationError({"labels": [message]})
+
+    if labels is None:
+        return {}
+    if not isinstance(labels, dict):
+        raise refuse('Labels are an object of key/value strings, e.g. {"pool": "ascend"}.')
+    if len(labels) > MAX_LABELS:
+        raise refuse(f"At most {MAX_LABELS} labels (got {len(labels)}).")
+    for key, value in labels.items():
+        shown = repr(key)[:70]
+        if not isinstance(key, str) or not LABEL_KEY.match(key):
+            raise refuse(
+                f"Label key {shown} is not allowed: 1-63 lowercase letters, digits, '.', '_', '/' or '-', "
+                "starting and ending with a letter or digit."
+            )
+        if not isinstance(value, str) or not LABEL_VALUE.match(value):
+            raise refuse(
+                f"The value of label '{key}' is not allowed: a string of 1-63 letters, digits, '.', '_' or "
+                "'-', starting and ending with a letter or digit."
+            )
+    return dict(labels)
+
 
 HEARTBEAT_INTERVAL = timedelta(seconds=10)
 # Three missed heartbeats: long enough to ride out a busy agent, short enough to notice a dead host.
@@ -330,7 +368,26 @@ class TritonInstance(models.Model):
         blank=True,
         help_text="Memory its models may use (NPU: HBM minus the reserve). Empty: its pool's CPU budget.",
     )
+    # Written only by ``apps.deployments`` (the scheduler and the services that create, revive, unload and
+    # re-size placements), in the transaction of the placement change, under this row's lock: a decision
+    # reads one column per instance instead of summing every placement of its pool.
+    reserved_mb = models.PositiveIntegerField(
+        default=0,
+        editable=False,
+        help_text="Memory its live placements hold (the sum of their versions' footprints), kept by the "
+        "scheduler with every placement change.",
+    )
     from_template = models.BooleanField(default=False, editable=False)
+    template_pool = models.ForeignKey(
+        Pool,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        editable=False,
+        help_text="The pool whose template made it: once its host leaves that pool it is no longer wanted, "
+        "even where the new pool's template would make one of the same name.",
+    )
     unwanted_since = models.DateTimeField(
         null=True,
         blank=True,

@@ -15,7 +15,15 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from apps.audit.services import record
-from apps.fleet.models import DesiredInstanceState, ExecutorKind, Host, InstanceState, Pool, TritonInstance
+from apps.fleet.models import (
+    DesiredInstanceState,
+    ExecutorKind,
+    Host,
+    InstanceState,
+    Pool,
+    TritonInstance,
+    check_labels,
+)
 from backend_ge import npu_smi
 
 POOL_LABEL = "pool"
@@ -122,15 +130,19 @@ def sync_template_instances(host: Host, inventory: npu_smi.NpuInventory | None) 
     no new replicas and moves theirs away, then ``remove_unwanted`` stops and deletes them. Returns the
     instances created. An NPU pool's template needs the inventory: without one nothing changes."""
     pool = Pool.objects.filter(pk=host.pool_id).first() if host.pool_id is not None else None
+    existing = {i.name: i for i in TritonInstance.objects.filter(host=host)}
+    # Another pool's template instances (the host changed pools) are unwanted whatever their names.
+    others = [i.pk for i in existing.values() if _from_another_pool(i, pool) and i.unwanted_since is None]
+    if others:
+        TritonInstance.objects.filter(pk__in=others).update(unwanted_since=timezone.now())
     if pool is not None and pool.executor == ExecutorKind.NPU and inventory is None:
         return []  # no inventory reported yet: nothing to count
     wanted = template_instances(pool, inventory) if pool is not None else []
-    existing = {i.name: i for i in TritonInstance.objects.filter(host=host)}
     names = {spec["name"] for spec in wanted}
     unwanted = [
         i.pk
         for i in existing.values()
-        if i.from_template and i.name not in names and i.unwanted_since is None
+        if i.from_template and i.name not in names and i.unwanted_since is None and i.pk not in others
     ]
     if unwanted:
         TritonInstance.objects.filter(pk__in=unwanted).update(unwanted_since=timezone.now())
@@ -138,6 +150,8 @@ def sync_template_instances(host: Host, inventory: npu_smi.NpuInventory | None) 
     for spec in wanted:
         have = existing.get(spec["name"])
         if have is not None:
+            if _from_another_pool(have, pool):
+                continue  # made once the old pool's instance of that name is drained and removed
             if have.from_template and (have.capacity_mb != spec["capacity_mb"] or have.unwanted_since):
                 # Wanted again before it was removed: it stays (and runs, if it had been stopped for removal).
                 TritonInstance.objects.filter(pk=have.pk).update(
@@ -157,6 +171,7 @@ def sync_template_instances(host: Host, inventory: npu_smi.NpuInventory | None) 
             grpc_port=ports[1],
             metrics_port=ports[2],
             from_template=True,
+            template_pool=pool,
             **spec,
         )
         existing[instance.name] = instance
@@ -165,6 +180,55 @@ def sync_template_instances(host: Host, inventory: npu_smi.NpuInventory | None) 
         # The agent's next desired-state poll picks the new instances up (as ``services.notify_hosts``).
         Host.objects.filter(pk=host.pk).update(desired_generation=F("desired_generation") + 1)
     return created
+
+
+def _from_another_pool(instance: TritonInstance, pool: Pool | None) -> bool:
+    """A template instance another pool's template made (one without the mark counts as its host's pool's)."""
+    made_by = instance.template_pool_id
+    return instance.from_template and made_by is not None and made_by != getattr(pool, "pk", None)
+
+
+def set_labels(*, actor, host: Host, labels: dict) -> Host:
+    """Staff change a host's labels (checked: ``check_labels``); its pool follows its ``pool`` label. A host
+    that leaves a pool (for another or none) has its template instances marked unwanted: the scheduler moves
+    their replicas away one at a time, then they are stopped and removed (``apps.deployments.healing``), and
+    the new pool's template makes the host's instances anew (a CPU pool's now, an NPU pool's at the agent's
+    next heartbeat, which carries the inventory). Instances declared by hand stay."""
+    labels = check_labels(labels)
+    with transaction.atomic():
+        host = Host.objects.select_for_update().get(pk=host.pk)
+        before, old_pool = host.labels, host.pool
+        new_pool = pool_named_by(labels)
+        if old_pool is not None:
+            # Which pool made them, for rows from before the mark existed.
+            host.instances.filter(from_template=True, template_pool__isnull=True).update(
+                template_pool=old_pool
+            )
+        Host.objects.filter(pk=host.pk).update(labels=labels, pool=new_pool)
+        host.labels, host.pool = labels, new_pool
+        unwanted = created = []
+        if new_pool != old_pool:
+            already = set(host.instances.filter(unwanted_since__isnull=False).values_list("pk", flat=True))
+            created = sync_template_instances(host, None)
+            unwanted = list(
+                host.instances.filter(unwanted_since__isnull=False).exclude(pk__in=already).order_by("name")
+            )
+            Host.objects.filter(pk=host.pk).update(desired_generation=F("desired_generation") + 1)
+        record(
+            actor=actor,
+            team=host.team,
+            action="host.labels_changed",
+            target=host,
+            details={
+                "from": before,
+                "to": labels,
+                "pool": [getattr(old_pool, "name", None), getattr(new_pool, "name", None)],
+                "instances_unwanted": [i.name for i in unwanted],
+                "instances_created": [i.name for i in created],
+            },
+        )
+    host.refresh_from_db()
+    return host
 
 
 def remove_unwanted(emptied: list[int]) -> int:

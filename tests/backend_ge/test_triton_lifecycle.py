@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from backend_ge.runtime import TritonServer, free_port
+from backend_ge.runtime import TritonError, TritonServer, free_port
 
 pytestmark = pytest.mark.triton
 
@@ -49,6 +49,32 @@ def test_graceful_stop_lets_in_flight_requests_finish(example_repository, tmp_pa
     assert codes == [0], server.log_tail()
     assert time.monotonic() - t0 < 15  # exited on its own, no kill after the timeout
     assert server.process.returncode == 0
+
+
+def test_without_auto_complete_complete_configs_serve_and_minimal_ones_are_refused(
+    example_repository, tmp_path
+):
+    # What the host agent runs: the platform's configs are complete, so no auto-complete stub per load.
+    server = TritonServer(
+        example_repository, workdir=tmp_path, auto_complete_config=False, exit_timeout=5, die_with_parent=True
+    )
+    server.start(timeout=90)
+    try:
+        server.load_model("mlp")
+        client = httpclient.InferenceServerClient(server.http_url)
+        try:
+            item = httpclient.InferInput("input", [2, 256], "FP32")
+            item.set_data_from_numpy(np.ones((2, 256), np.float32))
+            assert client.infer("mlp", [item]).as_numpy("output").shape == (2, 16)
+        finally:
+            client.close()
+        # A seed-style minimal config is completed only by the backend's auto-complete: refused here, with
+        # the GE backend's reason.
+        with pytest.raises(TritonError, match="missing from the config"):
+            server.load_model("mlp_auto")
+        assert "--disable-auto-complete-config" in server.command(Path("backends"))
+    finally:
+        server.stop(timeout=30)
 
 
 def test_start_failure_reports_the_log_tail(tmp_path):

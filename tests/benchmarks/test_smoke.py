@@ -203,6 +203,8 @@ SMOKES = [
             r"restart \(SIGKILL of the tritonserver\) -> all 2 models serving again",
             rf"^    4 loads at a time: +first ready +{NUMBER} s, half +{NUMBER} s, all +{NUMBER} s; every placement READY +{NUMBER} s",
             rf"^    one load at a time: +first ready +{NUMBER} s, half +{NUMBER} s, all +{NUMBER} s",
+            rf"^ +CPU {NUMBER} s \(tritonserver \+ stubs {NUMBER}, agent {NUMBER}, platform web {NUMBER}\) = "
+            rf"{NUMBER} s per model; floor on \d+ cores {NUMBER} s, READY at {NUMBER}x the floor",
         ],
         marks=[pytest.mark.triton, pytest.mark.servers],
         id="deploy",

@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from apps.deployments import healing, rollouts, scheduler, services
+from apps.deployments import healing, reserved, rollouts, scheduler, services
 from apps.deployments.agent_api import desired_state_of
 from apps.deployments.models import Deployment, DeploymentState, PlacementState
 from apps.fleet import pools
@@ -146,6 +146,7 @@ def test_an_ensemble_replica_places_the_steps_it_lacks_with_it_and_checks_their_
         services.undeploy(actor=owner, deployment=d)
         Deployment.objects.filter(pk=d.pk).update(state=DeploymentState.UNDEPLOYED)
         d.placements.update(state=PlacementState.UNLOADED)
+        reserved.repair_reserved()  # the rows above changed behind the writers' back, as the beat finds them
         step_deployments[slug] = deploy(owner, steps[slug], replicas=1, pool=pool, spread="none")
         ready_everywhere(step_deployments[slug])
     ensemble.placements.update(state=PlacementState.UNLOADED)

@@ -139,6 +139,9 @@ def test_killed_tritonserver_is_restarted_with_its_models_within_15_seconds(
     assert time.monotonic() - killed_at < 15
     row = TritonInstance.objects.get(pk=instance.pk)
     assert row.restarts == 1 and "exited with code" in row.last_error
+    # Served without the python backend's auto-complete stub (and its 1 s sleep) per load.
+    with open(f"/proc/{row.pid}/cmdline", "rb") as cmdline:
+        assert b"--disable-auto-complete-config" in cmdline.read().split(b"\0")
     seed_example_3(agent.url, version.model.triton_model_name())
 
 
