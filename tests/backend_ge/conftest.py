@@ -34,8 +34,10 @@ BATCHING_MLP = """
 name: "mlp_batching"
 backend: "ge"
 max_batch_size: 16
-dynamic_batching { preferred_batch_size: [ 16 ] max_queue_delay_microseconds: 20000 }
+dynamic_batching { preferred_batch_size: [ 16 ] max_queue_delay_microseconds: 100000 }
 """
+# The batching test's 96 concurrent requests are sent by 16 client connections: on a loaded machine 20 ms of
+# queue delay saw them arrive one by one (51 executions); 100 ms lets each batch fill as it would at a burst.
 
 SLOW_MLP = """
 name: "mlp_slow"
