@@ -359,6 +359,14 @@ SECTIONS: dict[str, tuple[Variable, ...]] = {
             1,
         ),
         _v(
+            "GATEWAY_DRAIN_TIMEOUT_S",
+            "int",
+            30,
+            "how long a replica told to unload waits for the gateway to confirm it sends it nothing more (its "
+            "requests in flight finished) before its agent unloads it anyway",
+            1,
+        ),
+        _v(
             "GATEWAY_WAKE_POLL_MS",
             "int",
             200,

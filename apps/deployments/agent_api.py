@@ -13,6 +13,7 @@ Another host's placements and instances, and versions not placed on this host, a
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
@@ -21,7 +22,7 @@ from django.db.models import Q
 from django.http import FileResponse, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET, require_POST
 
-from apps.deployments import ensembles, services
+from apps.deployments import ensembles, healing, services
 from apps.deployments.models import (
     Deployment,
     DeploymentInstance,
@@ -37,6 +38,8 @@ from apps.registry.services import record_footprint
 from backend_ge.errors import public_error
 from hostagent.protocol import PlacementResult, check_placement_report
 from hostagent.repository import file_manifest
+
+log = logging.getLogger(__name__)
 
 # Deployments in these states want nothing served.
 GONE = (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED)
@@ -93,8 +96,9 @@ def placement_entry(placement: DeploymentInstance, canary_id: int | None, reused
         "generation": placement.generation,
         "applied_generation": placement.applied_generation,
         "state": placement.state,
-        # Undeployed, or a replica retired once its replacement serves (apps.deployments.scheduler).
-        "undeploy": deployment.state in GONE or placement.unload,
+        # Undeployed, or a replica retired once its replacement serves (apps.deployments.scheduler) - once the
+        # gateway no longer routes to it (apps.deployments.draining).
+        "undeploy": deployment.state in GONE or (placement.unload and not placement.routed),
         "target": target_id,
         "active": deployment.active_version_id,
         "target_version": deployment.target_version_id,
@@ -257,6 +261,8 @@ def placement_report(request, placement_id: int):
         )
     elif result == PlacementResult.UNLOADED:
         accepted = services.placement_unloaded(placement.pk, generation, message)
+        if accepted:
+            _place_in_freed_room()
     else:
         accepted = services.placement_lost(placement.pk, generation, err, reloading=report.reloading)
     # Only this instance's placements of the model decide the answer (``_reused``): a host with many
@@ -271,6 +277,16 @@ def placement_report(request, placement_id: int):
         steps = ensembles.step_model_ids({fresh.deployment.model_id})
         entry = placement_entry(fresh, _beside(fresh, canaries, steps), _reused(fresh, live))
     return JsonResponse({"accepted": accepted, "placement": entry})
+
+
+def _place_in_freed_room() -> None:
+    """An unloaded replica freed memory: a replica waiting for it (a woken model whose request is held at
+    the gateway while an eviction makes room) is placed now instead of at the scheduler's next tick. Best
+    effort: the tick places it anyway, so a failure here never fails the report."""
+    try:
+        healing.place_short()
+    except Exception:
+        log.exception("placing the replicas waiting for room after an unload failed")
 
 
 def _placed_version(host, version_id: int) -> ModelVersion | None:

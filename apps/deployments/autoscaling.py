@@ -30,6 +30,7 @@ from datetime import UTC, datetime
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Q
 
 from apps.audit.services import record
 from apps.deployments import scheduler
@@ -401,12 +402,18 @@ def _residents(pool, instance_ids: list[int], exclude: int) -> list[Resident]:
     ]
 
 
-def _being_unloaded(instance_ids: list[int]) -> dict[int, int]:
-    """Memory that replicas told to unload still hold, per instance: room that is coming."""
+def _being_unloaded(instance_ids: list[int], for_deployment: Deployment) -> dict[int, int]:
+    """Memory that replicas told to unload still hold, per instance: room that is coming - for this
+    deployment, unless they were evicted for another one that still waits for it (that room is the other's:
+    counting it here would make this one wait behind it instead of evicting for itself)."""
+    claimed = (
+        Q(evicted_for__isnull=False) & ~Q(evicted_for=for_deployment) & ~Q(evicted_for__pending_reason="")
+    )
     rows = list(
         DeploymentInstance.objects.filter(instance_id__in=instance_ids, unload=True)
         .exclude(state=PlacementState.UNLOADED)
         .exclude(deployment__state=DeploymentState.UNDEPLOYED)
+        .exclude(claimed)
         .values_list("instance_id", "deployment__active_version_id", "deployment__target_version_id")
     )
     sizes = scheduler.footprints([v for _, a, t in rows for v in (a, t)])
@@ -424,7 +431,7 @@ def make_room(deployment: Deployment, pool, candidates: list[scheduler.Candidate
     taken = set(scheduler.counted(deployment).values_list("instance_id", flat=True))
     open_ = [c for c in candidates if c.instance_id not in taken]
     ids = [c.instance_id for c in open_]
-    freeing = _being_unloaded(ids)
+    freeing = _being_unloaded(ids, deployment)
     free = {c.instance_id: c.free_mb + freeing.get(c.instance_id, 0) for c in open_}
     if any(f >= need_mb for f in free.values()):
         return "waiting for evicted replicas to unload"
@@ -466,6 +473,8 @@ def _evict(resident: Resident, for_deployment: Deployment, pool, now: float) -> 
         instance_id=resident.instance_id,
         details={"from": current, "to": 0, "for_deployment": for_deployment.pk, "idle_s": round(idle_s)},
     )
-    removed = scheduler.remove_replicas(victim, 0, "asleep (evicted under memory pressure)")
+    removed = scheduler.remove_replicas(
+        victim, 0, "asleep (evicted under memory pressure)", evicted_for=for_deployment
+    )
     transaction.on_commit(lambda: scheduler.enqueue(removed))
     return True

@@ -8,7 +8,9 @@ One tick, each deployment in its own short transaction under its row lock:
    unwanted instance left without replicas is stopped, then removed;
 3. deployments short of replicas get them placed where they fit (a pending one as soon as capacity appears;
    where none is, idle replicas of scale-to-zero deployments are evicted: ``autoscaling.make_room``);
-4. retired replicas are told to unload once the deployment has its replicas READY elsewhere.
+4. retired replicas are told to unload once the deployment has its replicas READY elsewhere;
+5. replicas told to unload that no gateway confirmed drained within ``GATEWAY_DRAIN_TIMEOUT_S`` are handed
+   to their agents anyway (``apps.deployments.draining``).
 The decisions are ``apps.deployments.scheduler``'s; a deployment's state follows from its placements in
 ``apps.deployments.services``.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 from django.db import transaction
 from django.db.models import Case, Count, F, Q, Value, When
 
-from apps.deployments import autoscaling, ensembles, scheduler, services
+from apps.deployments import autoscaling, draining, ensembles, scheduler, services
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet import pools
 from apps.fleet.models import Host, TritonInstance
@@ -140,14 +142,11 @@ def with_retired_replicas() -> list[int]:
     return sorted(set(rows.values_list("deployment_id", flat=True)))
 
 
-def tick() -> dict[str, int]:
-    counts = {"retired": 0, "drained": 0, "removed_instances": 0, "placed": 0, "released": 0}
-    lost = scheduler.lost_placements()
-    order = Deployment.objects.filter(pk__in=list(lost)).order_by(ensembles_first(), "pk")
-    for deployment_id in order.values_list("pk", flat=True):
-        counts["retired"] += _retire(deployment_id, lost[deployment_id])
-    counts["drained"] = drain_next()
-    counts["removed_instances"] = remove_unwanted_instances()
+def place_short() -> int:
+    """Place the replicas deployments lack, where they fit now (else evicting idle ones: ``make_room``).
+    The tick's step 3; also run as soon as an agent reports a replica unloaded, so a replica waiting for the
+    room an eviction frees is placed at once rather than at the next tick."""
+    count = 0
     for deployment_id in short_of_replicas():
         with transaction.atomic():
             deployment = _locked(deployment_id)
@@ -155,11 +154,24 @@ def tick() -> dict[str, int]:
                 scheduler.place_replicas(deployment, make_room=autoscaling.make_room) if deployment else []
             )
             transaction.on_commit(lambda placed=placed: scheduler.enqueue(placed))
-        counts["placed"] += len(placed)
+        count += len(placed)
+    return count
+
+
+def tick() -> dict[str, int]:
+    counts = {"retired": 0, "drained": 0, "removed_instances": 0, "placed": 0, "released": 0, "undrained": 0}
+    lost = scheduler.lost_placements()
+    order = Deployment.objects.filter(pk__in=list(lost)).order_by(ensembles_first(), "pk")
+    for deployment_id in order.values_list("pk", flat=True):
+        counts["retired"] += _retire(deployment_id, lost[deployment_id])
+    counts["drained"] = drain_next()
+    counts["removed_instances"] = remove_unwanted_instances()
+    counts["placed"] = place_short()
     for deployment_id in with_retired_replicas():
         with transaction.atomic():
             deployment = _locked(deployment_id)
             released = scheduler.release_retired(deployment) if deployment else []
             transaction.on_commit(lambda released=released: scheduler.enqueue(released))
         counts["released"] += len(released)
+    counts["undrained"] = draining.release_undrained()
     return counts

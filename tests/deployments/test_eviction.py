@@ -183,3 +183,31 @@ def test_a_pending_scale_to_zero_deployment_can_be_put_to_sleep_and_wakes_into_e
     assert autoscaling.wake(cold.pk) is True
     assert Deployment.objects.get(pk=d["old"].pk).events.filter(kind="evicted").exists()
     assert not Deployment.objects.get(pk=d["recent"].pk).events.filter(kind="evicted").exists()
+
+
+def test_a_second_waiting_replica_evicts_for_itself_instead_of_queueing_behind_the_first(owner, team, full_pool):
+    pool, d = full_pool
+    served(d["old"], 600)
+    served(d["recent"], 300)
+    version = d["cold"]
+    cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
+    model = RegisteredModel.objects.create(team=team, name="cold2", slug="cold2", created_by=owner)
+    version2 = make_version(model)
+    version2.footprint_mb = 100
+    version2.save(update_fields=["footprint_mb"])
+    cold2 = services.deploy_version(actor=owner, model=model, version=version2, replicas=1, pool=pool)
+    healing.tick()
+    # The room "old" frees is cold's (it was evicted for it): cold2 does not wait for it but evicts "recent".
+    old, recent = Deployment.objects.get(pk=d["old"].pk), Deployment.objects.get(pk=d["recent"].pk)
+    assert old.placements.get().evicted_for_id == cold.pk
+    assert recent.placements.get().evicted_for_id == cold2.pk
+    for waiting in (cold, cold2):
+        reason = Deployment.objects.get(pk=waiting.pk).pending_reason
+        assert "evicting 1 idle replica" in reason, reason
+    healing.tick()  # memory counts until unloaded: each waits for its own room, nothing more is evicted
+    for waiting in (cold, cold2):
+        assert "waiting for evicted replicas to unload" in Deployment.objects.get(pk=waiting.pk).pending_reason
+    for victim in (old, recent):
+        victim.placements.update(state=PlacementState.UNLOADED)
+    healing.tick()
+    assert all(Deployment.objects.get(pk=w.pk).placements.count() == 1 for w in (cold, cold2))
