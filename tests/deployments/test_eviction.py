@@ -185,7 +185,9 @@ def test_a_pending_scale_to_zero_deployment_can_be_put_to_sleep_and_wakes_into_e
     assert not Deployment.objects.get(pk=d["recent"].pk).events.filter(kind="evicted").exists()
 
 
-def test_a_second_waiting_replica_evicts_for_itself_instead_of_queueing_behind_the_first(owner, team, full_pool):
+def test_a_second_waiting_replica_evicts_for_itself_instead_of_queueing_behind_the_first(
+    owner, team, full_pool
+):
     pool, d = full_pool
     served(d["old"], 600)
     served(d["recent"], 300)
@@ -206,7 +208,9 @@ def test_a_second_waiting_replica_evicts_for_itself_instead_of_queueing_behind_t
         assert "evicting 1 idle replica" in reason, reason
     healing.tick()  # memory counts until unloaded: each waits for its own room, nothing more is evicted
     for waiting in (cold, cold2):
-        assert "waiting for evicted replicas to unload" in Deployment.objects.get(pk=waiting.pk).pending_reason
+        assert (
+            "waiting for evicted replicas to unload" in Deployment.objects.get(pk=waiting.pk).pending_reason
+        )
     for victim in (old, recent):
         victim.placements.update(state=PlacementState.UNLOADED)
     healing.tick()
