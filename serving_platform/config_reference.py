@@ -285,6 +285,14 @@ SECTIONS: dict[str, tuple[Variable, ...]] = {
         _v("SCHEDULER_MAX_REPLICAS", "int", 64, "the most replicas one deployment may ask for", 1),
         _v("SCHEDULER_TICK_S", "int", 5, "how often beat runs the scheduler's tick", 1),
         _v(
+            "SCHEDULER_EVICTION_MIN_IDLE_S",
+            "int",
+            5,
+            "under memory pressure, an idle scale-to-zero replica may be evicted once it served nothing for "
+            "this long, or for its idle period if that is shorter (a held request waits for no longer)",
+            0,
+        ),
+        _v(
             "AUTOSCALE_TICK_S",
             "int",
             3,

@@ -386,6 +386,7 @@ AUDIT_RETENTION_DAYS = env_int("AUDIT_RETENTION_DAYS")
 SCHEDULER_HOST_GRACE_S = env_int("SCHEDULER_HOST_GRACE_S")
 SCHEDULER_MAX_REPLICAS = env_int("SCHEDULER_MAX_REPLICAS")
 SCHEDULER_TICK_S = env_int("SCHEDULER_TICK_S")
+SCHEDULER_EVICTION_MIN_IDLE_S = env_int("SCHEDULER_EVICTION_MIN_IDLE_S")
 CELERY_BEAT_SCHEDULE["scheduler-tick"] = {
     "task": "apps.deployments.tasks.scheduler_tick",
     "schedule": timedelta(seconds=SCHEDULER_TICK_S),

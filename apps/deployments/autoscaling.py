@@ -337,13 +337,19 @@ class Resident:
     last_served_at: float | None  # the autoscaler's last sight of traffic (None: not evaluated yet)
     idle_period_s: int
     min_replicas: int | None
+    # Under memory pressure a replica idle this long may go even within its idle period (None: only after it).
+    min_idle_s: float | None = None
 
     def evictable(self, now: float) -> bool:
-        """Only a scale-to-zero deployment idle for its whole idle period (unknown traffic: kept)."""
+        """Only a scale-to-zero deployment idle for its idle period, or for ``min_idle_s`` if shorter
+        (unknown traffic: kept)."""
+        protected = (
+            self.idle_period_s if self.min_idle_s is None else min(self.idle_period_s, self.min_idle_s)
+        )
         return (
             self.min_replicas == 0
             and self.last_served_at is not None
-            and now - self.last_served_at >= self.idle_period_s
+            and now - self.last_served_at >= protected
         )
 
 
@@ -397,6 +403,7 @@ def _residents(pool, instance_ids: list[int], exclude: int) -> list[Resident]:
             last_served_at=(memory or {}).get("last_traffic_at"),
             idle_period_s=idle,
             min_replicas=low,
+            min_idle_s=settings.SCHEDULER_EVICTION_MIN_IDLE_S,
         )
         for deployment_id, instance_id, active, target, memory, idle, low in rows
     ]
@@ -455,7 +462,7 @@ def _evict(resident: Resident, for_deployment: Deployment, pool, now: float) -> 
         return False
     memory = Memory.load(victim.scaling_memory)
     fresh = Resident(resident.deployment_id, resident.instance_id, resident.need_mb, memory.last_traffic_at,
-                     victim.idle_period_s, victim.min_replicas)  # fmt: skip
+                     victim.idle_period_s, victim.min_replicas, settings.SCHEDULER_EVICTION_MIN_IDLE_S)  # fmt: skip
     if not fresh.evictable(now):
         return False
     current = victim.replicas

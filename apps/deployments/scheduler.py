@@ -387,9 +387,12 @@ def _create_placements(
         return []
     reused = [existing[c.instance_id] for c, _, _ in decided if c.instance_id in existing]
     if reused:
+        # Out of the gateway's rotation until its agent reports it serving again: the row may be one whose
+        # model is being unloaded right now (woken again just after it was drained).
         DeploymentInstance.objects.filter(pk__in=reused).update(
             generation=F("generation") + 1,
             state=PlacementState.PENDING,
+            served_version=None,
             retiring_reason="",
             unload=False,
             draining_since=None,
