@@ -251,11 +251,17 @@ def main() -> int:
 
     beat_stop = threading.Event()
 
+    beat_failures: list[str] = []
+
     def beat() -> None:
         try:
             while not beat_stop.wait(args.tick):
-                gateway_autoscaling.autoscale()
-                healing.tick()
+                try:
+                    gateway_autoscaling.autoscale()
+                    healing.tick()
+                except Exception as exc:  # noqa: BLE001 - as beat: a failed tick is logged, the next one runs
+                    beat_failures.append(repr(exc)[:200])
+                    connections.close_all()
         finally:
             connections.close_all()
 
@@ -385,6 +391,8 @@ def main() -> int:
           f"{args.resident}; Zipf {args.zipf}, {args.requests} requests at {args.rate:g}/s, idle period "
           f"{args.idle_period} s)")  # fmt: skip
     print(f"deployed and put to sleep: {args.models} in {deploy_s:.1f} s")
+    if beat_failures:
+        print(f"beat ticks that failed (and were run again): {len(beat_failures)}, e.g. {beat_failures[0]}")
     print(f"answered {s2z['answered']}, failed {s2z['failed']} {s2z['errors'] or ''} in {s2z['seconds']} s "
           f"(target 0 failed)")  # fmt: skip
     for reason, count in sorted(s2z["reasons"].items(), key=lambda item: -item[1])[:5]:

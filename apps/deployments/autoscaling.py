@@ -8,11 +8,12 @@ scheduler's pending reason); fewer are unloaded (``scheduler.remove_replicas``);
 ``wake`` is called by the gateway when a request for a sleeping deployment is held there.
 
 Under memory pressure (``make_room``, which the scheduler asks when a pool has no room for a replica): the
-least recently used replica of a scale-to-zero deployment on the pool that has served nothing for its whole
-idle period is evicted - its deployment goes to sleep now instead of at the next evaluation, and wakes like
-any sleeping one. A replica that served within its idle period, and a deployment with ``min_replicas`` above
-zero, are never evicted. The room counts once the evicted replicas are reported unloaded (memory is never
-overcommitted); the scheduler's next tick then places the waiting replica.
+least recently used replica of a scale-to-zero deployment on the pool that has served nothing for
+``SCHEDULER_EVICTION_MIN_IDLE_S`` (or its idle period, if shorter) is evicted - its deployment goes to sleep
+now instead of at the next evaluation, and wakes like any sleeping one. A replica that served more recently,
+and a deployment with ``min_replicas`` above zero, are never evicted. The room counts once the evicted
+replicas are reported unloaded (memory is never overcommitted; the evicted placement records whom it was
+evicted for, so another waiting replica evicts for itself); that report places the waiting replica at once.
 
 Writes: the deployment's replica count, its autoscaling settings and memory, asleep_since and the cold
 start, one event per decision with its figures, and a replica sample (desired, ready) when they changed - an
