@@ -118,7 +118,9 @@ def check_settings(deployment: Deployment, values: dict) -> dict:
 def configure(*, actor, deployment: Deployment, values: dict) -> Deployment:
     """Set (or turn off) autoscaling. The next evaluation applies the bounds."""
     with transaction.atomic():
-        deployment = Deployment.objects.select_for_update().select_related("team").get(pk=deployment.pk)
+        deployment = (
+            Deployment.objects.select_for_update(of=("self",)).select_related("team").get(pk=deployment.pk)
+        )
         if deployment.state not in ACTIVE_STATES:
             raise ValidationError({"non_field_errors": [f"The deployment is {deployment.state}."]})
         merged = check_settings(deployment, values)
@@ -154,7 +156,9 @@ def sleep(*, actor, deployment: Deployment, now: float | None = None) -> Deploym
     right after deploying many models that are called rarely, so none holds memory before its first call."""
     now = time.time() if now is None else now
     with transaction.atomic():
-        deployment = Deployment.objects.select_for_update().select_related("team").get(pk=deployment.pk)
+        deployment = (
+            Deployment.objects.select_for_update(of=("self",)).select_related("team").get(pk=deployment.pk)
+        )
         if not deployment.autoscaled() or deployment.min_replicas != 0:
             raise ValidationError({"min_replicas": ["Only a deployment with min_replicas 0 can sleep."]})
         if deployment.state not in DECIDED_IN:
@@ -199,7 +203,10 @@ def evaluate(load: dict[int, tuple], now: float | None = None) -> dict[str, int]
         avg_time_s = rest[0] if rest else None
         with transaction.atomic():
             deployment = (
-                Deployment.objects.select_for_update().select_related("team").filter(pk=deployment_id).first()
+                Deployment.objects.select_for_update(of=("self",))
+                .select_related("team")
+                .filter(pk=deployment_id)
+                .first()
             )
             if deployment is None or not deployment.autoscaled() or deployment.state not in DECIDED_IN:
                 continue
@@ -454,7 +461,7 @@ def _evict(resident: Resident, for_deployment: Deployment, pool, now: float) -> 
     """Put the resident's deployment to sleep now. Its row is taken only if nobody holds it (a deployment
     being woken or decided at this moment is not idle)."""
     victim = (
-        Deployment.objects.select_for_update(skip_locked=True)
+        Deployment.objects.select_for_update(skip_locked=True, of=("self",))
         .select_related("model")
         .filter(pk=resident.deployment_id, state=DeploymentState.SERVING, min_replicas=0, pinned=False)
         .first()

@@ -54,7 +54,13 @@ def placements_routed(pks: set[int]) -> set[int]:
     if not pks:
         return set()
     with transaction.atomic():
-        rows = DeploymentInstance.objects.select_for_update().filter(pk__in=pks, unload=False)
+        # Only the placements' rows are locked (``of``; no ordering joins): a deployment's or an instance's row
+        # locked here would wait behind - and deadlock with - a scheduling decision holding its pool.
+        rows = (
+            DeploymentInstance.objects.select_for_update(of=("self",))
+            .filter(pk__in=pks, unload=False)
+            .order_by("pk")
+        )
         marked = set(rows.values_list("pk", flat=True))
         DeploymentInstance.objects.filter(pk__in=marked).update(routed=True)
     return marked
@@ -67,8 +73,9 @@ def placements_drained(pks: set[int], why: str) -> int:
         return 0
     with transaction.atomic():
         rows = list(
-            DeploymentInstance.objects.select_for_update()
+            DeploymentInstance.objects.select_for_update(of=("self",))
             .filter(pk__in=pks, unload=True, routed=True)
+            .order_by("pk")
             .exclude(state=PlacementState.UNLOADED)
             .select_related("instance__host")
         )
