@@ -167,7 +167,8 @@ def stream(port: int, token: str, slugs: list[str], team: str, args, memory: Mem
             if index >= len(picks):
                 return
             due = started + index / args.rate
-            if due > deadline:
+            # A stream that fell behind its pace (slow answers: cold starts) still ends at the timeout.
+            if due > deadline or time.monotonic() > deadline:
                 return
             time.sleep(max(0.0, due - time.monotonic()))
             slug = picks[index]
