@@ -261,8 +261,8 @@ def placement_report(request, placement_id: int):
         )
     elif result == PlacementResult.UNLOADED:
         accepted = services.placement_unloaded(placement.pk, generation, message)
-        if accepted:
-            _place_in_freed_room()
+        if accepted and placement.evicted_for_id is not None:
+            _place_in_freed_room(placement.evicted_for_id)
     else:
         accepted = services.placement_lost(placement.pk, generation, err, reloading=report.reloading)
     # Only this instance's placements of the model decide the answer (``_reused``): a host with many
@@ -279,12 +279,13 @@ def placement_report(request, placement_id: int):
     return JsonResponse({"accepted": accepted, "placement": entry})
 
 
-def _place_in_freed_room() -> None:
-    """An unloaded replica freed memory: a replica waiting for it (a woken model whose request is held at
-    the gateway while an eviction makes room) is placed now instead of at the scheduler's next tick. Best
-    effort: the tick places it anyway, so a failure here never fails the report."""
+def _place_in_freed_room(deployment_id: int) -> None:
+    """An evicted replica freed its memory: the replica it was evicted for (a woken model whose request is
+    held at the gateway) is placed now instead of at the scheduler's next tick - that one only, so a report
+    costs one decision however many deployments wait. Best effort: the tick places it anyway, so a failure
+    here never fails the report."""
     try:
-        healing.place_short()
+        healing.place_short([deployment_id])
     except Exception:
         log.exception("placing the replicas waiting for room after an unload failed")
 

@@ -142,12 +142,15 @@ def with_retired_replicas() -> list[int]:
     return sorted(set(rows.values_list("deployment_id", flat=True)))
 
 
-def place_short() -> int:
-    """Place the replicas deployments lack, where they fit now (else evicting idle ones: ``make_room``).
-    The tick's step 3; also run as soon as an agent reports a replica unloaded, so a replica waiting for the
-    room an eviction frees is placed at once rather than at the next tick."""
+def place_short(deployment_ids: list[int] | None = None) -> int:
+    """Place the replicas deployments lack (``deployment_ids``: only these), where they fit now (else
+    evicting idle ones: ``make_room``). The tick's step 3; also run for the deployment an evicted replica
+    made room for as soon as its agent reports it unloaded, rather than at the next tick."""
     count = 0
-    for deployment_id in short_of_replicas():
+    wanted = short_of_replicas()
+    if deployment_ids is not None:
+        wanted = [pk for pk in wanted if pk in set(deployment_ids)]
+    for deployment_id in wanted:
         with transaction.atomic():
             deployment = _locked(deployment_id)
             placed = (

@@ -223,5 +223,8 @@ def test_a_second_waiting_replica_evicts_for_itself_instead_of_queueing_behind_t
         )
     for victim in (old, recent):
         victim.placements.update(state=PlacementState.UNLOADED)
-    healing.tick()
+    # An unload report places the one the victim was evicted for at once (``place_short([its id])``)...
+    assert healing.place_short([cold.pk]) == 1
+    assert not Deployment.objects.get(pk=cold2.pk).placements.exists()
+    healing.tick()  # ...the others at the tick
     assert all(Deployment.objects.get(pk=w.pk).placements.count() == 1 for w in (cold, cold2))
