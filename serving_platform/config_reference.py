@@ -287,9 +287,10 @@ SECTIONS: dict[str, tuple[Variable, ...]] = {
         _v(
             "SCHEDULER_EVICTION_MIN_IDLE_S",
             "int",
-            5,
+            0,
             "under memory pressure, an idle scale-to-zero replica may be evicted once it served nothing for "
-            "this long, or for its idle period if that is shorter (a held request waits for no longer)",
+            "this long even within its idle period (fewer cold starts wait for room, more replicas reload); "
+            "0: only a replica that served nothing for its whole idle period",
             0,
         ),
         _v(

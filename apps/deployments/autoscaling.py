@@ -8,8 +8,8 @@ scheduler's pending reason); fewer are unloaded (``scheduler.remove_replicas``);
 ``wake`` is called by the gateway when a request for a sleeping deployment is held there.
 
 Under memory pressure (``make_room``, which the scheduler asks when a pool has no room for a replica): the
-least recently used replica of a scale-to-zero deployment on the pool that has served nothing for
-``SCHEDULER_EVICTION_MIN_IDLE_S`` (or its idle period, if shorter) is evicted - its deployment goes to sleep
+least recently used replica of a scale-to-zero deployment on the pool that has served nothing for its idle
+period (or for ``SCHEDULER_EVICTION_MIN_IDLE_S``, if an operator set it shorter) is evicted - its deployment goes to sleep
 now instead of at the next evaluation, and wakes like any sleeping one. A replica that served more recently,
 and a deployment with ``min_replicas`` above zero, are never evicted. The room counts once the evicted
 replicas are reported unloaded (memory is never overcommitted; the evicted placement records whom it was
@@ -411,7 +411,8 @@ def _residents(pool, instance_ids: list[int], exclude: int) -> list[Resident]:
             last_served_at=(memory or {}).get("last_traffic_at"),
             idle_period_s=idle,
             min_replicas=low,
-            min_idle_s=settings.SCHEDULER_EVICTION_MIN_IDLE_S,
+            # 0 (the default): never a replica that served within its idle period.
+            min_idle_s=settings.SCHEDULER_EVICTION_MIN_IDLE_S or None,
         )
         for deployment_id, instance_id, active, target, memory, idle, low in rows
     ]
