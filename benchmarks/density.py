@@ -29,6 +29,7 @@ import json
 import os
 import random
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -61,15 +62,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tick", type=float, default=1.0, help="scheduler and autoscaler ticks (s)")
     parser.add_argument("--skip-pinned", action="store_true", help="no second run with everything pinned")
     parser.add_argument("--seed", type=int, default=23)
+    parser.add_argument(
+        "--direct-loads", type=int, default=3, help="loads timed on the separate tritonserver"
+    )
     parser.add_argument("--json", default="", help="write the figures to this file")
     parser.add_argument("--database-url", default="", help="default: a scratch SQLite file")
     parser.add_argument(
         "--timeout", type=float, default=1800, help="the stream stops after this many seconds"
     )
+    # Smoke: 4 models in room for 2, a 1 s idle period - wakes, evictions, drains and the pinned run, briefly.
     return smoke.parse_args(
-        parser, argv, models=4, hosts=2, resident=2, requests=24, rate=4, concurrency=4, idle_period=2,
-        timeout=240,
+        parser, argv, models=4, hosts=2, resident=2, requests=12, rate=6, concurrency=4, idle_period=1,
+        timeout=240, direct_loads=1,
     )  # fmt: skip
+
+
+def port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def zipf_weights(count: int, exponent: float) -> list[float]:
@@ -154,7 +167,8 @@ def stream(port: int, token: str, slugs: list[str], team: str, args, memory: Mem
             if index >= len(picks):
                 return
             due = started + index / args.rate
-            if due > deadline:
+            # A stream that fell behind its pace (slow answers: cold starts) still ends at the timeout.
+            if due > deadline or time.monotonic() > deadline:
                 return
             time.sleep(max(0.0, due - time.monotonic()))
             slug = picks[index]
@@ -201,7 +215,7 @@ def main() -> int:
     from django.db import connections
 
     from apps.deployments import autoscaling, healing, services
-    from apps.deployments.models import Deployment, DeploymentEvent, DeploymentState
+    from apps.deployments.models import Deployment, DeploymentEvent, DeploymentInstance, DeploymentState
     from apps.fleet import services as fleet
     from apps.fleet.models import Host, InstanceState, Pool, TritonInstance
     from apps.gateway import autoscaling as gateway_autoscaling
@@ -220,7 +234,7 @@ def main() -> int:
     for version in versions:
         version.footprint_mb = args.footprint_mib
         version.save(update_fields=["footprint_mb"])
-    direct_load_ms = direct_load_seconds(versions[0], scratch, 3) * 1000
+    direct_load_ms = direct_load_seconds(versions[0], scratch, args.direct_loads) * 1000
 
     web_port = free_port()
     processes: list[subprocess.Popen] = []
@@ -238,11 +252,17 @@ def main() -> int:
 
     beat_stop = threading.Event()
 
+    beat_failures: list[str] = []
+
     def beat() -> None:
         try:
             while not beat_stop.wait(args.tick):
-                gateway_autoscaling.autoscale()
-                healing.tick()
+                try:
+                    gateway_autoscaling.autoscale()
+                    healing.tick()
+                except Exception as exc:  # noqa: BLE001 - as beat: a failed tick is logged, the next one runs
+                    beat_failures.append(repr(exc)[:200])
+                    connections.close_all()
         finally:
             connections.close_all()
 
@@ -251,7 +271,7 @@ def main() -> int:
     figures: dict = {}
     try:
         spawn("web", ["manage.py", "runserver", f"127.0.0.1:{web_port}", "--noreload"])
-        time.sleep(2)  # the web server binds
+        wait(lambda: port_open(web_port), 60, "the web server")
         for index in range(args.hosts):
             host, join = fleet.create_host(actor=None, name=f"density-{index}", address="127.0.0.1")
             Host.objects.filter(pk=host.pk).update(pool=pool)
@@ -339,7 +359,13 @@ def main() -> int:
                 300,
                 "the models that fit to load",
             )  # fmt: skip
-            time.sleep(3)  # evicted-then-unloading replicas finish
+            wait(
+                lambda: not DeploymentInstance.objects.filter(deployment__team=team, unload=True)
+                .exclude(state="UNLOADED")
+                .exists(),
+                60,
+                "the evicted replicas to unload",
+            )  # fmt: skip
             memory.peak_mib = idle_mib
             pinned = stream(gateway_port, token, slugs, "density", args, memory)
             figures["pinned"] = {
@@ -366,6 +392,8 @@ def main() -> int:
           f"{args.resident}; Zipf {args.zipf}, {args.requests} requests at {args.rate:g}/s, idle period "
           f"{args.idle_period} s)")  # fmt: skip
     print(f"deployed and put to sleep: {args.models} in {deploy_s:.1f} s")
+    if beat_failures:
+        print(f"beat ticks that failed (and were run again): {len(beat_failures)}, e.g. {beat_failures[0]}")
     print(f"answered {s2z['answered']}, failed {s2z['failed']} {s2z['errors'] or ''} in {s2z['seconds']} s "
           f"(target 0 failed)")  # fmt: skip
     for reason, count in sorted(s2z["reasons"].items(), key=lambda item: -item[1])[:5]:

@@ -128,6 +128,23 @@ def _wait_model_ready(server: TritonServer, name: str, version: int, timeout: fl
     raise TritonError(f"{name} version {version} did not become ready within {timeout:.0f}s")
 
 
+def wait_model_unloaded(server: TritonServer, name: str, timeout: float = 60.0) -> None:
+    """Triton's unload call returns at once and the model stays UNLOADING while its instances finalize (a
+    python stub exits about a second later): its memory is free only once it has left READY and UNLOADING.
+    The unload is reported after that - the platform places a waiting replica in the room as soon as it hears
+    (an instance's memory budget is never exceeded). Bounded: past ``timeout`` it is reported anyway."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            entry = next((e for e in server.repository_index() if e.get("name") == name), None)
+        except (TritonError, OSError):
+            return
+        if entry is None or entry.get("state") not in ("READY", "UNLOADING"):
+            return
+        time.sleep(0.05)
+    log.warning("%s still unloading after %.0f s; reporting it unloaded", name, timeout)
+
+
 def _apply_locked(
     agent: AgentState, proc: InstanceProcess, placement_id: int, generation: int | None = None
 ) -> None:
@@ -351,6 +368,7 @@ def _undeploy(agent: AgentState, proc: InstanceProcess, placement: PlacementSpec
             try:
                 with final_counts_reported(agent, proc, name):
                     server.unload_model(name)
+                wait_model_unloaded(server, name)
             except TritonError as exc:
                 log.warning("unloading %s: %s", name, exc)
         remove_model(proc.repository, name)

@@ -285,6 +285,15 @@ SECTIONS: dict[str, tuple[Variable, ...]] = {
         _v("SCHEDULER_MAX_REPLICAS", "int", 64, "the most replicas one deployment may ask for", 1),
         _v("SCHEDULER_TICK_S", "int", 5, "how often beat runs the scheduler's tick", 1),
         _v(
+            "SCHEDULER_EVICTION_MIN_IDLE_S",
+            "int",
+            0,
+            "under memory pressure, an idle scale-to-zero replica may be evicted once it served nothing for "
+            "this long even within its idle period (fewer cold starts wait for room, more replicas reload); "
+            "0: only a replica that served nothing for its whole idle period",
+            0,
+        ),
+        _v(
             "AUTOSCALE_TICK_S",
             "int",
             3,
@@ -356,6 +365,14 @@ SECTIONS: dict[str, tuple[Variable, ...]] = {
             "int",
             60,
             "how long a request for a model scaled to zero is held while a replica loads, then answered 503",
+            1,
+        ),
+        _v(
+            "GATEWAY_DRAIN_TIMEOUT_S",
+            "int",
+            30,
+            "how long a replica told to unload waits for the gateway to confirm it sends it nothing more (its "
+            "requests in flight finished) before its agent unloads it anyway",
             1,
         ),
         _v(

@@ -13,6 +13,7 @@ Another host's placements and instances, and versions not placed on this host, a
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
@@ -21,7 +22,7 @@ from django.db.models import Q
 from django.http import FileResponse, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET, require_POST
 
-from apps.deployments import ensembles, services
+from apps.deployments import ensembles, healing, services
 from apps.deployments.models import (
     Deployment,
     DeploymentInstance,
@@ -36,6 +37,8 @@ from apps.registry.models import ModelVersion
 from backend_ge.errors import public_error
 from hostagent.protocol import PlacementResult, check_placement_report
 from hostagent.repository import file_manifest
+
+log = logging.getLogger(__name__)
 
 # Deployments in these states want nothing served.
 GONE = (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED)
@@ -92,8 +95,9 @@ def placement_entry(placement: DeploymentInstance, canary_id: int | None, reused
         "generation": placement.generation,
         "applied_generation": placement.applied_generation,
         "state": placement.state,
-        # Undeployed, or a replica retired once its replacement serves (apps.deployments.scheduler).
-        "undeploy": deployment.state in GONE or placement.unload,
+        # Undeployed, or a replica retired once its replacement serves (apps.deployments.scheduler) - once the
+        # gateway no longer routes to it (apps.deployments.draining).
+        "undeploy": deployment.state in GONE or (placement.unload and not placement.routed),
         "target": target_id,
         "active": deployment.active_version_id,
         "target_version": deployment.target_version_id,
@@ -256,6 +260,8 @@ def placement_report(request, placement_id: int):
         )
     elif result == PlacementResult.UNLOADED:
         accepted = services.placement_unloaded(placement.pk, generation, message)
+        if accepted and placement.evicted_for_id is not None:
+            _place_in_freed_room(placement.evicted_for_id)
     else:
         accepted = services.placement_lost(placement.pk, generation, err, reloading=report.reloading)
     # Only this instance's placements of the model decide the answer (``_reused``): a host with many
@@ -270,6 +276,17 @@ def placement_report(request, placement_id: int):
         steps = ensembles.step_model_ids({fresh.deployment.model_id})
         entry = placement_entry(fresh, _beside(fresh, canaries, steps), _reused(fresh, live))
     return JsonResponse({"accepted": accepted, "placement": entry})
+
+
+def _place_in_freed_room(deployment_id: int) -> None:
+    """An evicted replica freed its memory: the replica it was evicted for (a woken model whose request is
+    held at the gateway) is placed now instead of at the scheduler's next tick - that one only, so a report
+    costs one decision however many deployments wait. Best effort: the tick places it anyway, so a failure
+    here never fails the report."""
+    try:
+        healing.place_short([deployment_id])
+    except Exception:
+        log.exception("placing the replicas waiting for room after an unload failed")
 
 
 def _placed_version(host, version_id: int) -> ModelVersion | None:

@@ -8,11 +8,12 @@ scheduler's pending reason); fewer are unloaded (``scheduler.remove_replicas``);
 ``wake`` is called by the gateway when a request for a sleeping deployment is held there.
 
 Under memory pressure (``make_room``, which the scheduler asks when a pool has no room for a replica): the
-least recently used replica of a scale-to-zero deployment on the pool that has served nothing for its whole
-idle period is evicted - its deployment goes to sleep now instead of at the next evaluation, and wakes like
-any sleeping one. A replica that served within its idle period, and a deployment with ``min_replicas`` above
-zero, are never evicted. The room counts once the evicted replicas are reported unloaded (memory is never
-overcommitted); the scheduler's next tick then places the waiting replica.
+least recently used replica of a scale-to-zero deployment on the pool that has served nothing for its idle
+period (or for ``SCHEDULER_EVICTION_MIN_IDLE_S``, if an operator set it shorter) is evicted - its deployment goes to sleep
+now instead of at the next evaluation, and wakes like any sleeping one. A replica that served more recently,
+and a deployment with ``min_replicas`` above zero, are never evicted. The room counts once the evicted
+replicas are reported unloaded (memory is never overcommitted; the evicted placement records whom it was
+evicted for, so another waiting replica evicts for itself); that report places the waiting replica at once.
 
 Writes: the deployment's replica count, its autoscaling settings and memory, asleep_since and the cold
 start, one event per decision with its figures, and a replica sample (desired, ready) when they changed - an
@@ -30,6 +31,7 @@ from datetime import UTC, datetime
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Q
 
 from apps.audit.services import record
 from apps.deployments import scheduler
@@ -116,7 +118,9 @@ def check_settings(deployment: Deployment, values: dict) -> dict:
 def configure(*, actor, deployment: Deployment, values: dict) -> Deployment:
     """Set (or turn off) autoscaling. The next evaluation applies the bounds."""
     with transaction.atomic():
-        deployment = Deployment.objects.select_for_update().select_related("team").get(pk=deployment.pk)
+        deployment = (
+            Deployment.objects.select_for_update(of=("self",)).select_related("team").get(pk=deployment.pk)
+        )
         if deployment.state not in ACTIVE_STATES:
             raise ValidationError({"non_field_errors": [f"The deployment is {deployment.state}."]})
         merged = check_settings(deployment, values)
@@ -152,7 +156,9 @@ def sleep(*, actor, deployment: Deployment, now: float | None = None) -> Deploym
     right after deploying many models that are called rarely, so none holds memory before its first call."""
     now = time.time() if now is None else now
     with transaction.atomic():
-        deployment = Deployment.objects.select_for_update().select_related("team").get(pk=deployment.pk)
+        deployment = (
+            Deployment.objects.select_for_update(of=("self",)).select_related("team").get(pk=deployment.pk)
+        )
         if not deployment.autoscaled() or deployment.min_replicas != 0:
             raise ValidationError({"min_replicas": ["Only a deployment with min_replicas 0 can sleep."]})
         if deployment.state not in DECIDED_IN:
@@ -197,7 +203,10 @@ def evaluate(load: dict[int, tuple], now: float | None = None) -> dict[str, int]
         avg_time_s = rest[0] if rest else None
         with transaction.atomic():
             deployment = (
-                Deployment.objects.select_for_update().select_related("team").filter(pk=deployment_id).first()
+                Deployment.objects.select_for_update(of=("self",))
+                .select_related("team")
+                .filter(pk=deployment_id)
+                .first()
             )
             if deployment is None or not deployment.autoscaled() or deployment.state not in DECIDED_IN:
                 continue
@@ -336,13 +345,19 @@ class Resident:
     last_served_at: float | None  # the autoscaler's last sight of traffic (None: not evaluated yet)
     idle_period_s: int
     min_replicas: int | None
+    # Under memory pressure a replica idle this long may go even within its idle period (None: only after it).
+    min_idle_s: float | None = None
 
     def evictable(self, now: float) -> bool:
-        """Only a scale-to-zero deployment idle for its whole idle period (unknown traffic: kept)."""
+        """Only a scale-to-zero deployment idle for its idle period, or for ``min_idle_s`` if shorter
+        (unknown traffic: kept)."""
+        protected = (
+            self.idle_period_s if self.min_idle_s is None else min(self.idle_period_s, self.min_idle_s)
+        )
         return (
             self.min_replicas == 0
             and self.last_served_at is not None
-            and now - self.last_served_at >= self.idle_period_s
+            and now - self.last_served_at >= protected
         )
 
 
@@ -396,17 +411,25 @@ def _residents(pool, instance_ids: list[int], exclude: int) -> list[Resident]:
             last_served_at=(memory or {}).get("last_traffic_at"),
             idle_period_s=idle,
             min_replicas=low,
+            # 0 (the default): never a replica that served within its idle period.
+            min_idle_s=settings.SCHEDULER_EVICTION_MIN_IDLE_S or None,
         )
         for deployment_id, instance_id, active, target, memory, idle, low in rows
     ]
 
 
-def _being_unloaded(instance_ids: list[int]) -> dict[int, int]:
-    """Memory that replicas told to unload still hold, per instance: room that is coming."""
+def _being_unloaded(instance_ids: list[int], for_deployment: Deployment) -> dict[int, int]:
+    """Memory that replicas told to unload still hold, per instance: room that is coming - for this
+    deployment, unless they were evicted for another one that still waits for it (that room is the other's:
+    counting it here would make this one wait behind it instead of evicting for itself)."""
+    claimed = (
+        Q(evicted_for__isnull=False) & ~Q(evicted_for=for_deployment) & ~Q(evicted_for__pending_reason="")
+    )
     rows = list(
         DeploymentInstance.objects.filter(instance_id__in=instance_ids, unload=True)
         .exclude(state=PlacementState.UNLOADED)
         .exclude(deployment__state=DeploymentState.UNDEPLOYED)
+        .exclude(claimed)
         .values_list("instance_id", "deployment__active_version_id", "deployment__target_version_id")
     )
     sizes = scheduler.footprints([v for _, a, t in rows for v in (a, t)])
@@ -424,7 +447,7 @@ def make_room(deployment: Deployment, pool, candidates: list[scheduler.Candidate
     taken = set(scheduler.counted(deployment).values_list("instance_id", flat=True))
     open_ = [c for c in candidates if c.instance_id not in taken]
     ids = [c.instance_id for c in open_]
-    freeing = _being_unloaded(ids)
+    freeing = _being_unloaded(ids, deployment)
     free = {c.instance_id: c.free_mb + freeing.get(c.instance_id, 0) for c in open_}
     if any(f >= need_mb for f in free.values()):
         return "waiting for evicted replicas to unload"
@@ -439,7 +462,7 @@ def _evict(resident: Resident, for_deployment: Deployment, pool, now: float) -> 
     """Put the resident's deployment to sleep now. Its row is taken only if nobody holds it (a deployment
     being woken or decided at this moment is not idle)."""
     victim = (
-        Deployment.objects.select_for_update(skip_locked=True)
+        Deployment.objects.select_for_update(skip_locked=True, of=("self",))
         .select_related("model")
         .filter(pk=resident.deployment_id, state=DeploymentState.SERVING, min_replicas=0, pinned=False)
         .first()
@@ -448,7 +471,7 @@ def _evict(resident: Resident, for_deployment: Deployment, pool, now: float) -> 
         return False
     memory = Memory.load(victim.scaling_memory)
     fresh = Resident(resident.deployment_id, resident.instance_id, resident.need_mb, memory.last_traffic_at,
-                     victim.idle_period_s, victim.min_replicas)  # fmt: skip
+                     victim.idle_period_s, victim.min_replicas, settings.SCHEDULER_EVICTION_MIN_IDLE_S)  # fmt: skip
     if not fresh.evictable(now):
         return False
     current = victim.replicas
@@ -466,6 +489,8 @@ def _evict(resident: Resident, for_deployment: Deployment, pool, now: float) -> 
         instance_id=resident.instance_id,
         details={"from": current, "to": 0, "for_deployment": for_deployment.pk, "idle_s": round(idle_s)},
     )
-    removed = scheduler.remove_replicas(victim, 0, "asleep (evicted under memory pressure)")
+    removed = scheduler.remove_replicas(
+        victim, 0, "asleep (evicted under memory pressure)", evicted_for=for_deployment
+    )
     transaction.on_commit(lambda: scheduler.enqueue(removed))
     return True

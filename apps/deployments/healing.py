@@ -8,7 +8,9 @@ One tick, each deployment in its own short transaction under its row lock:
    unwanted instance left without replicas is stopped, then removed;
 3. deployments short of replicas get them placed where they fit (a pending one as soon as capacity appears;
    where none is, idle replicas of scale-to-zero deployments are evicted: ``autoscaling.make_room``);
-4. retired replicas are told to unload once the deployment has its replicas READY elsewhere.
+4. retired replicas are told to unload once the deployment has its replicas READY elsewhere;
+5. replicas told to unload that no gateway confirmed drained within ``GATEWAY_DRAIN_TIMEOUT_S`` are handed
+   to their agents anyway (``apps.deployments.draining``).
 First, each instance's reserved memory (``TritonInstance.reserved_mb``) is checked against the sum over its
 placements and recomputed where it drifted (0 expected: the writers keep it, ``reserved.refresh_reserved``).
 The decisions are ``apps.deployments.scheduler``'s; a deployment's state follows from its placements in
@@ -20,7 +22,7 @@ from __future__ import annotations
 from django.db import transaction
 from django.db.models import Case, Count, F, Q, Value, When
 
-from apps.deployments import autoscaling, ensembles, reserved, scheduler, services
+from apps.deployments import autoscaling, draining, ensembles, reserved, scheduler, services
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet import pools
 from apps.fleet.models import Host, TritonInstance
@@ -155,8 +157,27 @@ def with_retired_replicas() -> list[int]:
     return list(ready_ones.order_by("pk").values_list("pk", flat=True))
 
 
+def place_short(deployment_ids: list[int] | None = None) -> int:
+    """Place the replicas deployments lack (``deployment_ids``: only these), where they fit now (else
+    evicting idle ones: ``make_room``). The tick's step 3; also run for the deployment an evicted replica
+    made room for as soon as its agent reports it unloaded, rather than at the next tick."""
+    count = 0
+    wanted = short_of_replicas()
+    if deployment_ids is not None:
+        wanted = [pk for pk in wanted if pk in set(deployment_ids)]
+    for deployment_id in wanted:
+        with transaction.atomic():
+            deployment = _locked(deployment_id)
+            placed = (
+                scheduler.place_replicas(deployment, make_room=autoscaling.make_room) if deployment else []
+            )
+            transaction.on_commit(lambda placed=placed: scheduler.enqueue(placed))
+        count += len(placed)
+    return count
+
+
 def tick() -> dict[str, int]:
-    counts = {"retired": 0, "drained": 0, "removed_instances": 0, "placed": 0, "released": 0}
+    counts = {"retired": 0, "drained": 0, "removed_instances": 0, "placed": 0, "released": 0, "undrained": 0}
     # The reserved memory the decisions read is kept by the writers of placements; a figure that drifted (a
     # row changed behind their back) is recomputed before this tick decides anything on it.
     counts["reserved_repaired"] = reserved.repair_reserved()
@@ -166,18 +187,12 @@ def tick() -> dict[str, int]:
         counts["retired"] += _retire(deployment_id, lost[deployment_id])
     counts["drained"] = drain_next()
     counts["removed_instances"] = remove_unwanted_instances()
-    for deployment_id in short_of_replicas():
-        with transaction.atomic():
-            deployment = _locked(deployment_id)
-            placed = (
-                scheduler.place_replicas(deployment, make_room=autoscaling.make_room) if deployment else []
-            )
-            transaction.on_commit(lambda placed=placed: scheduler.enqueue(placed))
-        counts["placed"] += len(placed)
+    counts["placed"] = place_short()
     for deployment_id in with_retired_replicas():
         with transaction.atomic():
             deployment = _locked(deployment_id)
             released = scheduler.release_retired(deployment) if deployment else []
             transaction.on_commit(lambda released=released: scheduler.enqueue(released))
         counts["released"] += len(released)
+    counts["undrained"] = draining.release_undrained()
     return counts

@@ -47,7 +47,10 @@ class Deployment(models.Model):
         "registry.RegisteredModel", on_delete=models.CASCADE, related_name="deployments"
     )
     instances = models.ManyToManyField(
-        "fleet.TritonInstance", through="DeploymentInstance", related_name="deployments"
+        "fleet.TritonInstance",
+        through="DeploymentInstance",
+        through_fields=("deployment", "instance"),
+        related_name="deployments",
     )
     active_version = models.ForeignKey(
         "registry.ModelVersion", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
@@ -200,6 +203,17 @@ class DeploymentInstance(models.Model):
     # as a replica, and once its replacement serves it is told to unload (``unload``).
     retiring_reason = models.CharField(max_length=200, blank=True)
     unload = models.BooleanField(default=False)
+    # The gateway routes requests to it (set by the gateway before it puts the replica in rotation, cleared
+    # when it confirms the replica out of rotation with no request in flight): an unload decided meanwhile
+    # reaches the agent only after that confirmation (drain, then unload), or after
+    # ``GATEWAY_DRAIN_TIMEOUT_S`` counted from ``draining_since`` when no gateway confirms.
+    routed = models.BooleanField(default=False)
+    draining_since = models.DateTimeField(null=True, blank=True)
+    # Evicted under memory pressure to make room for this deployment's replica: the memory it frees is that
+    # deployment's while it waits for it (another waiting replica evicts for itself instead of queueing).
+    evicted_for = models.ForeignKey(
+        Deployment, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

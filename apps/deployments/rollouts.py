@@ -150,7 +150,9 @@ def start_rollout(
     checks.check_version_servable(canary)
     with transaction.atomic():
         checks.lock_servable(canary)
-        deployment = Deployment.objects.select_for_update().select_related("team").get(pk=deployment.pk)
+        deployment = (
+            Deployment.objects.select_for_update(of=("self",)).select_related("team").get(pk=deployment.pk)
+        )
         if deployment.state != DeploymentState.SERVING or deployment.active_version is None:
             raise ValidationError(
                 {
@@ -198,7 +200,11 @@ def start_rollout(
 
 
 def _locked(rollout: Rollout) -> tuple[Deployment, Rollout]:
-    deployment = Deployment.objects.select_for_update().select_related("team").get(pk=rollout.deployment_id)
+    deployment = (
+        Deployment.objects.select_for_update(of=("self",))
+        .select_related("team")
+        .get(pk=rollout.deployment_id)
+    )
     rollout = (
         Rollout.objects.select_for_update(of=("self",))
         .select_related("deployment__team", "stable_version", "canary_version")

@@ -36,7 +36,7 @@ from django.db.models import Count, F, IntegerField, Q, Subquery, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from apps.deployments import ensembles
+from apps.deployments import draining, ensembles
 from apps.deployments.choice import ALTERNATIVES_SHOWN, Candidate, Choice, choose, gib, most_free
 from apps.deployments.models import (
     Deployment,
@@ -335,11 +335,16 @@ def _create_placements(
         return []
     reused = [existing[c.instance_id] for c, _, _ in decided if c.instance_id in existing]
     if reused:
+        # Out of the gateway's rotation until its agent reports it serving again: the row may be one whose
+        # model is being unloaded right now (woken again just after it was drained).
         DeploymentInstance.objects.filter(pk__in=reused).update(
             generation=F("generation") + 1,
             state=PlacementState.PENDING,
+            served_version=None,
             retiring_reason="",
             unload=False,
+            draining_since=None,
+            evicted_for=None,
             last_error="",
         )
     created = DeploymentInstance.objects.bulk_create(
@@ -454,6 +459,8 @@ def _add_step_replica(
             state=PlacementState.PENDING,
             retiring_reason="",
             unload=False,
+            draining_since=None,
+            evicted_for=None,
             last_error="",
         )
     else:
@@ -572,7 +579,7 @@ def release_retired(deployment: Deployment) -> list[DeploymentInstance]:
     if not retired:
         return []
     pks = [p.pk for p in retired]
-    DeploymentInstance.objects.filter(pk__in=pks).update(generation=F("generation") + 1, unload=True)
+    draining.tell_to_unload(pks)
     for placement in retired:
         deployment.events.create(
             kind="replica_removed",
@@ -583,7 +590,9 @@ def release_retired(deployment: Deployment) -> list[DeploymentInstance]:
     return list(DeploymentInstance.objects.filter(pk__in=pks).select_related("instance__host"))
 
 
-def remove_replicas(deployment: Deployment, keep: int, reason: str) -> list[DeploymentInstance]:
+def remove_replicas(
+    deployment: Deployment, keep: int, reason: str, *, evicted_for: Deployment | None = None
+) -> list[DeploymentInstance]:
     """Scaling down: the replicas beyond ``keep`` leave the rotation and unload - those not serving yet first,
     then the newest. Their memory counts until their agents report them unloaded. Returns the placements
     decided, for ``enqueue``."""
@@ -595,9 +604,7 @@ def remove_replicas(deployment: Deployment, keep: int, reason: str) -> list[Depl
         : max(0, len(current) - keep)
     ]
     pks = [p.pk for p in surplus]
-    DeploymentInstance.objects.filter(pk__in=pks).update(
-        generation=F("generation") + 1, retiring_reason=reason[:200], unload=True
-    )
+    draining.tell_to_unload(pks, retiring_reason=reason[:200], evicted_for=evicted_for)
     removed = list(DeploymentInstance.objects.filter(pk__in=pks).select_related("instance__host"))
     for placement in removed:
         deployment.events.create(

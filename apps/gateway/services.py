@@ -6,6 +6,11 @@ Deployments live in pre-declared backend slots, so deploy, switch, undeploy, pla
 deaths never reload; a graceful reload happens only when the slot pool is exhausted (it grows by
 ``GATEWAY_SLOT_CHUNK``), when a team's gRPC backend appears or goes, or when HAProxy refused a runtime change. Pokes (a datagram on ``poke.sock``) make the loop sync at once
 after a deploy, switch, undeploy or token change; otherwise it syncs every ``GATEWAY_SYNC_INTERVAL_MS``.
+
+Drain, then unload (``apps.deployments.draining``): a placement is marked routed before a sync first puts it
+in rotation (one the platform told to unload meanwhile stays out), and a routed placement told to unload is
+confirmed drained once HAProxy holds it out of rotation with no session on it (its requests in flight
+finished) - only then does its agent unload it.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from pathlib import Path
 from django.conf import settings
 from django.db import close_old_connections
 
+from apps.deployments import draining
+from apps.gateway import grpc_frontend
 from apps.gateway.autoscaling import poll_wakeups
 from apps.gateway.haproxy import GatewayError, GatewayState, Options, Slots, write_files
 from apps.gateway.process import HAProxyProcess
 from apps.gateway.runtime import Plan, runtime_plan
-from apps.gateway.state import desired_state, options
+from apps.gateway.state import Tracked, desired_state, options
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +89,45 @@ class Gateway:
         self.applied, self.slots, self.draining = state, slots, set()
 
     def sync(self) -> str:
-        """Bring HAProxy to the database's state; returns what it did: unchanged, runtime or reloaded."""
-        state = desired_state()
+        """Bring HAProxy to the database's state; returns what it did: unchanged, runtime or reloaded. Marks
+        the placements it puts in rotation first, and confirms those it drained after."""
+        tracked = Tracked()
+        state = desired_state(tracked)
+        if tracked.to_mark:
+            marked = draining.placements_routed(set(tracked.to_mark))
+            for pk, servers in tracked.to_mark.items():
+                if pk not in marked:  # told to unload since it was read: it stays out of rotation
+                    state.weights.update(dict.fromkeys(servers, 0))
+        outcome = self._apply(state)
+        # After a reload the old worker may still hold requests this one cannot see: the next sync confirms.
+        if tracked.to_confirm and outcome != "reloaded":
+            busy = self.sessions({server for servers in tracked.to_confirm.values() for server in servers})
+            drained = {
+                pk for pk, servers in tracked.to_confirm.items() if not any(busy.get(s) for s in servers)
+            }
+            draining.placements_drained(drained, "no request in flight at the gateway")
+        return outcome
+
+    def sessions(self, servers: set[tuple[str, str]]) -> dict[tuple[str, str], int]:
+        """Requests in flight (HAProxy's current sessions) per (logical backend, server key), on the slot's
+        HTTP backend and its gRPC twin; a server HAProxy does not have counts none."""
+        busy: dict[tuple[str, str], int] = {}
+        by_backend: dict[str, list[tuple[str, str]]] = {}
+        for logical, key in servers:
+            if logical in self.slots.owners.values():
+                slot = self.slots.slot_of(logical)
+                for backend in (slot, grpc_frontend.twin(slot)):
+                    by_backend.setdefault(backend, []).append((logical, key))
+        backends = sorted(by_backend)
+        for backend, answer in zip(
+            backends, self.process.admin.each([f"show stat {b} 4 -1" for b in backends]), strict=True
+        ):
+            current = _current_sessions(answer)
+            for logical, key in by_backend[backend]:
+                busy[(logical, key)] = busy.get((logical, key), 0) + current.get(key, 0)
+        return busy
+
+    def _apply(self, state: GatewayState) -> str:
         if self.applied is None or not self.process.running():
             self.start()
             return "started"
@@ -129,6 +173,21 @@ class Gateway:
 
     def stop(self) -> None:
         self.process.stop()
+
+
+def _current_sessions(stat_csv: str) -> dict[str, int]:
+    """``show stat`` CSV -> server name: current sessions (``scur``)."""
+    lines = stat_csv.splitlines()
+    if not lines or not lines[0].startswith("# "):
+        return {}
+    header = lines[0][2:].split(",")
+    name, current = header.index("svname"), header.index("scur")
+    out = {}
+    for line in lines[1:]:
+        fields = line.split(",")
+        if len(fields) > max(name, current) and fields[current].isdigit():
+            out[fields[name]] = int(fields[current])
+    return out
 
 
 def run_gateway(stop, interval: float | None = None) -> None:

@@ -9,6 +9,9 @@
   ``current_weight`` % of them that go to the canary backend ``d<id>c``: only the placements whose agent reports
   serving the canary, checked with the canary version's readiness. While none of them is in rotation the weight
   is 0, so no request waits for a canary that is not there.
+* Drain, then unload (``apps.deployments.draining``): the placements about to enter the rotation for the
+  first time and the routed ones told to unload are collected (``Tracked``), for the gateway to mark the
+  former before it routes to them and to confirm the latter once they have no request in flight.
 * Tokens that may infer: every active team token whose creator is still an active member (read-only ones too,
   as viewers may run models), and inference-only tokens. Expired tokens stay in the map with their expiry so
   the gateway can say so; revoked ones are removed.
@@ -21,7 +24,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from urllib.parse import quote
 
@@ -44,6 +47,16 @@ from backend_ge.runtime import API_KEY_HEADER, GRPC_API_KEY_HEADER
 
 # Expired tokens are kept this long so a client hears "expired" rather than "invalid".
 EXPIRED_TOKENS_KEPT = timedelta(days=7)
+
+
+@dataclass
+class Tracked:
+    """Placements the sync tells ``apps.deployments.draining`` about, each with its servers as (logical
+    backend, server key): ``to_mark`` are in rotation in this state but not yet marked routed; ``to_confirm``
+    are routed, told to unload, and out of rotation in this state."""
+
+    to_mark: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
+    to_confirm: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
 
 
 def options() -> Options:
@@ -104,7 +117,7 @@ def _in_rotation(placement: DeploymentInstance, version: int) -> bool:
 
 
 def _canary_servers(
-    state: GatewayState, name: str, placements: list[DeploymentInstance], rollout: Rollout
+    state: GatewayState, name: str, placements: list[DeploymentInstance], rollout: Rollout, tracked: Tracked
 ) -> int:
     """The canary backend: only the placements that report serving the rollout's canary (so a canary-routed
     request never meets an instance without it). Returns how many are in rotation."""
@@ -115,15 +128,17 @@ def _canary_servers(
         instance = placement.instance
         server = _server(instance)
         servers.append(server)
-        ready = _routable(instance) and placement.state == PlacementState.READY
+        ready = _routable(instance) and placement.state == PlacementState.READY and not placement.unload
         state.weights[(name, server.key)] = 100 if ready else 0
+        if ready and not placement.routed:
+            tracked.to_mark.setdefault(placement.pk, []).append((name, server.key))
         in_rotation += ready
     if servers:
         state.backends[name] = tuple(sorted(servers))
     return in_rotation
 
 
-def _add_http_routes(state: GatewayState) -> None:
+def _add_http_routes(state: GatewayState, tracked: Tracked) -> None:
     deployments = (
         Deployment.objects.exclude(state__in=(DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED))
         .select_related("team", "model", "active_version", "target_version")
@@ -148,13 +163,21 @@ def _add_http_routes(state: GatewayState) -> None:
             instance = placement.instance
             server = _server(instance)
             servers.append(server)
-            state.weights[(name, server.key)] = 100 if _in_rotation(placement, version) else 0
+            in_rotation = _in_rotation(placement, version)
+            state.weights[(name, server.key)] = 100 if in_rotation else 0
+            if in_rotation and not placement.routed:
+                tracked.to_mark[placement.pk] = [(name, server.key)]
+            elif placement.unload and placement.routed:
+                tracked.to_confirm[placement.pk] = [
+                    (name, server.key),
+                    (canary_backend_name(deployment.pk), server.key),
+                ]
         state.backends[name] = tuple(sorted(servers))
         state.checks[name] = f"{model}/versions/{version}" if version else model
         route = Route(deployment.team.slug, name, version)
         if rollout is not None and version:
             canary = canary_backend_name(deployment.pk)
-            ready = _canary_servers(state, canary, placements, rollout)
+            ready = _canary_servers(state, canary, placements, rollout, tracked)
             if canary in state.backends:
                 state.checks[canary] = f"{model}/versions/{rollout.canary_version.number}"
                 # No canary placement in rotation: unversioned requests all stay on the stable version.
@@ -233,9 +256,10 @@ def _add_tokens(state: GatewayState) -> None:
         state.tokens[f"{prefix}:{secret_hash}"] = f"{team}:{expires}"
 
 
-def desired_state() -> GatewayState:
+def desired_state(tracked: Tracked | None = None) -> GatewayState:
+    """``tracked``: filled with the placements to mark routed and to confirm drained."""
     state = GatewayState()
-    _add_http_routes(state)
+    _add_http_routes(state, tracked if tracked is not None else Tracked())
     _add_grpc_routes(state)
     _add_tokens(state)
     state.limits = {

@@ -37,6 +37,15 @@ def test_a_replica_that_served_within_its_idle_period_is_never_evicted():
     assert choose_evictions([resident(3, served=NOW - 300, idle=300)], {1: 0}, 100, NOW)[0].deployment_id == 3
 
 
+def test_under_pressure_a_replica_idle_for_the_floor_goes_within_its_idle_period():
+    # Idle 30 s of a 300 s idle period: kept without a floor, evictable with a 10 s one; never before it.
+    residents = [resident(1, served=NOW - 30, idle=300)]
+    assert choose_evictions(residents, {1: 0}, 100, NOW) == []
+    floor = [Resident(1, 1, 100, NOW - 30, 300, 0, min_idle_s=10)]
+    assert [r.deployment_id for r in choose_evictions(floor, {1: 0}, 100, NOW)] == [1]
+    assert choose_evictions([Resident(1, 1, 100, NOW - 5, 300, 0, min_idle_s=10)], {1: 0}, 100, NOW) == []
+
+
 def test_a_deployment_that_does_not_scale_to_zero_is_never_evicted():
     residents = [resident(1, low=1, served=NOW - 9000), resident(2, low=None, served=NOW - 9000)]
     assert choose_evictions(residents, {1: 0}, 100, NOW) == []
@@ -121,10 +130,11 @@ def test_a_cold_model_evicts_the_lru_idle_replica_and_is_placed_once_it_unloaded
     assert Deployment.objects.get(pk=cold.pk).placements.filter(state=PlacementState.PENDING).count() == 1
 
 
-def test_nothing_is_evicted_while_every_replica_served_within_its_idle_period(owner, full_pool):
+def test_nothing_is_evicted_while_every_replica_served_within_the_eviction_floor(owner, full_pool, settings):
+    settings.SCHEDULER_EVICTION_MIN_IDLE_S = 5
     pool, d = full_pool
-    served(d["old"], 30)
-    served(d["recent"], 10)
+    served(d["old"], 4)
+    served(d["recent"], 2)
     version = d["cold"]
     cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
     healing.tick()
@@ -183,3 +193,38 @@ def test_a_pending_scale_to_zero_deployment_can_be_put_to_sleep_and_wakes_into_e
     assert autoscaling.wake(cold.pk) is True
     assert Deployment.objects.get(pk=d["old"].pk).events.filter(kind="evicted").exists()
     assert not Deployment.objects.get(pk=d["recent"].pk).events.filter(kind="evicted").exists()
+
+
+def test_a_second_waiting_replica_evicts_for_itself_instead_of_queueing_behind_the_first(
+    owner, team, full_pool
+):
+    pool, d = full_pool
+    served(d["old"], 600)
+    served(d["recent"], 300)
+    version = d["cold"]
+    cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
+    model = RegisteredModel.objects.create(team=team, name="cold2", slug="cold2", created_by=owner)
+    version2 = make_version(model)
+    version2.footprint_mb = 100
+    version2.save(update_fields=["footprint_mb"])
+    cold2 = services.deploy_version(actor=owner, model=model, version=version2, replicas=1, pool=pool)
+    healing.tick()
+    # The room "old" frees is cold's (it was evicted for it): cold2 does not wait for it but evicts "recent".
+    old, recent = Deployment.objects.get(pk=d["old"].pk), Deployment.objects.get(pk=d["recent"].pk)
+    assert old.placements.get().evicted_for_id == cold.pk
+    assert recent.placements.get().evicted_for_id == cold2.pk
+    for waiting in (cold, cold2):
+        reason = Deployment.objects.get(pk=waiting.pk).pending_reason
+        assert "evicting 1 idle replica" in reason, reason
+    healing.tick()  # memory counts until unloaded: each waits for its own room, nothing more is evicted
+    for waiting in (cold, cold2):
+        assert (
+            "waiting for evicted replicas to unload" in Deployment.objects.get(pk=waiting.pk).pending_reason
+        )
+    for victim in (old, recent):
+        victim.placements.update(state=PlacementState.UNLOADED)
+    # An unload report places the one the victim was evicted for at once (``place_short([its id])``)...
+    assert healing.place_short([cold.pk]) == 1
+    assert not Deployment.objects.get(pk=cold2.pk).placements.exists()
+    healing.tick()  # ...the others at the tick
+    assert all(Deployment.objects.get(pk=w.pk).placements.count() == 1 for w in (cold, cold2))

@@ -29,6 +29,8 @@ OWNERS = {
     # The autoscaler's decisions are replica counts (sleep and wake too), each with its event; the
     # placements they lead to are the scheduler's.
     "apps/deployments/autoscaling.py": {"Deployment", "DeploymentEvent", "ReplicaSample"},
+    # Drain, then unload: the gateway's marks and confirmations and the unload hand-over, with their events.
+    "apps/deployments/draining.py": {"DeploymentInstance", "DeploymentEvent"},
 }
 MODELS = {
     "Deployment",
