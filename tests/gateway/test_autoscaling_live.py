@@ -9,17 +9,15 @@ from __future__ import annotations
 import http.client
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from apps.deployments import healing
 from apps.deployments.models import Deployment, DeploymentState, PlacementState
-from apps.fleet.models import InstanceState, Pool, TritonInstance
 from apps.gateway import autoscaling
 from apps.registry.models import RegisteredModel
 from tests.conftest import wait_for
-from tests.support.servers import INFER_BODY, Load, requires_haproxy
+from tests.support.servers import INFER_BODY, Load, pool_hosts, requires_haproxy
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 
@@ -68,22 +66,7 @@ def test_load_scales_up_then_down_to_zero_and_the_first_requests_are_held_and_an
     owner_client, owner, team, start_agent, make_scaler_version, start_gateway, make_token, artifact_root,
     gateway_env, settings,
 ):  # fmt: skip
-    Pool.objects.create(name="cpu", memory_budget_mb=2048)
-    agents = {
-        name: start_agent(
-            name,
-            labels={"pool": "cpu"},
-            AGENT_HEARTBEAT_INTERVAL="0.5",
-            FLEET_ROOT=Path(artifact_root).parent / f"fleet-{name}",
-        )  # fmt: skip
-        for name in ("host-a", "host-b")
-    }
-    for name, agent in agents.items():
-        wait_for(
-            lambda n=name: TritonInstance.objects.filter(host__name=n, state=InstanceState.READY).exists(),
-            120,
-            f"the instance of {name} to be READY\n{agent.output()}",
-        )
+    _, agents = pool_hosts(start_agent, artifact_root, 2048, ("host-a", "host-b"))
     model = RegisteredModel.objects.create(team=team, name="Scaler", slug="scaler", created_by=owner)
     make_scaler_version(model, 2.0)
     url = "/api/v1/teams/vision/deployments/"

@@ -11,16 +11,14 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
 from apps.deployments import autoscaling
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
-from apps.fleet.models import InstanceState, Pool, TritonInstance
 from apps.registry.models import RegisteredModel
 from tests.conftest import wait_for
-from tests.support.servers import requires_haproxy
+from tests.support.servers import pool_hosts, requires_haproxy
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 
@@ -39,16 +37,8 @@ def _no_rate_limit(team):
 def test_a_replica_put_to_sleep_is_unloaded_only_after_the_gateway_drained_it(
     owner_client, owner, team, start_agent, make_scaler_version, start_gateway, make_token, artifact_root,
 ):  # fmt: skip
-    Pool.objects.create(name="cpu", memory_budget_mb=2048)
-    agent = start_agent(
-        "host-a", labels={"pool": "cpu"}, AGENT_HEARTBEAT_INTERVAL="0.5",
-        FLEET_ROOT=Path(artifact_root).parent / "fleet-host-a",
-    )  # fmt: skip
-    wait_for(
-        lambda: TritonInstance.objects.filter(host__name="host-a", state=InstanceState.READY).exists(),
-        120,
-        f"the instance to be READY\n{agent.output()}",
-    )
+    _, agents = pool_hosts(start_agent, artifact_root, 2048)
+    agent = agents["host-a"]
     model = RegisteredModel.objects.create(team=team, name="Scaler", slug="scaler", created_by=owner)
     make_scaler_version(model, 2.0)
     response = owner_client.post(

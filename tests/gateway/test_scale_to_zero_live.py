@@ -14,7 +14,6 @@ from __future__ import annotations
 import http.client
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,11 +21,11 @@ import tritonclient.grpc as grpcclient
 
 from apps.deployments import healing
 from apps.deployments.models import Deployment, DeploymentState, PlacementState
-from apps.fleet.models import InstanceState, Pool, TritonInstance
+from apps.fleet.models import Pool
 from apps.gateway import autoscaling
 from apps.registry.models import ModelVersion, RegisteredModel
 from tests.conftest import wait_for
-from tests.support.servers import INFER_BODY, requires_haproxy
+from tests.support.servers import INFER_BODY, pool_hosts, requires_haproxy
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 
@@ -83,16 +82,8 @@ def test_grpc_first_calls_are_held_and_a_cold_model_evicts_the_idle_one(
     owner_client, owner, team, start_agent, make_scaler_version, start_gateway, make_token, artifact_root,
     gateway_env, settings,
 ):  # fmt: skip
-    pool = Pool.objects.create(name="cpu", memory_budget_mb=4096)
-    agent = start_agent(
-        "host-a", labels={"pool": "cpu"}, AGENT_HEARTBEAT_INTERVAL="0.5",
-        FLEET_ROOT=Path(artifact_root).parent / "fleet-host-a",
-    )  # fmt: skip
-    wait_for(
-        lambda: TritonInstance.objects.filter(host__name="host-a", state=InstanceState.READY).exists(),
-        120,
-        f"the instance to be READY\n{agent.output()}",
-    )
+    pool, agents = pool_hosts(start_agent, artifact_root, 4096)
+    agent = agents["host-a"]
     deployments = {}
     for slug, scale in (("alpha", 2.0), ("beta", 3.0)):
         model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)

@@ -24,12 +24,11 @@ import pytest
 
 from apps.deployments import healing
 from apps.deployments.models import Deployment, DeploymentState, PlacementState
-from apps.fleet.models import InstanceState, Pool, TritonInstance
 from apps.gateway import autoscaling
 from apps.gateway.state import wake_failure_value
 from apps.registry.models import RegisteredModel
 from tests.conftest import wait_for
-from tests.support.servers import INFER_BODY, requires_haproxy
+from tests.support.servers import INFER_BODY, pool_hosts, requires_haproxy
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 
@@ -87,16 +86,8 @@ def infer(gateway, model: str, token: str, timeout: float = 90) -> tuple[int, di
 
 
 def serve_two(owner_client, owner, team, start_agent, make_scaler_version, artifact_root):
-    Pool.objects.create(name="cpu", memory_budget_mb=8192)
-    agent = start_agent(
-        "host-a", labels={"pool": "cpu"}, AGENT_HEARTBEAT_INTERVAL="0.5",
-        FLEET_ROOT=Path(artifact_root).parent / "fleet-host-a",
-    )  # fmt: skip
-    wait_for(
-        lambda: TritonInstance.objects.filter(host__name="host-a", state=InstanceState.READY).exists(),
-        120,
-        f"the instance to be READY\n{agent.output()}",
-    )
+    _, agents = pool_hosts(start_agent, artifact_root, 8192)
+    agent = agents["host-a"]
     deployments = {}
     for slug, scale in (("steady", 2.0), ("sleepy", 3.0)):
         model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)

@@ -120,6 +120,30 @@ def ready_instance(start_agent, name: str, **env):
     return agent, instance
 
 
+def pool_hosts(start_agent, artifact_root, budget_mb: int, names=("host-a",)):
+    """Pool ``cpu`` with ``budget_mb`` of memory per instance and an agent per name joined to it by label (a
+    heartbeat every 0.5 s, each with its own fleet root), every instance READY: (pool, {name: agent})."""
+    from apps.fleet.models import Pool
+
+    pool = Pool.objects.create(name="cpu", memory_budget_mb=budget_mb)
+    agents = {
+        name: start_agent(
+            name,
+            labels={"pool": "cpu"},
+            AGENT_HEARTBEAT_INTERVAL="0.5",
+            FLEET_ROOT=Path(artifact_root).parent / f"fleet-{name}",
+        )  # fmt: skip
+        for name in names
+    }
+    for name, agent in agents.items():
+        wait_for(
+            lambda n=name: TritonInstance.objects.filter(host__name=n, state=InstanceState.READY).exists(),
+            120,
+            f"the instance of {name} to be READY\n{agent.output()}",
+        )
+    return pool, agents
+
+
 def deploy(client, team_slug: str, model_slug: str, version: int, instances) -> Deployment:
     """Deploy through the API and wait for SERVING."""
     response = client.post(
