@@ -200,3 +200,16 @@ def run_timed(policy: Policy, current: int, samples: list[tuple[float, float, in
         memory, current = decision.memory, decision.replicas
         seen.append(current)
     return seen, decision
+
+
+def test_requests_served_before_the_sleep_do_not_wake_it():
+    """The interval's average counts the requests served just before the sleep: asleep, it is no reason to
+    wake (the wake of a sleeping model comes from a request in flight, held at the gateway)."""
+    policy = Policy(min_replicas=0, max_replicas=4, idle_period_s=10)
+    memory = Memory(last_total=10, last_at=0.0, last_snapshot=0.0, last_traffic_at=0.0)
+    # 40 more requests (each 0.5 s on average) were counted over the 5 s since the last observation.
+    awake = decide(policy, 1, Observation(5, 0.0, 50, avg_time_s=0.5), memory)
+    asleep = decide(policy, 0, Observation(5, 0.0, 50, avg_time_s=0.5), memory)
+    assert awake.in_flight == 4.0 and awake.replicas == 1
+    assert asleep.in_flight == 0.0 and asleep.replicas == 0
+    assert decide(policy, 0, Observation(10, 2.0, 50, avg_time_s=0.5), asleep.memory).replicas == 1
