@@ -29,7 +29,7 @@ from datetime import timedelta
 from urllib.parse import quote
 
 from django.conf import settings
-from django.db.models import F
+from django.db.models import F, Prefetch
 from django.utils import timezone
 
 from apps.deployments.models import (
@@ -141,8 +141,16 @@ def _canary_servers(
 def _add_http_routes(state: GatewayState, tracked: Tracked) -> None:
     deployments = (
         Deployment.objects.exclude(state__in=(DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED))
-        .select_related("team", "model", "active_version", "target_version")
-        .prefetch_related("placements__instance__host", "placements__served_version")
+        # model__team: the Triton model name is made of the model's team's slug (one query, not one a deployment).
+        .select_related("team", "model__team", "active_version", "target_version")
+        .prefetch_related(
+            Prefetch(
+                "placements",
+                queryset=DeploymentInstance.objects.exclude(state=PlacementState.UNLOADED).select_related(
+                    "instance__host", "served_version"
+                ),
+            )
+        )
     )
     rollouts = {
         rollout.deployment_id: rollout
@@ -154,7 +162,7 @@ def _add_http_routes(state: GatewayState, tracked: Tracked) -> None:
             continue
         model = deployment.triton_model_name()
         name = backend_name(deployment.pk)
-        placements = [p for p in deployment.placements.all() if p.state != PlacementState.UNLOADED]
+        placements = list(deployment.placements.all())  # UNLOADED ones are not fetched
         rollout = rollouts.get(deployment.pk)
         if rollout is not None and version:
             version = rollout.stable_version.number

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from apps.fleet import services as fleet_services
 from apps.gateway.state import backend_name, desired_state
@@ -49,3 +51,22 @@ def test_a_replica_told_to_unload_leaves_rotation_before_its_agent_unloads_it(
     retired.save(update_fields=["unload"])
     weights = desired_state().weights
     assert weights[(name, leaving.api_key)] == 0 and weights[(name, staying.api_key)] == 100
+
+
+def test_the_queries_of_a_sync_do_not_grow_with_the_deployments(team, owner, shared_host):
+    """The gateway reads its whole state every sync (hundreds of deployments): a query per deployment made a
+    sync of 300 deployments take 200 ms. Unloaded placements are not read at all."""
+    instance = add_instance(shared_host, "cpu-0", port=18100)
+    other = add_instance(shared_host, "cpu-1", port=18200)
+    first = serving_rows(team, owner, "a", instance)
+    with CaptureQueriesContext(connection) as one:
+        desired_state()
+    for slug in ("b", "c", "d", "e"):
+        d = serving_rows(team, owner, slug, instance)
+        d.placements.create(instance=other, state="UNLOADED", unload=True)
+    with CaptureQueriesContext(connection) as five:
+        state = desired_state()
+    assert len(five.captured_queries) == len(one.captured_queries)
+    assert len(state.backends) == 5 and state.backends[backend_name(first.pk)]
+    # Only the READY placement on ``instance`` is a server; the unloaded ones on ``other`` are not.
+    assert all(len(servers) == 1 for servers in state.backends.values())
