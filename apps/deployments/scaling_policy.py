@@ -134,12 +134,10 @@ def _window_max(memory: Memory, at: float, window_s: int, current: int) -> int:
 
 def decide(policy: Policy, current: int, observation: Observation, memory: Memory | None = None) -> Decision:
     memory = Memory.load((memory or Memory()).dump())  # never mutate the caller's memory
-    if current == 0:
-        # Asleep, only a request in flight now wakes it: the interval's average would count the requests it
-        # served before it was put to sleep, and wake it for nobody.
-        in_flight = max(0.0, observation.in_flight)
-    else:
-        in_flight = window_in_flight(memory, observation)
+    # Asleep, only a request in flight now wakes it: the interval's average would count the requests it
+    # served before it was put to sleep, and wake it for nobody.
+    asleep = current == 0
+    in_flight = max(0.0, observation.in_flight) if asleep else window_in_flight(memory, observation)
     decision = _decide(policy, current, observation, memory, in_flight)
     decision.memory.last_at = observation.at
     decision.memory.last_snapshot = max(0.0, observation.in_flight)
