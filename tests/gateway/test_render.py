@@ -122,7 +122,7 @@ def test_a_new_deployment_takes_a_free_slot_and_its_servers_are_added_at_run_tim
     # The health-check path first, then the server, then the route that names the slot.
     assert commands == [
         f"add map {tmp_path}/checks.map s1 vision__other/versions/1",
-        f"add server s1/{key_c} 127.0.0.1:8300 weight 100 check inter 500ms fastinter 250ms downinter 500ms "
+        f"add server s1/{key_c} 127.0.0.1:8300 weight 100 check inter 500ms fastinter 100ms downinter 100ms "
         "rise 2 fall 2",
         f"enable health s1/{key_c}",
         f"set server s1/{key_c} state ready",
