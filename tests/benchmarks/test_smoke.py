@@ -213,6 +213,7 @@ SMOKES = [
         "density.py",
         [
             r"^deployed and put to sleep: 4 in",
+            rf"^working set: {NUMBER} models called within an idle period \(at most \d+\) for room for 2",
             r"^answered \d+, failed \d+ .*\(target 0 failed\)",
             rf"^cold start \(held at the gateway, \d+ activations, \d+ evictions\): p50 {NUMBER} ms  p99 {NUMBER} ms; Triton's own load time {NUMBER} ms",
             rf"^warm share: {NUMBER} %",
