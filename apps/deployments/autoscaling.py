@@ -181,13 +181,21 @@ def sleep(*, actor, deployment: Deployment, now: float | None = None) -> Deploym
 
 
 def autoscaled_ids() -> list[int]:
+    return [pk for pk, _ in _autoscaled()]
+
+
+def _autoscaled() -> list[tuple[int, bool]]:
+    """(id, settled asleep) of every autoscaled deployment. Settled asleep: no replica wanted and none
+    serving as of its last sample - an evaluation without a request in flight has nothing to decide or chart
+    for it (most of a dense pool's deployments sleep at any moment)."""
     rollouts = Rollout.objects.live().values_list("deployment_id", flat=True)
-    return list(
+    rows = (
         Deployment.objects.filter(min_replicas__isnull=False, pinned=False, state__in=DECIDED_IN)
         .exclude(pk__in=rollouts)
         .order_by("pk")
-        .values_list("pk", flat=True)
+        .values_list("pk", "replicas", "scaling_memory__sampled")
     )
+    return [(pk, replicas == 0 and sampled == [0, 0]) for pk, replicas, sampled in rows]
 
 
 def evaluate(load: dict[int, tuple], now: float | None = None) -> dict[str, int]:
@@ -196,11 +204,14 @@ def evaluate(load: dict[int, tuple], now: float | None = None) -> dict[str, int]
     on missing figures)."""
     now = time.time() if now is None else now
     counts = {"up": 0, "down": 0, "asleep": 0, "unchanged": 0}
-    for deployment_id in autoscaled_ids():
+    for deployment_id, settled_asleep in _autoscaled():
         if deployment_id not in load:
             continue
         in_flight, total, *rest = load[deployment_id]
         avg_time_s = rest[0] if rest else None
+        if settled_asleep and in_flight <= 0:
+            counts["unchanged"] += 1  # a request for it is held at the gateway, which wakes it (``wake``)
+            continue
         with transaction.atomic():
             deployment = (
                 Deployment.objects.select_for_update(of=("self",))

@@ -17,6 +17,10 @@ from apps.fleet.models import TritonInstance
 from apps.gateway.services import poke_gateway
 from apps.teams.models import ApiToken, Team
 
+# A deployment's fields the gateway does not route by: the autoscaler saves its figures every few seconds for
+# each deployment, which is no reason for a sync.
+UNROUTED_FIELDS = frozenset({"scaling_memory", "updated_at", "last_cold_start_ms"})
+
 
 @receiver(post_save, sender=AuditEvent, dispatch_uid="gateway-audit")
 @receiver(post_save, sender=Deployment, dispatch_uid="gateway-deployment")
@@ -26,5 +30,7 @@ from apps.teams.models import ApiToken, Team
 @receiver(post_save, sender=Team, dispatch_uid="gateway-team")
 @receiver(post_delete, sender=Team, dispatch_uid="gateway-team-deleted")
 @receiver(post_delete, sender=TritonInstance, dispatch_uid="gateway-instance-deleted")
-def _poke_after_commit(**kwargs) -> None:
+def _poke_after_commit(sender=None, update_fields=None, **kwargs) -> None:
+    if sender is Deployment and update_fields is not None and set(update_fields) <= UNROUTED_FIELDS:
+        return
     transaction.on_commit(poke_gateway)

@@ -12,6 +12,7 @@ from django.utils import timezone
 from apps.deployments import autoscaling, services
 from apps.deployments.models import Deployment, PlacementState
 from apps.fleet.models import Host, Pool
+from apps.gateway import signals
 from apps.gateway.autoscaling import parse_load, parse_map
 from apps.registry.models import RegisteredModel
 from tests.support.models import add_instance, make_version
@@ -237,3 +238,40 @@ def test_the_replica_chart_has_the_counts_over_time_and_the_decisions_as_markers
     autoscaling.configure(actor=owner, deployment=scheduled, values={"min_replicas": None})
     reply = maintainer_client.get(f"/api/v1/teams/vision/models/m/metrics/?deployment={scheduled.pk}")
     assert reply.json()["replicas"] is None
+
+
+def test_a_settled_sleeping_deployment_costs_an_evaluation_nothing_until_a_request_is_in_flight(
+    owner, scheduled, django_assert_max_num_queries
+):
+    """Most of a dense pool's deployments sleep: once asleep with its last replica gone (charted 0 / 0), an
+    evaluation without a request in flight neither locks nor writes it."""
+    autoscaling.configure(actor=owner, deployment=scheduled, values={"min_replicas": 0, "idle_period_s": 60})
+    autoscaling.sleep(actor=owner, deployment=scheduled, now=1000)
+    scheduled.placements.update(state=PlacementState.UNLOADED)
+    autoscaling.evaluate({scheduled.pk: (0, 10)}, now=1001)  # charts ready 0 now that the replica is gone
+    deployment = Deployment.objects.get(pk=scheduled.pk)
+    assert deployment.scaling_memory["sampled"] == [0, 0]
+    saved = deployment.scaling_memory
+    with django_assert_max_num_queries(2):  # the ids, the live rollouts
+        assert autoscaling.evaluate({scheduled.pk: (0, 10)}, now=1002)["unchanged"] == 1
+    assert Deployment.objects.get(pk=scheduled.pk).scaling_memory == saved
+    # A request in flight (queued at its backend) is decided as before: it wakes.
+    assert autoscaling.evaluate({scheduled.pk: (2, 12)}, now=1003)["up"] == 1
+    assert Deployment.objects.get(pk=scheduled.pk).replicas == 1
+
+
+def test_the_autoscalers_figures_alone_do_not_poke_the_gateway(
+    scheduled, monkeypatch, django_capture_on_commit_callbacks
+):
+    """The autoscaler saves each deployment's figures every tick; only a change of what is routed makes the
+    gateway sync at once."""
+    pokes = []
+    monkeypatch.setattr(signals, "poke_gateway", lambda: pokes.append(1))
+    with django_capture_on_commit_callbacks(execute=True):
+        scheduled.scaling_memory = {"last_total": 3}
+        scheduled.save(update_fields=["scaling_memory"])
+    assert pokes == []
+    with django_capture_on_commit_callbacks(execute=True):
+        scheduled.replicas = 2
+        scheduled.save(update_fields=["replicas", "updated_at"])
+    assert pokes == [1]
