@@ -29,6 +29,7 @@ import json
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -222,6 +223,8 @@ def stream(port: int, token: str, slugs: list[str], team: str, args, memory: Mem
 
 def main() -> int:
     args = parse_args()
+    # A stopped run stops its servers (the ``finally`` below), as deploy.py does.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.resident % args.hosts:
         raise SystemExit("--resident must be a multiple of --hosts (each instance holds the same number)")
     scratch = setup_environment(args)
