@@ -96,8 +96,9 @@ def placement_entry(placement: DeploymentInstance, canary_id: int | None, reused
         "applied_generation": placement.applied_generation,
         "state": placement.state,
         # Undeployed, or a replica retired once its replacement serves (apps.deployments.scheduler) - once the
-        # gateway no longer routes to it (apps.deployments.draining).
-        "undeploy": deployment.state in GONE or (placement.unload and not placement.routed),
+        # gateway no longer routes to it (apps.deployments.draining): until then its agent keeps serving it.
+        "undeploy": (deployment.state in GONE or placement.unload)
+        and not (placement.unload and placement.routed),
         "target": target_id,
         "active": deployment.active_version_id,
         "target_version": deployment.target_version_id,
