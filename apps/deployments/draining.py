@@ -1,9 +1,10 @@
 """Drain, then unload: a replica the gateway routes to is unloaded only once the gateway sends it nothing more.
 
 A replica told to unload (scaled down, put to sleep, evicted under memory pressure, replaced, or its
-deployment undeployed) leaves the gateway's rotation in the same commit (``apps.gateway.state``), but the gateway applies that at its next
-sync while the agent hears of the decision at its next poll - which could come first: a request then met an
-instance whose model was being unloaded (Triton's "version 1 is not at ready state"). So:
+deployment undeployed) leaves the gateway's rotation in the same commit (``apps.gateway.state``), but the
+gateway applies that at its next sync while the agent hears of the decision at its next poll - which could
+come first: a request then met an instance whose model was being unloaded (Triton's "version 1 is not at
+ready state"). So:
 
 * the gateway marks a replica ``routed`` before it first puts it in rotation (``placements_routed``: only
   while it is not told to unload, one conditional UPDATE, so a concurrent unload decision and the mark never
