@@ -86,6 +86,7 @@ def _live_placements(host, **filters) -> list[DeploymentInstance]:
 def placement_entry(placement: DeploymentInstance, canary_id: int | None, reused: bool) -> dict:
     deployment: Deployment = placement.deployment
     target_id = deployment.target_version_id or deployment.active_version_id
+    draining = placement.unload and placement.routed  # told to unload, the gateway not done with it yet
     return {
         "id": placement.pk,
         "instance": placement.instance_id,
@@ -96,8 +97,8 @@ def placement_entry(placement: DeploymentInstance, canary_id: int | None, reused
         "applied_generation": placement.applied_generation,
         "state": placement.state,
         # Undeployed, or a replica retired once its replacement serves (apps.deployments.scheduler) - once the
-        # gateway no longer routes to it (apps.deployments.draining).
-        "undeploy": deployment.state in GONE or (placement.unload and not placement.routed),
+        # gateway no longer routes to it (apps.deployments.draining): until then its agent keeps serving it.
+        "undeploy": (deployment.state in GONE or placement.unload) and not draining,
         "target": target_id,
         "active": deployment.active_version_id,
         "target_version": deployment.target_version_id,

@@ -1,9 +1,10 @@
 """Drain, then unload: a replica the gateway routes to is unloaded only once the gateway sends it nothing more.
 
-A replica told to unload (scaled down, put to sleep, evicted under memory pressure, replaced) leaves the
-gateway's rotation in the same commit (``apps.gateway.state``), but the gateway applies that at its next
-sync while the agent hears of the decision at its next poll - which could come first: a request then met an
-instance whose model was being unloaded (Triton's "version 1 is not at ready state"). So:
+A replica told to unload (scaled down, put to sleep, evicted under memory pressure, replaced, or its
+deployment undeployed) leaves the gateway's rotation in the same commit (``apps.gateway.state``), but the
+gateway applies that at its next sync while the agent hears of the decision at its next poll - which could
+come first: a request then met an instance whose model was being unloaded (Triton's "version 1 is not at
+ready state"). So:
 
 * the gateway marks a replica ``routed`` before it first puts it in rotation (``placements_routed``: only
   while it is not told to unload, one conditional UPDATE, so a concurrent unload decision and the mark never
@@ -17,6 +18,10 @@ instance whose model was being unloaded (Triton's "version 1 is not at ready sta
 
 A replica no gateway ever routed (no gateway, or not READY yet) is unloaded at once, as before.
 
+An undeployed deployment's routes and servers leave the gateway at once (its requests get the gateway's 404);
+the gateway confirms its routed replicas once the servers it removed hold no request any more (HAProxy keeps a
+deleted server with connections until they finished: ``apps.gateway.services.Gateway``).
+
 Its memory counts until its agent reports it unloaded, as every unloading replica's does (the scheduler never
 overcommits an instance). Writes placements and their events - an owner beside ``services`` and ``scheduler``
 (``tests/deployments/test_one_writer.py``).
@@ -28,7 +33,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Value
+from django.db.models import F, Q, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -38,12 +43,16 @@ from apps.fleet.services import notify_hosts
 
 def tell_to_unload(pks: list[int], **fields) -> None:
     """The placements are to unload (``fields``: more columns to set, e.g. the retiring reason). The caller
-    holds their deployment's row lock and hands the placements to ``scheduler.enqueue`` after commit."""
+    holds their deployment's row lock and hands the placements to ``scheduler.enqueue`` after commit.
+
+    A routed one drains first; any other is handed to its agent now - one already unloaded too, whatever its
+    mark says (no gateway routes to what its agent no longer serves, and nothing would confirm it)."""
     rows = DeploymentInstance.objects.filter(pk__in=pks)
-    rows.filter(routed=False).update(
-        generation=F("generation") + 1, unload=True, draining_since=None, **fields
+    drains = Q(routed=True) & ~Q(state=PlacementState.UNLOADED)
+    rows.exclude(drains).update(
+        generation=F("generation") + 1, unload=True, routed=False, draining_since=None, **fields
     )
-    rows.filter(routed=True).update(
+    rows.filter(drains).update(
         unload=True, draining_since=Coalesce(F("draining_since"), Value(timezone.now())), **fields
     )
 

@@ -18,7 +18,7 @@ from django.db import transaction
 from django.db.models import F, Q
 
 from apps.audit.services import record
-from apps.deployments import ensembles, reserved, scheduler
+from apps.deployments import draining, ensembles, reserved, scheduler
 from apps.deployments.checks import (
     check_instances_usable,
     check_no_live_rollout,
@@ -231,7 +231,12 @@ def undeploy(*, actor, deployment: Deployment) -> Deployment:
         deployment.save(update_fields=["state", "updated_at"])
         # Its live rollout is aborted (apps.deployments.rollouts answers, inside this transaction).
         deployment_undeploying.send(sender=Deployment, deployment=deployment, actor=actor)
-        placements = _decide(list(deployment.placements.all()))
+        # Drain, then unload: the gateway drops its route and servers at its next sync, but a replica it routes
+        # to is handed to its agent only once its requests in flight finished (apps.deployments.draining);
+        # the others are unloaded at once. UNDEPLOYED once every replica reports unloaded (``_settle``).
+        pks = list(deployment.placements.values_list("pk", flat=True))
+        draining.tell_to_unload(pks)
+        placements = list(DeploymentInstance.objects.filter(pk__in=pks).select_related("instance__host"))
         deployment.events.create(kind="undeploy_requested", message="undeploy")
         record(actor=actor, team=deployment.team, action="deployment.undeploy", target=deployment)
         if not placements:

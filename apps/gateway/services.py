@@ -10,7 +10,9 @@ after a deploy, switch, undeploy or token change; otherwise it syncs every ``GAT
 Drain, then unload (``apps.deployments.draining``): a placement is marked routed before a sync first puts it
 in rotation (one the platform told to unload meanwhile stays out), and a routed placement told to unload is
 confirmed drained once HAProxy holds it out of rotation with no session on it (its requests in flight
-finished) - only then does its agent unload it.
+finished) - only then does its agent unload it. An undeploying deployment's backend goes at once (no route:
+new requests get the gateway's 404), but HAProxy keeps a deleted server that still has connections (draining)
+until a later sync deletes it: its replica is confirmed once no such server holds a request.
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ class Gateway:
         self.applied: GatewayState | None = None
         self.slots = Slots(settings.GATEWAY_SLOT_CHUNK)
         self.draining: set[tuple[str, str]] = set()
+        # Logical backend -> the slot it left while servers there still drain (the slot is not reassigned
+        # meanwhile): where the requests sent to an undeployed deployment are still counted.
+        self.vacated: dict[str, str] = {}
         self.reloads = 0
 
     def _assign(self, state: GatewayState, previous: Slots, unavailable: set[str]) -> Slots:
@@ -86,7 +91,7 @@ class Gateway:
         slots = self._assign(state, previous, set())
         write_files(state, slots, self.o)
         self.process.start()
-        self.applied, self.slots, self.draining = state, slots, set()
+        self.applied, self.slots, self.draining, self.vacated = state, slots, set(), {}
 
     def sync(self) -> str:
         """Bring HAProxy to the database's state; returns what it did: unchanged, runtime or reloaded. Marks
@@ -98,7 +103,9 @@ class Gateway:
             for pk, servers in tracked.to_mark.items():
                 if pk not in marked:  # told to unload since it was read: it stays out of rotation
                     state.weights.update(dict.fromkeys(servers, 0))
+        before = self.slots
         outcome = self._apply(state)
+        self._remember_vacated(before)
         # After a reload the old worker may still hold requests this one cannot see: the next sync confirms.
         if tracked.to_confirm and outcome != "reloaded":
             busy = self.sessions({server for servers in tracked.to_confirm.values() for server in servers})
@@ -108,16 +115,37 @@ class Gateway:
             draining.placements_drained(drained, "no request in flight at the gateway")
         return outcome
 
+    def _draining_slots(self) -> set[str]:
+        """The slots with a server still draining, in the HTTP backend or its gRPC twin."""
+        twins = {grpc_frontend.twin(slot): slot for slot in self.slots.names()}
+        return {twins.get(backend, backend) for backend, _ in self.draining}
+
+    def _remember_vacated(self, before: Slots) -> None:
+        """After a sync: the slots that backends left (``before``: the assignment it started from), for as long
+        as servers there drain. A reload or a start forgets them (``draining`` too: a new worker)."""
+        owners = self.slots.owners
+        wanted = set(owners.values())
+        vacated = {**self.vacated, **{o: slot for slot, o in before.owners.items() if o not in wanted}}
+        still = self._draining_slots()
+        self.vacated = {o: slot for o, slot in vacated.items() if slot in still and slot not in owners}
+
     def sessions(self, servers: set[tuple[str, str]]) -> dict[tuple[str, str], int]:
         """Requests in flight (HAProxy's current sessions) per (logical backend, server key), on the slot's
-        HTTP backend and its gRPC twin; a server HAProxy does not have counts none."""
+        HTTP backend and its gRPC twin; a server HAProxy does not have counts none. A backend gone in a sync
+        (undeployed) counts on the slot it left, its servers still draining there."""
         busy: dict[tuple[str, str], int] = {}
         by_backend: dict[str, list[tuple[str, str]]] = {}
         for logical, key in servers:
             if logical in self.slots.owners.values():
                 slot = self.slots.slot_of(logical)
-                for backend in (slot, grpc_frontend.twin(slot)):
-                    by_backend.setdefault(backend, []).append((logical, key))
+                backends = [slot, grpc_frontend.twin(slot)]
+            elif logical in self.vacated:
+                slot = self.vacated[logical]
+                backends = [b for b in (slot, grpc_frontend.twin(slot)) if (b, key) in self.draining]
+            else:
+                continue
+            for backend in backends:
+                by_backend.setdefault(backend, []).append((logical, key))
         backends = sorted(by_backend)
         for backend, answer in zip(
             backends, self.process.admin.each([f"show stat {b} 4 -1" for b in backends]), strict=True
@@ -135,7 +163,7 @@ class Gateway:
             return "unchanged"
         # A slot freed now, or with servers still draining, is not given to anyone in this sync.
         freed = {slot for slot, owner in self.slots.owners.items() if owner not in state.backends}
-        slots = self._assign(state, self.slots, freed | {backend for backend, _ in self.draining})
+        slots = self._assign(state, self.slots, freed | self._draining_slots())
         write_files(state, slots, self.o)
         if state.structure() != self.applied.structure() or slots.size != self.slots.size:
             return self._reload(state, slots)
@@ -153,7 +181,7 @@ class Gateway:
     def _reload(self, state: GatewayState, slots: Slots) -> str:
         self.process.reload()
         self.reloads += 1
-        self.applied, self.slots, self.draining = state, slots, set()
+        self.applied, self.slots, self.draining, self.vacated = state, slots, set(), {}
         return "reloaded"
 
     def _run(self, plan: Plan, wanted: dict[str, dict]) -> list[str]:

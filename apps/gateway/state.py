@@ -11,7 +11,9 @@
   is 0, so no request waits for a canary that is not there.
 * Drain, then unload (``apps.deployments.draining``): the placements about to enter the rotation for the
   first time and the routed ones told to unload are collected (``Tracked``), for the gateway to mark the
-  former before it routes to them and to confirm the latter once they have no request in flight.
+  former before it routes to them and to confirm the latter once they have no request in flight - those of
+  an undeploying deployment too, whose route and servers are gone (new requests get the gateway's 404)
+  while the requests already sent to them finish.
 * Tokens that may infer: every active team token whose creator is still an active member (read-only ones too,
   as viewers may run models), and inference-only tokens. Expired tokens stay in the map with their expiry so
   the gateway can say so; revoked ones are removed.
@@ -53,7 +55,8 @@ EXPIRED_TOKENS_KEPT = timedelta(days=7)
 class Tracked:
     """Placements the sync tells ``apps.deployments.draining`` about, each with its servers as (logical
     backend, server key): ``to_mark`` are in rotation in this state but not yet marked routed; ``to_confirm``
-    are routed, told to unload, and out of rotation in this state."""
+    are routed, told to unload, and out of rotation in this state (an undeploying deployment's: with the
+    backends it had, which this state no longer has)."""
 
     to_mark: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
     to_confirm: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
@@ -204,6 +207,25 @@ def _add_http_routes(state: GatewayState, tracked: Tracked) -> None:
                 state.wake_failures[name] = wake_failure_value(failure)
 
 
+def _track_undeploying(tracked: Tracked) -> None:
+    """An undeploying deployment has no route and no servers (``_add_http_routes``), but its routed replicas
+    still drain: requests sent to them before the gateway dropped them finish there first."""
+    rows = (
+        DeploymentInstance.objects.filter(
+            deployment__state=DeploymentState.UNDEPLOYING, unload=True, routed=True
+        )
+        .exclude(state=PlacementState.UNLOADED)
+        .select_related("instance__host")
+    )
+    for placement in rows:
+        key = _server(placement.instance).key
+        deployment_id = placement.deployment_id
+        tracked.to_confirm[placement.pk] = [
+            (backend_name(deployment_id), key),
+            (canary_backend_name(deployment_id), key),
+        ]
+
+
 def _wake_failure(deployment, placements) -> str:
     """Why a woken scale-to-zero deployment cannot serve: it wants replicas, none is READY or loading, and
     one failed (its last error). Empty while a replica serves, loads or is still to be placed."""
@@ -267,7 +289,9 @@ def _add_tokens(state: GatewayState) -> None:
 def desired_state(tracked: Tracked | None = None) -> GatewayState:
     """``tracked``: filled with the placements to mark routed and to confirm drained."""
     state = GatewayState()
-    _add_http_routes(state, tracked if tracked is not None else Tracked())
+    tracked = tracked if tracked is not None else Tracked()
+    _add_http_routes(state, tracked)
+    _track_undeploying(tracked)
     _add_grpc_routes(state)
     _add_tokens(state)
     state.limits = {

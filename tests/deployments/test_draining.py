@@ -1,7 +1,9 @@
 """Drain, then unload (``apps.deployments.draining``), on the rows: a replica the gateway routes to is handed to
 its agent for unloading only once the gateway confirms it drained (or the drain timeout passed); one no
 gateway routes to is handed over at once, as before; the gateway's mark and an unload decision never both win.
-The whole path with a real agent and gateway: ``tests/gateway/test_drain_live.py``."""
+An undeploy drains the same way: the gateway drops the route at once but confirms the replicas it routed to.
+The whole path with a real agent and gateway: ``tests/gateway/test_drain_live.py`` and
+``tests/gateway/test_undeploy_drain_live.py``."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from apps.deployments import agent_api, autoscaling, draining, healing, scheduler, services
-from apps.deployments.models import Deployment, PlacementState
+from apps.deployments import agent_api, autoscaling, draining, healing, reserved, scheduler, services
+from apps.deployments.models import Deployment, DeploymentState, PlacementState
 from apps.fleet.models import Host, Pool
 from apps.gateway.state import Tracked, desired_state
 from apps.registry.models import RegisteredModel
@@ -117,3 +119,110 @@ def test_scaled_down_and_replaced_replicas_drain_too(owner, serving):
     assert [p.pk for p in removed] == [placement.pk]
     assert agent_entry(placement)["undeploy"] is False
     assert placement.state == PlacementState.READY  # still serving while it drains
+
+
+def undeploy(owner, deployment) -> Deployment:
+    services.undeploy(actor=owner, deployment=deployment)
+    return Deployment.objects.get(pk=deployment.pk)
+
+
+def unloaded_by_its_agent(placement) -> Deployment:
+    """What the agent reports once it applied the undeploy it was handed."""
+    placement.refresh_from_db()
+    assert services.placement_unloaded(placement.pk, placement.generation, "unloaded")
+    return Deployment.objects.get(pk=placement.deployment_id)
+
+
+def test_undeploying_a_routed_replica_drops_the_route_but_unloads_it_only_once_drained(owner, serving):
+    placement = serving.placements.get()
+    draining.placements_routed({placement.pk})
+    held = placement.instance.reserved_mb
+    assert held > 0
+
+    deployment = undeploy(owner, serving)
+    assert deployment.state == DeploymentState.UNDEPLOYING
+    entry = agent_entry(placement)
+    # Its agent still serves it (the requests the gateway sent it finish); no new request reaches it.
+    assert entry["undeploy"] is False and entry["generation"] == placement.applied_generation
+    assert placement.unload and placement.routed and placement.draining_since is not None
+    assert placement.state == PlacementState.READY
+    tracked = Tracked()
+    state = desired_state(tracked)
+    assert deployment.triton_model_name() not in state.routes  # the gateway's 404 for new requests
+    assert not any(backend.startswith(f"d{deployment.pk}") for backend in state.backends)
+    key = placement.instance.api_key
+    assert tracked.to_confirm == {placement.pk: [(f"d{deployment.pk}", key), (f"d{deployment.pk}c", key)]}
+    assert not tracked.to_mark
+    placement.instance.refresh_from_db()
+    assert placement.instance.reserved_mb == held and reserved.reserved_drift() == {}  # loaded: still held
+
+    assert draining.placements_drained({placement.pk}, "no request in flight at the gateway") == 1
+    entry = agent_entry(placement)
+    assert entry["undeploy"] is True and entry["generation"] > placement.applied_generation
+    tracked = Tracked()
+    desired_state(tracked)
+    assert not tracked.to_confirm
+    assert Deployment.objects.get(pk=deployment.pk).state == DeploymentState.UNDEPLOYING
+
+    deployment = unloaded_by_its_agent(placement)
+    assert deployment.state == DeploymentState.UNDEPLOYED
+    assert list(deployment.events.values_list("kind", flat=True).order_by("pk"))[-4:] == [
+        "undeploy_requested",
+        "drained",
+        "unloaded",
+        "undeployed",
+    ]
+    placement.instance.refresh_from_db()
+    assert placement.instance.reserved_mb == 0 and reserved.reserved_drift() == {}
+
+
+def test_undeploying_a_replica_no_gateway_routed_unloads_it_at_once(owner, serving):
+    placement = serving.placements.get()
+    deployment = undeploy(owner, serving)
+    entry = agent_entry(placement)
+    assert entry["undeploy"] is True and entry["generation"] > placement.applied_generation
+    assert placement.draining_since is None
+    tracked = Tracked()
+    desired_state(tracked)
+    assert not tracked.to_confirm and not tracked.to_mark
+    assert unloaded_by_its_agent(placement).state == DeploymentState.UNDEPLOYED
+    assert not deployment.events.filter(kind="drained").exists()
+    assert reserved.reserved_drift() == {}
+
+
+def test_an_undeploy_decided_before_the_gateway_marks_the_replica_keeps_it_out(owner, serving):
+    placement = serving.placements.get()
+    tracked = Tracked()
+    desired_state(tracked)  # the gateway read it in rotation...
+    undeploy(owner, serving)  # ...then the user undeployed
+    assert draining.placements_routed(set(tracked.to_mark)) == set()
+    assert agent_entry(placement)["undeploy"] is True
+
+
+def test_an_undeploy_no_gateway_confirms_is_handed_over_after_the_drain_timeout(owner, serving, settings):
+    settings.GATEWAY_DRAIN_TIMEOUT_S = 30
+    placement = serving.placements.get()
+    draining.placements_routed({placement.pk})
+    undeploy(owner, serving)
+    assert healing.tick()["undrained"] == 0  # within the timeout: the gateway may still confirm
+    assert agent_entry(placement)["undeploy"] is False
+    assert draining.release_undrained(now=timezone.now() + timedelta(seconds=31)) == 1
+    assert agent_entry(placement)["undeploy"] is True
+    assert serving.events.filter(
+        kind="drained", message__contains="no gateway confirmed it within 30 s"
+    ).exists()
+    assert unloaded_by_its_agent(placement).state == DeploymentState.UNDEPLOYED
+    assert reserved.reserved_drift() == {}
+
+
+def test_an_asleep_replica_still_marked_routed_is_not_waited_for(owner, serving):
+    placement = serving.placements.get()
+    draining.placements_routed({placement.pk})
+    # Unloaded while the mark stayed (e.g. its agent reported it gone): nothing is in flight on it.
+    serving.placements.update(state=PlacementState.UNLOADED, served_version=None)
+    reserved.refresh_reserved([placement.instance_id])
+    undeploy(owner, serving)
+    entry = agent_entry(placement)
+    assert entry["undeploy"] is True and entry["generation"] > placement.applied_generation
+    assert not placement.routed and placement.draining_since is None
+    assert unloaded_by_its_agent(placement).state == DeploymentState.UNDEPLOYED

@@ -4,6 +4,7 @@ exhausted slot pool reloads; the files written after runtime changes are a confi
 
 from __future__ import annotations
 
+import http.client
 import http.server
 import subprocess
 import threading
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from apps.deployments import services
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet.models import InstanceState, TritonInstance
 from apps.gateway.haproxy import Slots
@@ -188,3 +190,124 @@ def test_a_returning_instance_is_down_until_its_model_check_passes(gateway, team
         assert gateway.reloads == 0
     finally:
         readiness.close()
+
+
+class HeldInstance:
+    """An instance's HTTP port whose model answers every readiness check but holds each inference until
+    ``release`` is set: a request in flight for as long as the test wants."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.received = 0
+        held = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as tritonserver
+
+            def do_GET(self):  # noqa: N802 - the stdlib's name
+                self._answer()
+
+            def do_POST(self):  # noqa: N802 - the stdlib's name
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                held.received += 1
+                held.release.wait(30)
+                self._answer()
+
+            def _answer(self):
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_an_undeployed_replica_is_confirmed_drained_only_once_its_requests_in_flight_finished(
+    gateway, team, owner, shared_host, make_token
+):
+    """Undeploying drops the route and the servers in one sync (new requests: the gateway's 404), but the
+    request already sent to the replica finishes there: HAProxy keeps the deleted server while it has a
+    session (draining), and the gateway confirms the replica drained - so its agent unloads it - only after."""
+    held = HeldInstance()
+    client = None
+    try:
+        instance = add_instance(shared_host, "cpu-0", port=held.port)
+        deployment = serving_rows(team, owner, "a", instance)
+        placement = deployment.placements.get()
+        _, secret = make_token(name="held")
+        assert gateway.sync() == "started"
+        assert DeploymentInstance.objects.get(pk=placement.pk).routed  # marked before it was routed
+        (slot,) = owners(gateway)
+        key = instance.api_key
+        wait_for(lambda: status(gateway, slot, key) == "UP", 10, "the server UP")
+
+        client = http.client.HTTPConnection("127.0.0.1", int(gateway.o.bind.rsplit(":", 1)[1]), timeout=30)
+        answers = []
+
+        def infer() -> None:
+            client.request(
+                "POST",
+                "/v2/models/vision__a/infer",
+                body=b"{}",
+                headers={"Authorization": f"Bearer {secret}"},
+            )
+            response = client.getresponse()
+            response.read()
+            answers.append(response.status)
+
+        in_flight = threading.Thread(target=infer)
+        in_flight.start()
+        wait_for(lambda: held.received == 1, 10, "the request to reach the instance")
+
+        services.undeploy(actor=owner, deployment=deployment)
+        assert gateway.sync() == "runtime"
+        assert (slot, key) in gateway.draining  # deleted, but HAProxy keeps it while the request runs
+        row = DeploymentInstance.objects.get(pk=placement.pk)
+        assert row.routed and row.unload  # not confirmed: its agent keeps serving it
+        assert not deployment.events.filter(kind="drained").exists()
+        assert gateway.vacated == {f"d{deployment.pk}": slot}
+        # A new request has no route any more.
+        assert http_status(gateway, "/v2/models/vision__a/infer", secret) == 404
+        assert gateway.sync() == "runtime"  # still in flight: still not confirmed
+        assert DeploymentInstance.objects.get(pk=placement.pk).routed
+
+        held.release.set()
+        in_flight.join(10)
+        assert answers == [200]
+        # The client keeps its connection open (keep-alive): only requests in flight count.
+        wait_for(
+            lambda: gateway.sync() and not DeploymentInstance.objects.get(pk=placement.pk).routed,
+            10,
+            "the gateway to confirm the replica drained",
+        )
+        drained = deployment.events.get(kind="drained")
+        assert "no request in flight at the gateway" in drained.message
+        wait_for(lambda: gateway.sync() and not gateway.draining, 10, "HAProxy to delete the server")
+        assert gateway.vacated == {} and gateway.reloads == 0
+    finally:
+        if client is not None:
+            client.close()
+        held.close()
+
+
+def http_status(gateway: Gateway, path: str, token: str) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", int(gateway.o.bind.rsplit(":", 1)[1]), timeout=10)
+    try:
+        connection.request("POST", path, body=b"{}", headers={"Authorization": f"Bearer {token}"})
+        response = connection.getresponse()
+        response.read()
+        return response.status
+    finally:
+        connection.close()
