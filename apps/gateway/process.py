@@ -10,6 +10,9 @@ from pathlib import Path
 
 from apps.gateway.haproxy import AdminSocket, GatewayError, Options
 
+# How often a stop signal is repeated while HAProxy's master has not exited (see HAProxyProcess.stop).
+SIGNAL_REPEAT_S = 0.5
+
 
 class HAProxyProcess:
     """HAProxy in master-worker mode (``-W``) as a child of the gateway command.
@@ -103,15 +106,30 @@ class HAProxyProcess:
         raise GatewayError(f"haproxy's new worker did not answer within {timeout:.0f}s: {self.log_tail()}")
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Graceful: SIGUSR1 lets in-flight requests finish; SIGTERM after ``timeout``."""
+        """Graceful: SIGUSR1 lets in-flight requests finish; SIGTERM after ``timeout``, SIGKILL if even that
+        goes unheard.
+
+        Each signal is sent again every ``SIGNAL_REPEAT_S`` until the master exits: just after a start or a
+        reload - its new worker already answering on the admin socket - the master still drops a signal (a
+        lost SIGUSR1 left the gateway command waiting the whole ``timeout`` with nothing in flight). HAProxy
+        takes a repeated soft stop as the one already under way."""
         if not self.running():
             return
-        self.process.send_signal(signal.SIGUSR1)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.terminate()
-            self.process.wait(10)
+        if self._signal_until_exit(signal.SIGUSR1, timeout) or self._signal_until_exit(signal.SIGTERM, 10):
+            return
+        self.process.kill()
+        self.process.wait(10)
+
+    def _signal_until_exit(self, signum: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.process.send_signal(signum)
+            try:
+                self.process.wait(max(0.0, min(SIGNAL_REPEAT_S, deadline - time.monotonic())))
+                return True
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    return False
 
     def worker_pids(self) -> list[int]:
         pid = self.admin.worker_pid()

@@ -6,18 +6,14 @@ the test; the wake-up is the gateway command's own."""
 
 from __future__ import annotations
 
-import http.client
 import threading
-import time
 
 import pytest
 
-from apps.deployments import healing
 from apps.deployments.models import Deployment, DeploymentState, PlacementState
-from apps.gateway import autoscaling
 from apps.registry.models import RegisteredModel
 from tests.conftest import wait_for
-from tests.support.servers import INFER_BODY, Load, pool_hosts, requires_haproxy
+from tests.support.servers import Load, deploy_to_pool, pool_hosts, requires_haproxy, ticking, timed_infer
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 
@@ -28,38 +24,9 @@ def _no_rate_limit(team):
     team.save()
 
 
-def ticking(predicate):
-    """A wait_for predicate that runs the autoscaler's and the scheduler's beat ticks before each look."""
-
-    def run():
-        autoscaling.autoscale()
-        healing.tick()
-        return predicate()
-
-    return run
-
-
 def replicas(deployment: Deployment) -> dict[str, str]:
     rows = deployment.placements.filter(retiring_reason="").exclude(state=PlacementState.UNLOADED)
     return {p.instance.host.name: p.state for p in rows.select_related("instance__host")}
-
-
-def infer_slowly(port: int, model: str, token: str, out: list) -> None:
-    """One request with a client timeout well past the activation timeout: (status, seconds)."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=90)
-    started = time.monotonic()
-    try:
-        connection.request(
-            "POST", f"/v2/models/{model}/infer", body=INFER_BODY,
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
-        )  # fmt: skip
-        response = connection.getresponse()
-        body = response.read()
-        out.append((response.status, time.monotonic() - started, body[:200]))
-    except OSError as exc:
-        out.append((0, time.monotonic() - started, repr(exc)))
-    finally:
-        connection.close()
 
 
 def test_load_scales_up_then_down_to_zero_and_the_first_requests_are_held_and_answered(
@@ -70,16 +37,7 @@ def test_load_scales_up_then_down_to_zero_and_the_first_requests_are_held_and_an
     model = RegisteredModel.objects.create(team=team, name="Scaler", slug="scaler", created_by=owner)
     make_scaler_version(model, 2.0)
     url = "/api/v1/teams/vision/deployments/"
-    response = owner_client.post(
-        url, {"model": "scaler", "version": 1, "replicas": 1, "pool": "cpu"}, format="json"
-    )
-    assert response.status_code == 201, response.json()
-    deployment = Deployment.objects.get(pk=response.json()["id"])
-    wait_for(
-        lambda: Deployment.objects.filter(pk=deployment.pk, state=DeploymentState.SERVING).exists(),
-        120,
-        f"the deployment to be SERVING\n{agents['host-a'].output()}",
-    )
+    deployment = deploy_to_pool(owner_client, "vision", "scaler", agent=agents["host-a"])
     gateway = start_gateway()
     settings.GATEWAY_METRICS_URL = f"http://{gateway_env['GATEWAY_STATS_BIND']}/metrics"
     _, secret = make_token(name="load")
@@ -123,14 +81,14 @@ def test_load_scales_up_then_down_to_zero_and_the_first_requests_are_held_and_an
     # Three requests at once for the sleeping model: held, one activation, all answered.
     results: list = []
     threads = [
-        threading.Thread(target=infer_slowly, args=(gateway.port, "vision__scaler", secret, results))
+        threading.Thread(target=lambda: results.append(timed_infer(gateway, "vision__scaler", secret)))
         for _ in range(3)
     ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(120)
-    assert [status for status, _, _ in results] == [200, 200, 200], results
+    assert [status for status, *_ in results] == [200, 200, 200], results
     woken = Deployment.objects.get(pk=deployment.pk)
     assert woken.asleep_since is None and woken.replicas == 1
     assert deployment.events.filter(kind="woken").count() == 1
@@ -140,7 +98,7 @@ def test_load_scales_up_then_down_to_zero_and_the_first_requests_are_held_and_an
         "the cold start to be recorded",
     )
     cold_ms = Deployment.objects.get(pk=deployment.pk).last_cold_start_ms
-    slowest = max(seconds for _, seconds, _ in results)
+    slowest = max(seconds for _, _, seconds, _ in results)
     print(
         f"autoscaling live: load {load.total} requests; cold start {cold_ms} ms held, slowest client {slowest:.2f} s"
     )

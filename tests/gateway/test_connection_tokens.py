@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import time
+from contextlib import closing
 from datetime import timedelta
 
 import numpy as np
@@ -44,6 +45,9 @@ class Connection:
         assert self.http.sock is self.socket, "the gateway closed the keep-alive connection"
         return response.status, body
 
+    def close(self) -> None:
+        self.http.close()
+
 
 @pytest.fixture
 def vision_and_speech(
@@ -69,32 +73,33 @@ def test_each_request_on_a_keep_alive_connection_is_judged_by_its_own_token(
     wait_for(lambda: gateway.infer("vision__scaler", secret)[0] == 200, 15, "the first routed request")
     wait_for(lambda: gateway.infer("speech__scaler", speech_secret)[0] == 200, 10, "the speech model")
 
-    connection = Connection(gateway.port)
-    assert connection.infer("vision__scaler", secret)[0] == 200
-    # A request without the header, or with a wrong secret behind the same prefix, after a valid one: 401.
-    assert connection.infer("vision__scaler", None)[0] == 401
-    assert connection.infer("vision__scaler", secret)[0] == 200
-    assert connection.infer("vision__scaler", secret[:-2] + "xx")[0] == 401
-    assert connection.infer("vision__scaler", "not-a-token")[0] == 401
-    # Another team's token on the same connection: its own model only.
-    assert connection.infer("vision__scaler", speech_secret)[0] == 404
-    assert connection.infer("speech__scaler", speech_secret)[0] == 200
-    assert connection.infer("speech__scaler", secret)[0] == 404
-    assert connection.infer("vision__scaler", other_secret)[0] == 200
-    assert connection.infer("vision__scaler", secret)[0] == 200
+    # Closed here even when an assertion fails (a failed test's traceback would keep it open past the test).
+    with closing(Connection(gateway.port)) as connection:
+        assert connection.infer("vision__scaler", secret)[0] == 200
+        # A request without the header, or with a wrong secret behind the same prefix, after a valid one: 401.
+        assert connection.infer("vision__scaler", None)[0] == 401
+        assert connection.infer("vision__scaler", secret)[0] == 200
+        assert connection.infer("vision__scaler", secret[:-2] + "xx")[0] == 401
+        assert connection.infer("vision__scaler", "not-a-token")[0] == 401
+        # Another team's token on the same connection: its own model only.
+        assert connection.infer("vision__scaler", speech_secret)[0] == 404
+        assert connection.infer("speech__scaler", speech_secret)[0] == 200
+        assert connection.infer("speech__scaler", secret)[0] == 404
+        assert connection.infer("vision__scaler", other_secret)[0] == 200
+        assert connection.infer("vision__scaler", secret)[0] == 200
 
-    # Revocation and expiry reach the open connection (the map is read on every request).
-    team_services.revoke_token(actor=owner, token=token)
-    revoked_at = time.monotonic()
-    wait_for(lambda: connection.infer("vision__scaler", secret)[0] == 401, 5, "the revocation")
-    assert time.monotonic() - revoked_at < 5
-    _, short_secret = make_token(name="short", expires_at=timezone.now() + timedelta(seconds=5))
-    wait_for(lambda: connection.infer("vision__scaler", short_secret)[0] == 200, 4, "the new token")
-    status, body = wait_for(
-        lambda: (r := connection.infer("vision__scaler", short_secret))[0] == 401 and r, 7, "the expiry"
-    )
-    assert body["error"] == "the API token has expired; create a new one"
-    assert connection.infer("vision__scaler", other_secret)[0] == 200
+        # Revocation and expiry reach the open connection (the map is read on every request).
+        team_services.revoke_token(actor=owner, token=token)
+        revoked_at = time.monotonic()
+        wait_for(lambda: connection.infer("vision__scaler", secret)[0] == 401, 5, "the revocation")
+        assert time.monotonic() - revoked_at < 5
+        _, short_secret = make_token(name="short", expires_at=timezone.now() + timedelta(seconds=5))
+        wait_for(lambda: connection.infer("vision__scaler", short_secret)[0] == 200, 4, "the new token")
+        status, body = wait_for(
+            lambda: (r := connection.infer("vision__scaler", short_secret))[0] == 401 and r, 7, "the expiry"
+        )
+        assert body["error"] == "the API token has expired; create a new one"
+        assert connection.infer("vision__scaler", other_secret)[0] == 200
 
 
 def test_one_grpc_channel_with_several_tokens(

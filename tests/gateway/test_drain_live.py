@@ -15,10 +15,10 @@ import time
 import pytest
 
 from apps.deployments import autoscaling
-from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
+from apps.deployments.models import DeploymentInstance, PlacementState
 from apps.registry.models import RegisteredModel
 from tests.conftest import wait_for
-from tests.support.servers import pool_hosts, requires_haproxy
+from tests.support.servers import deploy_to_pool, pool_hosts, requires_haproxy
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 
@@ -41,16 +41,7 @@ def test_a_replica_put_to_sleep_is_unloaded_only_after_the_gateway_drained_it(
     agent = agents["host-a"]
     model = RegisteredModel.objects.create(team=team, name="Scaler", slug="scaler", created_by=owner)
     make_scaler_version(model, 2.0)
-    response = owner_client.post(
-        URL, {"model": "scaler", "version": 1, "replicas": 1, "pool": "cpu"}, format="json"
-    )
-    assert response.status_code == 201, response.json()
-    deployment = Deployment.objects.get(pk=response.json()["id"])
-    wait_for(
-        lambda: Deployment.objects.filter(pk=deployment.pk, state=DeploymentState.SERVING).exists(),
-        120,
-        f"the deployment to be SERVING\n{agent.output()}",
-    )
+    deployment = deploy_to_pool(owner_client, "vision", "scaler", agent=agent)
     policy = {"min_replicas": 0, "max_replicas": 1, "scale_down_window_s": 0, "idle_period_s": 60}
     assert owner_client.post(f"{URL}{deployment.pk}/autoscaling/", policy, format="json").status_code == 200
     gateway = start_gateway()

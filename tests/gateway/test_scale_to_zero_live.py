@@ -11,7 +11,6 @@ driven where the test needs them; the scheduler's tick runs while a request wait
 
 from __future__ import annotations
 
-import http.client
 import threading
 import time
 
@@ -19,13 +18,18 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from apps.deployments import healing
-from apps.deployments.models import Deployment, DeploymentState, PlacementState
+from apps.deployments.models import Deployment, PlacementState
 from apps.fleet.models import Pool
-from apps.gateway import autoscaling
-from apps.registry.models import ModelVersion, RegisteredModel
+from apps.registry.models import ModelVersion
 from tests.conftest import wait_for
-from tests.support.servers import INFER_BODY, pool_hosts, requires_haproxy
+from tests.support.servers import (
+    asleep_and_unloaded,
+    requires_haproxy,
+    serve_in_pool,
+    ticking,
+    timed_infer,
+    while_the_scheduler_ticks,
+)
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 
@@ -42,26 +46,6 @@ def _no_rate_limit(team):
 def loaded(deployment: Deployment) -> int:
     rows = deployment.placements.filter(retiring_reason="", state=PlacementState.READY)
     return rows.count()
-
-
-def asleep_and_unloaded(pk: int) -> bool:
-    deployment = Deployment.objects.get(pk=pk)
-    return (
-        deployment.replicas == 0 and not deployment.placements.exclude(state=PlacementState.UNLOADED).exists()
-    )
-
-
-def http_infer(port: int, model: str, token: str, out: list) -> None:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=90)
-    try:
-        connection.request("POST", f"/v2/models/{model}/infer", body=INFER_BODY,
-                           headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})  # fmt: skip
-        response = connection.getresponse()
-        out.append((response.status, response.read()[:300]))
-    except OSError as exc:
-        out.append((0, repr(exc)))
-    finally:
-        connection.close()
 
 
 def grpc_infer(url: str, model: str, token: str, out: list) -> None:
@@ -82,23 +66,10 @@ def test_grpc_first_calls_are_held_and_a_cold_model_evicts_the_idle_one(
     owner_client, owner, team, start_agent, make_scaler_version, start_gateway, make_token, artifact_root,
     gateway_env, settings,
 ):  # fmt: skip
-    pool, agents = pool_hosts(start_agent, artifact_root, 4096)
-    agent = agents["host-a"]
-    deployments = {}
-    for slug, scale in (("alpha", 2.0), ("beta", 3.0)):
-        model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)
-        make_scaler_version(model, scale)
-        response = owner_client.post(
-            URL, {"model": slug, "version": 1, "replicas": 1, "pool": "cpu"}, format="json"
-        )
-        assert response.status_code == 201, response.json()
-        deployments[slug] = response.json()["id"]
-    for slug, pk in deployments.items():
-        wait_for(
-            lambda pk=pk: Deployment.objects.filter(pk=pk, state=DeploymentState.SERVING).exists(),
-            120,
-            f"{slug} to be SERVING\n{agent.output()}",
-        )
+    pool, agent, deployments = serve_in_pool(
+        owner_client, owner, team, start_agent, make_scaler_version, artifact_root, 4096,
+        {"alpha": 2.0, "beta": 3.0},
+    )  # fmt: skip
     # From now on the instance's budget holds one of the two.
     ModelVersion.objects.filter(model__team=team).update(footprint_mb=FOOTPRINT_MB)
     Pool.objects.filter(pk=pool.pk).update(memory_budget_mb=FOOTPRINT_MB + FOOTPRINT_MB // 2)
@@ -110,16 +81,8 @@ def test_grpc_first_calls_are_held_and_a_cold_model_evicts_the_idle_one(
         response = owner_client.post(f"{URL}{pk}/autoscaling/", policy, format="json")
         assert response.status_code == 200, response.json()
 
-    def evaluations_until(predicate):
-        def run():
-            autoscaling.autoscale()
-            healing.tick()
-            return predicate()
-
-        return run
-
     wait_for(
-        evaluations_until(lambda: all(asleep_and_unloaded(pk) for pk in deployments.values())),
+        ticking(lambda: all(asleep_and_unloaded(pk) for pk in deployments.values())),
         90,
         "both idle deployments to sleep and unload",
     )
@@ -148,16 +111,9 @@ def test_grpc_first_calls_are_held_and_a_cold_model_evicts_the_idle_one(
         return last is not None and time.time() - last >= policy["idle_period_s"]
 
     wait_for(alpha_idle_for_its_period, policy["idle_period_s"] + 30, "alpha to be idle for its idle period")
-    answered: list = []
-    request = threading.Thread(
-        target=http_infer, args=(gateway.port, "vision__beta", secret, answered), daemon=True
-    )
+    # The scheduler's beat places beta once alpha's memory is freed.
     started = time.monotonic()
-    request.start()
-    deadline = started + 90
-    while request.is_alive() and time.monotonic() < deadline:
-        healing.tick()  # the scheduler's beat: places beta once alpha's memory is freed
-        request.join(0.5)
+    answered = while_the_scheduler_ticks(lambda: timed_infer(gateway, "vision__beta", secret))
     cold_s = time.monotonic() - started
     assert answered and answered[0][0] == 200, (answered, agent.output()[-3000:])
     alpha = Deployment.objects.get(pk=deployments["alpha"])

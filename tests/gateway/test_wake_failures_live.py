@@ -12,7 +12,6 @@ the test waits); the scheduler's tick runs while a request waits, as beat runs i
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
@@ -22,13 +21,17 @@ from urllib.parse import unquote
 
 import pytest
 
-from apps.deployments import healing
-from apps.deployments.models import Deployment, DeploymentState, PlacementState
-from apps.gateway import autoscaling
+from apps.deployments.models import Deployment
 from apps.gateway.state import wake_failure_value
-from apps.registry.models import RegisteredModel
 from tests.conftest import wait_for
-from tests.support.servers import INFER_BODY, pool_hosts, requires_haproxy
+from tests.support.servers import (
+    asleep_and_unloaded,
+    requires_haproxy,
+    serve_in_pool,
+    ticking,
+    timed_infer,
+    while_the_scheduler_ticks,
+)
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 
@@ -49,60 +52,12 @@ def _no_rate_limit(team):
     team.save()
 
 
-def asleep_and_unloaded(pk: int) -> bool:
-    deployment = Deployment.objects.get(pk=pk)
-    return (
-        deployment.replicas == 0 and not deployment.placements.exclude(state=PlacementState.UNLOADED).exists()
-    )
-
-
-def ticking(predicate):
-    def run():
-        autoscaling.autoscale()
-        healing.tick()
-        return predicate()
-
-    return run
-
-
-def infer(gateway, model: str, token: str, timeout: float = 90) -> tuple[int, dict, float, dict]:
-    """(status, headers, seconds, JSON body) of one request with a client timeout past the activation's."""
-    import http.client
-
-    connection = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=timeout)
-    started = time.monotonic()
-    try:
-        connection.request("POST", f"/v2/models/{model}/infer", body=INFER_BODY,
-                           headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})  # fmt: skip
-        response = connection.getresponse()
-        raw = response.read()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = {"raw": raw[:300].decode(errors="replace")}
-        return response.status, dict(response.getheaders()), time.monotonic() - started, body
-    finally:
-        connection.close()
-
-
 def serve_two(owner_client, owner, team, start_agent, make_scaler_version, artifact_root):
-    _, agents = pool_hosts(start_agent, artifact_root, 8192)
-    agent = agents["host-a"]
-    deployments = {}
-    for slug, scale in (("steady", 2.0), ("sleepy", 3.0)):
-        model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)
-        make_scaler_version(model, scale)
-        response = owner_client.post(
-            URL, {"model": slug, "version": 1, "replicas": 1, "pool": "cpu"}, format="json"
-        )
-        assert response.status_code == 201, response.json()
-        deployments[slug] = response.json()["id"]
-    for slug, pk in deployments.items():
-        wait_for(
-            lambda pk=pk: Deployment.objects.filter(pk=pk, state=DeploymentState.SERVING).exists(),
-            120,
-            f"{slug} to be SERVING\n{agent.output()}",
-        )
+    """``steady`` and ``sleepy`` SERVING on one instance, ``sleepy`` set to scale to zero."""
+    _, agent, deployments = serve_in_pool(
+        owner_client, owner, team, start_agent, make_scaler_version, artifact_root, 8192,
+        {"steady": 2.0, "sleepy": 3.0},
+    )  # fmt: skip
     response = owner_client.post(f"{URL}{deployments['sleepy']}/autoscaling/", POLICY, format="json")
     assert response.status_code == 200, response.json()
     return agent, deployments
@@ -126,21 +81,14 @@ def test_a_model_that_cannot_load_answers_503_with_the_reason_and_the_other_keep
 
     def keep_calling_steady() -> None:
         while not stop.is_set() and len(steady_results) < 2000:
-            steady_results.append(infer(gateway, "vision__steady", secret, timeout=30)[0])
+            steady_results.append(timed_infer(gateway, "vision__steady", secret, timeout=30)[0])
             time.sleep(0.05)
 
     caller = threading.Thread(target=keep_calling_steady, daemon=True)
     caller.start()
     try:
-        answered: list = []
-        request = threading.Thread(
-            target=lambda: answered.append(infer(gateway, "vision__sleepy", secret)), daemon=True
-        )
-        request.start()
-        deadline = time.monotonic() + 90
-        while request.is_alive() and time.monotonic() < deadline:
-            healing.tick()  # the scheduler's beat places the woken replica
-            request.join(0.5)
+        # The scheduler's beat places the woken replica.
+        answered = while_the_scheduler_ticks(lambda: timed_infer(gateway, "vision__sleepy", secret))
         assert answered, f"no answer\n{agent.output()[-3000:]}\n{gateway.output()}"
         status, headers, seconds, body = answered[0]
         assert status == 503, (answered, agent.output()[-3000:])
@@ -156,7 +104,7 @@ def test_a_model_that_cannot_load_answers_503_with_the_reason_and_the_other_keep
         assert headers.get("retry-after"), headers
         assert seconds < settings.GATEWAY_ACTIVATION_TIMEOUT_S, seconds
         # The next request is answered at once with the same reason (no second wait for the timeout).
-        again = infer(gateway, "vision__sleepy", secret)
+        again = timed_infer(gateway, "vision__sleepy", secret)
         assert again[0] == 503 and again[2] < 5 and "could not be woken" in again[3]["error"], again
     finally:
         stop.set()
@@ -209,17 +157,9 @@ def test_restarts_of_the_gateway_and_the_platform_keep_a_sleeping_model_asleep_u
     assert not after.events.filter(kind="woken").exists()
     assert asleep_and_unloaded(pk)
     # The steady model was never asleep and still answers through the restarted gateway.
-    assert infer(gateway, "vision__steady", secret)[0] == 200
+    assert timed_infer(gateway, "vision__steady", secret)[0] == 200
 
-    answered: list = []
-    request = threading.Thread(
-        target=lambda: answered.append(infer(gateway, "vision__sleepy", secret)), daemon=True
-    )
-    request.start()
-    deadline = time.monotonic() + 90
-    while request.is_alive() and time.monotonic() < deadline:
-        healing.tick()
-        request.join(0.5)
+    answered = while_the_scheduler_ticks(lambda: timed_infer(gateway, "vision__sleepy", secret))
     assert answered and answered[0][0] == 200, (answered, agent.output()[-3000:], gateway.output())
     assert answered[0][3]["outputs"][0]["data"][:4] == [3.0, 6.0, 9.0, 12.0], answered[0][3]
     woken = Deployment.objects.get(pk=pk)

@@ -21,9 +21,12 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from apps.deployments.models import Deployment, DeploymentState
-from apps.fleet.models import InstanceState, TritonInstance
+from apps.deployments import healing
+from apps.deployments.models import Deployment, DeploymentState, PlacementState
+from apps.fleet.models import InstanceState, Pool, TritonInstance
+from apps.gateway import autoscaling
 from apps.gateway.haproxy import AdminSocket, Slots
+from apps.registry.models import RegisteredModel
 from backend_ge.runtime import free_port
 from tests.conftest import wait_for
 from tests.support.models import INFER_BODY, expected_output
@@ -123,8 +126,6 @@ def ready_instance(start_agent, name: str, **env):
 def pool_hosts(start_agent, artifact_root, budget_mb: int, names=("host-a",)):
     """Pool ``cpu`` with ``budget_mb`` of memory per instance and an agent per name joined to it by label (a
     heartbeat every 0.5 s, each with its own fleet root), every instance READY: (pool, {name: agent})."""
-    from apps.fleet.models import Pool
-
     pool = Pool.objects.create(name="cpu", memory_budget_mb=budget_mb)
     agents = {
         name: start_agent(
@@ -142,6 +143,100 @@ def pool_hosts(start_agent, artifact_root, budget_mb: int, names=("host-a",)):
             f"the instance of {name} to be READY\n{agent.output()}",
         )
     return pool, agents
+
+
+def deploy_to_pool(client, team_slug: str, model_slug: str, replicas: int = 1, agent: Agent | None = None):
+    """Deploy version 1 by intent (``replicas`` in pool ``cpu``) through the API and wait for SERVING; the
+    agent's log, when given, is in the message of a deployment that never got there."""
+    return wait_serving(request_pool_deployment(client, team_slug, model_slug, replicas), agent)
+
+
+def request_pool_deployment(client, team_slug: str, model_slug: str, replicas: int = 1) -> int:
+    """Ask the API for ``replicas`` of version 1 in pool ``cpu``: the new deployment's id."""
+    response = client.post(
+        f"/api/v1/teams/{team_slug}/deployments/",
+        {"model": model_slug, "version": 1, "replicas": replicas, "pool": "cpu"},
+        format="json",
+    )
+    assert response.status_code == 201, response.json()
+    return response.json()["id"]
+
+
+def wait_serving(pk: int, agent: Agent | None = None) -> Deployment:
+    return wait_for(
+        lambda: Deployment.objects.filter(pk=pk, state=DeploymentState.SERVING).first(),
+        120,
+        f"deployment {pk} to be SERVING\n{agent.output() if agent else ''}",
+    )
+
+
+def serve_in_pool(client, owner, team, start_agent, make_scaler_version, artifact_root, budget_mb: int,
+                  scales: dict[str, float]) -> tuple[Pool, Agent, dict[str, int]]:  # fmt: skip
+    """One agent (``host-a``) in pool ``cpu`` and a scaler model per slug in ``scales`` (output = input *
+    scale), each deployed there as one replica and SERVING: (pool, agent, {slug: deployment id})."""
+    pool, agents = pool_hosts(start_agent, artifact_root, budget_mb)
+    agent = agents["host-a"]
+    deployments = {}
+    for slug, scale in scales.items():  # all asked for before any is waited on: the agent loads them together
+        model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)
+        make_scaler_version(model, scale)
+        deployments[slug] = request_pool_deployment(client, team.slug, slug)
+    for pk in deployments.values():
+        wait_serving(pk, agent)
+    return pool, agent, deployments
+
+
+def asleep_and_unloaded(pk: int) -> bool:
+    """The deployment is scaled to zero and none of its replicas is still loaded."""
+    deployment = Deployment.objects.get(pk=pk)
+    return (
+        deployment.replicas == 0 and not deployment.placements.exclude(state=PlacementState.UNLOADED).exists()
+    )
+
+
+def ticking(predicate):
+    """A ``wait_for`` predicate that runs the autoscaler's and the scheduler's beat ticks before each look."""
+
+    def run():
+        autoscaling.autoscale()
+        healing.tick()
+        return predicate()
+
+    return run
+
+
+def while_the_scheduler_ticks(call, timeout: float = 90) -> list:
+    """Run ``call`` (a request that waits for a replica, say) in a thread while the scheduler's beat ticks
+    every 0.5 s, as beat runs it, for at most ``timeout`` s: ``[its result]``, or ``[]`` if it never returned."""
+    answered: list = []
+    thread = threading.Thread(target=lambda: answered.append(call()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while thread.is_alive() and time.monotonic() < deadline:
+        healing.tick()
+        thread.join(0.5)
+    return answered
+
+
+def timed_infer(gateway: GatewayProcess, model: str, token: str, timeout: float = 90):
+    """One request with a client timeout past the activation timeout (a held request is answered within it):
+    (status, headers, seconds, JSON body); status 0 with the error as the body if the connection failed."""
+    connection = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=timeout)
+    started = time.monotonic()
+    try:
+        connection.request("POST", f"/v2/models/{model}/infer", body=INFER_BODY,
+                           headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"})  # fmt: skip
+        response = connection.getresponse()
+        raw = response.read()
+    except OSError as exc:
+        return 0, {}, time.monotonic() - started, {"error": repr(exc)}
+    finally:
+        connection.close()
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = {"raw": raw[:300].decode(errors="replace")}
+    return response.status, dict(response.getheaders()), time.monotonic() - started, body
 
 
 def deploy(client, team_slug: str, model_slug: str, version: int, instances) -> Deployment:
