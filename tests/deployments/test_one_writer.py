@@ -25,6 +25,9 @@ OWNERS = {
     # are pending (and PENDING <-> DEPLOYING), and writes each decision's event. What a deployment's state
     # becomes from its placements' reports stays with services.
     "apps/deployments/scheduler.py": {"Deployment", "DeploymentInstance", "DeploymentEvent"},
+    # The scheduler's decisions for an ensemble's steps: the step replicas placed with an ensemble's replica
+    # (a step deployment's replicas grow by one where it lacked none, PENDING -> DEPLOYING), with their events.
+    "apps/deployments/ensemble_placing.py": {"Deployment", "DeploymentInstance", "DeploymentEvent"},
     "apps/deployments/rollouts.py": {"Rollout", "RolloutAnalysis"},
     # The autoscaler's decisions are replica counts (sleep and wake too), each with its event; the
     # placements they lead to are the scheduler's.
