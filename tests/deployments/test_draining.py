@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from apps.deployments import agent_api, autoscaling, draining, healing, scheduler, services
+from apps.deployments import agent_api, autoscaling, draining, healing, reports, scheduler, services
 from apps.deployments.models import Deployment, PlacementState
 from apps.fleet.models import Host, Pool
 from apps.gateway.state import Tracked, desired_state
@@ -30,7 +30,7 @@ def serving(owner, team):
     version = make_version(model)
     deployment = services.deploy_version(actor=owner, model=model, version=version, replicas=1, pool=pool)
     placement = deployment.placements.get()
-    assert services.placement_loaded(placement.pk, placement.generation, version)
+    assert reports.placement_loaded(placement.pk, placement.generation, version)
     autoscaling.configure(actor=owner, deployment=deployment, values=POLICY)
     return Deployment.objects.get(pk=deployment.pk)
 
