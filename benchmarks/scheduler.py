@@ -4,7 +4,7 @@ footprints, placed by ``apps.deployments.scheduler`` on PostgreSQL; then one hos
 Capacity is simulated (the rows an agent's inventory and the pool template would create: one NPU instance per
 device with its HBM minus the reserve as capacity); the decisions, row locks, events and reports are the
 platform's own code: ``services.deploy_version`` as the deploy API runs it, ``healing.tick`` as the beat runs
-it, ``services.placement_loaded`` as the agent API runs it for a report. Printed:
+it, ``reports.placement_loaded`` as the agent API runs it for a report. Printed:
 
 1. placement decision time (``scheduler.place_replicas``: candidates locked, memory summed, chosen, rows and
    events written) p50/p99, and the whole ``deploy_version`` call's;
@@ -199,11 +199,11 @@ def serve_everything() -> None:
 
 def report_loaded(placements) -> None:
     """What the agent API does with each agent's ``loaded`` report."""
-    from apps.deployments import services
+    from apps.deployments import reports
 
     for placement in placements:
         version = placement.deployment.target_version or placement.deployment.active_version
-        services.placement_loaded(placement.pk, placement.generation, version)
+        reports.placement_loaded(placement.pk, placement.generation, version)
 
 
 def lose_a_host(args, pool, figures: dict) -> None:

@@ -1,6 +1,6 @@
 """What the host agent tells the platform about placements, over the agent API (``placements/<id>/report``).
 
-The method names are those of the platform's ``apps.deployments.services.placement_*`` functions that receive
+The method names are those of the platform's ``apps.deployments.reports.placement_*`` functions that receive
 them, so ``hostagent.placement`` reads as the state machine does. Each call carries the generation the agent
 applied; the answer says whether it was accepted (a report for an older generation is dropped there) and the
 placement as it is now, which replaces this agent's copy. A report that cannot be delivered is logged and

@@ -5,7 +5,7 @@
   size, sha256). ``ETag`` is the host's desired generation: an agent polling with ``If-None-Match`` gets a 304
   for one indexed query while nothing changed.
 - ``POST placements/<id>/report``: loaded / failed (with Triton's own error) / unloaded / lost / started /
-  waiting, with the generation the agent applied; ``apps.deployments.services`` drops a stale one.
+  waiting, with the generation the agent applied; ``apps.deployments.reports`` drops a stale one.
 - ``GET versions/<id>/manifest`` and ``versions/<id>/files/<path>``: only versions placed on this host.
 
 Another host's placements and instances, and versions not placed on this host, are 404.
@@ -22,7 +22,7 @@ from django.db.models import Q
 from django.http import FileResponse, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET, require_POST
 
-from apps.deployments import ensembles, healing, services
+from apps.deployments import ensembles, healing, reports
 from apps.deployments.models import (
     Deployment,
     DeploymentInstance,
@@ -220,7 +220,7 @@ def _public(text: str) -> str:
 @require_POST
 @host_only
 def placement_report(request, placement_id: int):
-    """Hand the agent's result to ``apps.deployments.services``; answers whether it was accepted (a report
+    """Hand the agent's result to ``apps.deployments.reports``; answers whether it was accepted (a report
     for an older generation is not: a newer decision was made) and the placement as it is now."""
     placement = (
         DeploymentInstance.objects.filter(pk=placement_id, instance__host=request.host)
@@ -237,34 +237,32 @@ def placement_report(request, placement_id: int):
     still = _version_of(deployment, report.still_serving, "still_serving")
     message, err = _public(report.message), _public(report.error)
     if result == PlacementResult.STARTED:
-        accepted = services.placement_started(placement.pk, generation)
+        accepted = reports.placement_started(placement.pk, generation)
     elif result == PlacementResult.WAITING:
-        accepted = services.placement_waiting(placement.pk, generation, message or err)
+        accepted = reports.placement_waiting(placement.pk, generation, message or err)
     elif result == PlacementResult.LOADED:
         kind = report.kind.value if report.kind else None
-        accepted = services.placement_loaded(
+        accepted = reports.placement_loaded(
             placement.pk, generation, version, kind=kind, message=message, canary=canary
         )
         if accepted and report.footprint_mb is not None:
-            services.footprint_measured(version.pk, report.footprint_mb)
+            reports.footprint_measured(version.pk, report.footprint_mb)
     elif result == PlacementResult.FAILED:
-        accepted = services.placement_failed(
+        accepted = reports.placement_failed(
             placement.pk, generation, err, version=version, still_serving=still, message=message
         )
     elif result == PlacementResult.CANARY_LOADED:
-        accepted = services.placement_canary_loaded(
-            placement.pk, generation, version, canary, message=message
-        )
+        accepted = reports.placement_canary_loaded(placement.pk, generation, version, canary, message=message)
     elif result == PlacementResult.CANARY_FAILED:
-        accepted = services.placement_canary_failed(
+        accepted = reports.placement_canary_failed(
             placement.pk, generation, err, canary=canary, still_serving=still
         )
     elif result == PlacementResult.UNLOADED:
-        accepted = services.placement_unloaded(placement.pk, generation, message)
+        accepted = reports.placement_unloaded(placement.pk, generation, message)
         if accepted and placement.evicted_for_id is not None:
             _place_in_freed_room(placement.evicted_for_id)
     else:
-        accepted = services.placement_lost(placement.pk, generation, err, reloading=report.reloading)
+        accepted = reports.placement_lost(placement.pk, generation, err, reloading=report.reloading)
     # Only this instance's placements of the model decide the answer (``_reused``): a host with many
     # placements of one model must not make every report read them all.
     live = _live_placements(

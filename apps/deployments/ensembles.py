@@ -180,7 +180,7 @@ def check_no_ensemble_depends(deployment: Deployment, action: str, keep: ModelVe
         )
 
 
-# --- Placing an ensemble's replicas with its steps (the scheduler decides, ``apps.deployments.scheduler``) --
+# --- Placing an ensemble's replicas with its steps (``apps.deployments.ensemble_placing`` decides) ----------
 
 
 @dataclass

@@ -123,7 +123,7 @@ def remove_unwanted_instances() -> int:
 
 def ensembles_first():
     """Ensembles before models: an ensemble's replica placed again takes the replicas its steps lost with it
-    (``scheduler._place_steps_with``), instead of each step placing its own wherever it fits."""
+    (``ensemble_placing.place_steps_with``), instead of each step placing its own wherever it fits."""
     return Case(When(model__kind=ModelKind.ENSEMBLE, then=Value(0)), default=Value(1))
 
 

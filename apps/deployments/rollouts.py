@@ -3,7 +3,7 @@ its figures pass the gates, rolled back automatically when they do not.
 
 Lifecycle (the state machine is ``Rollout``'s): ``start_rollout`` records the rollout at weight 0 and a new
 decision on every placement, so each agent loads the canary beside the stable version (smoke-tested first)
-and reports it (``services.placement_canary_loaded``). The beat task ``check_rollouts`` then, every tick:
+and reports it (``reports.placement_canary_loaded``). The beat task ``check_rollouts`` then, every tick:
 
 - raises the weight to the first step once every READY placement serves the canary, and takes the counters
   the first window is measured from;
@@ -18,8 +18,9 @@ first, then rollout, as the placement reports do.
 
 The only writer of ``Rollout`` and ``RolloutAnalysis`` rows. What a rollout does to its deployment (a new
 decision on the placements, the promotion's switch, a step in the deployment's history) it asks of the
-deployments' owner, ``apps.deployments.services``; what ends a rollout there (an undeploy, a canary that
-fails to load) comes back as a signal that ``apps.deployments.receivers`` hands to ``end_rollout``.
+deployments' owner, ``apps.deployments.services``; what ends a rollout there (an undeploy, or a canary that
+fails to load: ``apps.deployments.reports``) comes back as a signal that ``apps.deployments.receivers``
+hands to ``end_rollout``.
 """
 
 from __future__ import annotations

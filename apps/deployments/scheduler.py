@@ -13,7 +13,8 @@ first, then by name) before its instances' reserved memory is read, so two deplo
 serialized and never overcommit an instance. Each instance's reserved memory (``TritonInstance.reserved_mb``)
 is kept by the writers of placements inside the same transaction (``apps.deployments.reserved``), so a
 decision reads its pool's instances without their placements - and only those its choice can reach, in the
-policy's order (``_choose_in``). The pure choice is ``apps.deployments.choice``.
+policy's order (``_choose_in``). The pure choice is ``apps.deployments.choice``; an ensemble's replica goes
+where its steps are placed or can be placed with it (``apps.deployments.ensemble_placing``).
 
 Writes: placements it creates, retires or releases, the deployment's ``pending_reason`` and PENDING <->
 DEPLOYING, and one event per decision with its inputs - an owner beside ``apps.deployments.services``
@@ -36,7 +37,7 @@ from django.db.models import Count, F, IntegerField, Q, Subquery, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from apps.deployments import draining, ensembles
+from apps.deployments import draining, ensemble_placing, ensembles
 from apps.deployments.choice import ALTERNATIVES_SHOWN, Candidate, Choice, choose, gib, most_free
 from apps.deployments.models import (
     Deployment,
@@ -46,7 +47,6 @@ from apps.deployments.models import (
     PlacementState,
     Spread,
 )
-from apps.deployments.reserved import refresh_reserved
 from apps.fleet.models import DesiredInstanceState, InstanceState, PlacementPolicy, Pool, TritonInstance
 from apps.fleet.services import notify_hosts
 from apps.registry.models import ModelVersion
@@ -260,7 +260,7 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
         return []
     held = replica_held_mb(deployment)
     need = held or 1
-    steps = _ensemble_steps(deployment)
+    steps = ensemble_placing.ensemble_steps(deployment)
     needs: dict[int, int] = {}
     taken_hosts = {host_id for _, host_id in current}
     taken_instances = {instance_id for instance_id, _ in current}
@@ -268,7 +268,7 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
     reasons = []
     pools = pools_for(deployment)
     for pool in pools:
-        need_of = _need_with_steps(steps, need, pool) if steps is not None else None
+        need_of = ensemble_placing.need_with_steps(steps, need, pool) if steps is not None else None
         choice, candidates = _choose_in(
             pool,
             need_mb=need,
@@ -312,7 +312,9 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
                  .values_list("pk", flat=True))  # fmt: skip
         TritonInstance.objects.filter(pk__in=adding).update(reserved_mb=F("reserved_mb") + held)
     if steps is not None:
-        placements += _place_steps_with(deployment, decided, steps)
+        placements += ensemble_placing.place_steps_with(
+            deployment, decided, steps, all_placed=lambda step_deployment: _set_pending(step_deployment, "")
+        )
     still = missing - len(decided)
     reason = f"{still} of {deployment.replicas} replica(s) pending: {'; '.join(reasons)}" if still else ""
     _set_pending(deployment, reason, need_mb=need)
@@ -377,127 +379,10 @@ def _create_placements(
     return list(DeploymentInstance.objects.filter(pk__in=pks).select_related("instance__host").order_by("pk"))
 
 
-# --- An ensemble and its steps: placed together, moved together --------------------------------------------
-# Triton runs an ensemble inside one server, calling its steps there: an ensemble's replica goes only where
-# every step version it calls is placed, or where the steps it lacks can be placed with it (the memory of
-# all of them checked together); those steps' deployments then get a replica there - filling replicas they
-# lack first (a lost host's), else one more replica each. Moving one (a lost host, a drain) moves them
-# together (``retire``), and a step's replica under a live ensemble replica is never released or removed.
-
-
-def _ensemble_steps(deployment: Deployment) -> list[ensembles.StepPlacing] | None:
-    """None for a model; for an ensemble, its version's steps with their deployments, row-locked (after the
-    ensemble's own lock, which the caller holds: always ensemble, then its steps by id)."""
-    if not deployment.model.is_ensemble():
-        return None
-    version = deployment.target_version or deployment.active_version
-    model_ids = set(version.ensemble_steps.values_list("step_version__model_id", flat=True))
-    list(
-        Deployment.objects.select_for_update()
-        .filter(model_id__in=model_ids)
-        .exclude(state__in=GONE)
-        .order_by("pk")
-        .values_list("pk", flat=True)
-    )
-    return ensembles.steps_for_placing(version)
-
-
-def _need_with_steps(
-    steps: list[ensembles.StepPlacing], base_mb: int, pool: Pool
-) -> Callable[[Candidate], int | None]:
-    """What an ensemble replica needs on an instance: itself, a pinned step version beside a step's own
-    where the step is placed, a whole replica of each step where it is not (None where one cannot go)."""
-
-    def need_of(candidate: Candidate) -> int | None:
-        total = base_mb
-        for step in steps:
-            if candidate.instance_id in step.placed:
-                total += step.companion_mb
-            elif step.addable_in(pool.pk):
-                total += step.new_mb
-            else:
-                return None
-        return total
-
-    return need_of
-
-
-def _place_steps_with(
-    ensemble: Deployment, decided: list[tuple[Candidate, Pool, Choice]], steps: list[ensembles.StepPlacing]
-) -> list[DeploymentInstance]:
-    """The steps' side of an ensemble's placement: a replica of each step it lacks on each chosen instance,
-    and a new decision where a step serves another version there (its agent loads the pinned one beside).
-    Returns the placements decided, for ``enqueue``."""
-    decided_rows: list[DeploymentInstance] = []
-    for candidate, pool, _ in decided:
-        for step in steps:
-            step_deployment = step.deployment
-            if candidate.instance_id in step.placed:
-                if step.companion_mb:
-                    rows = step_deployment.placements.filter(
-                        instance_id=candidate.instance_id, retiring_reason=""
-                    )
-                    pks = list(rows.values_list("pk", flat=True))
-                    DeploymentInstance.objects.filter(pk__in=pks).update(generation=F("generation") + 1)
-                    decided_rows += DeploymentInstance.objects.filter(pk__in=pks).select_related(
-                        "instance__host"
-                    )
-                continue
-            decided_rows += _add_step_replica(ensemble, step, candidate, pool)
-            step.placed.add(candidate.instance_id)
-    return decided_rows
-
-
-def _add_step_replica(
-    ensemble: Deployment, step: ensembles.StepPlacing, candidate: Candidate, pool: Pool
-) -> list[DeploymentInstance]:
-    step_deployment = step.deployment
-    row = step_deployment.placements.filter(instance_id=candidate.instance_id).first()
-    if row is not None:
-        DeploymentInstance.objects.filter(pk=row.pk).update(
-            generation=F("generation") + 1,
-            state=PlacementState.PENDING,
-            retiring_reason="",
-            unload=False,
-            draining_since=None,
-            evicted_for=None,
-            last_error="",
-        )
-    else:
-        row = DeploymentInstance.objects.create(deployment=step_deployment, instance_id=candidate.instance_id)
-    refresh_reserved([candidate.instance_id])
-    grew = ""
-    if step.short > 0:
-        step.short -= 1  # a replica it lacked (its own was on a lost or drained instance)
-    else:
-        before = step_deployment.replicas
-        step_deployment.replicas = before + 1
-        step_deployment.save(update_fields=["replicas", "updated_at"])
-        grew = f"; its replicas {before} -> {step_deployment.replicas}"
-    if step_deployment.state == DeploymentState.PENDING:
-        step_deployment.state = DeploymentState.DEPLOYING
-        step_deployment.save(update_fields=["state", "updated_at"])
-    step_deployment.events.create(
-        kind="placed",
-        message=(
-            f"replica placed on {candidate.label} in {pool.name} with a replica of ensemble "
-            f"{ensemble.model.slug}, which calls {step.pinned} there: needs {gib(step.new_mb)}{grew}"
-        ),
-        instance_id=candidate.instance_id,
-        details={
-            "pool": pool.name,
-            "ensemble": ensemble.pk,
-            "ensemble_model": ensemble.model.slug,
-            "step": step.position,
-            "need_mb": step.new_mb,
-            "instance_free_mb_after": candidate.free_mb,
-            "capacity_mb": candidate.capacity_mb,
-            "replicas": step_deployment.replicas,
-        },
-    )
-    if step.short == 0:
-        _set_pending(step_deployment, "")
-    return list(DeploymentInstance.objects.filter(pk=row.pk).select_related("instance__host"))
+# --- An ensemble and its steps: moved together -----------------------------------------------------------
+# Placed together by ``apps.deployments.ensemble_placing``; moving an ensemble's replica (a lost host, a
+# drain) retires its steps' replicas on the same instance with it (``retire``), and a step's replica under a
+# live ensemble replica is never released or removed.
 
 
 def _retire_steps_with(ensemble: Deployment, placements: list[DeploymentInstance], reason: str) -> list:

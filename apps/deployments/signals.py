@@ -1,6 +1,7 @@
 """Signals of deployments, for apps that build on them (apps above this one listen; this one never imports
 them), and for the rollout state machine (``apps.deployments.rollouts`` builds on ``services``, so
-``services`` announces what ends a rollout instead of writing rollout rows itself)."""
+``services`` and the agents' ``reports`` announce what ends a rollout instead of writing rollout rows
+themselves)."""
 
 from django.dispatch import Signal
 

@@ -10,6 +10,7 @@ import pytest
 from django.utils import timezone
 
 from apps.conversions.models import ConversionJob, JobState
+from apps.deployments import reports
 from apps.deployments import services as deployments
 from apps.deployments.models import PlacementState
 from apps.registry.models import ModelVersion
@@ -161,7 +162,7 @@ def test_version_page_in_the_browser_archive_refused_then_deleted_after_undeploy
 
     deployments.undeploy(actor=owner, deployment=estate["deployment"])
     placement = estate["deployment"].placements.get()
-    deployments.placement_unloaded(placement.pk, placement.generation, "unloaded")
+    reports.placement_unloaded(placement.pk, placement.generation, "unloaded")
     page.goto(f"{live_server.url}/teams/vision/models/classifier/versions/1/")
     page.fill("#id_note", "Kept for the audit of May.")
     page.fill("#id_tags", "prod, audit-2026")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from apps.deployments import services
+from apps.deployments import reports, services
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState, Rollout
 
 
@@ -26,6 +26,6 @@ def serving(owner, version, instances) -> Deployment:
 
 def report_canary(rollout: Rollout) -> None:
     for placement in rollout.deployment.placements.all():
-        services.placement_canary_loaded(
+        reports.placement_canary_loaded(
             placement.pk, placement.generation, rollout.stable_version, rollout.canary_version
         )

@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from apps.deployments import agent_api, autoscaling, draining, healing, reserved, scheduler, services
+from apps.deployments import agent_api, autoscaling, draining, healing, reports, reserved, scheduler, services
 from apps.deployments.models import Deployment, DeploymentState, PlacementState
 from apps.fleet.models import Host, Pool
 from apps.gateway.state import Tracked, desired_state
@@ -32,7 +32,7 @@ def serving(owner, team):
     version = make_version(model)
     deployment = services.deploy_version(actor=owner, model=model, version=version, replicas=1, pool=pool)
     placement = deployment.placements.get()
-    assert services.placement_loaded(placement.pk, placement.generation, version)
+    assert reports.placement_loaded(placement.pk, placement.generation, version)
     autoscaling.configure(actor=owner, deployment=deployment, values=POLICY)
     return Deployment.objects.get(pk=deployment.pk)
 
@@ -129,7 +129,7 @@ def undeploy(owner, deployment) -> Deployment:
 def unloaded_by_its_agent(placement) -> Deployment:
     """What the agent reports once it applied the undeploy it was handed."""
     placement.refresh_from_db()
-    assert services.placement_unloaded(placement.pk, placement.generation, "unloaded")
+    assert reports.placement_unloaded(placement.pk, placement.generation, "unloaded")
     return Deployment.objects.get(pk=placement.deployment_id)
 
 

@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from apps.deployments import healing, reserved, rollouts, scheduler, services
+from apps.deployments import healing, reports, reserved, rollouts, scheduler, services
 from apps.deployments.agent_api import desired_state_of
 from apps.deployments.models import Deployment, DeploymentState, PlacementState
 from apps.fleet import pools
@@ -271,12 +271,10 @@ def test_a_rolled_back_step_switch_unloads_the_companion_and_leaves_the_old_serv
     # The rollout: resnet50 v2 loaded beside v1 (a companion), the ensemble's canary v2 beside its v1.
     assert step_entry()["canary_target"] == resnet_v2.pk
     step_placement = resnet.placements.get()
-    assert services.placement_loaded(
-        step_placement.pk, step_placement.generation, resnet_v1, canary=resnet_v2
-    )
+    assert reports.placement_loaded(step_placement.pk, step_placement.generation, resnet_v1, canary=resnet_v2)
     placement = ensemble.placements.get()
     placement.refresh_from_db()
-    assert services.placement_canary_loaded(placement.pk, placement.generation, version, v2)
+    assert reports.placement_canary_loaded(placement.pk, placement.generation, version, v2)
 
     # Rolled back: while the ensemble's canary is still loaded (it gets no traffic), its step stays ...
     rollouts.abort(actor=owner, rollout=rollout)
@@ -287,12 +285,12 @@ def test_a_rolled_back_step_switch_unloads_the_companion_and_leaves_the_old_serv
     assert services.follow_ensemble_steps() == 0
     placement.refresh_from_db()
     with django_capture_on_commit_callbacks(execute=True):  # the report's follow-up runs once committed
-        assert services.placement_loaded(placement.pk, placement.generation, version)  # v1 alone
+        assert reports.placement_loaded(placement.pk, placement.generation, version)  # v1 alone
     step_placement.refresh_from_db()
     assert step_placement.generation > step_placement.applied_generation  # a new decision for the step
     assert step_entry()["canary_target"] is None and step_entry()["target"] == resnet_v1.pk
     assert resnet.events.filter(kind="companion_unloaded").exists()
-    assert services.placement_loaded(step_placement.pk, step_placement.generation, resnet_v1)
+    assert reports.placement_loaded(step_placement.pk, step_placement.generation, resnet_v1)
     resnet.refresh_from_db()
     step_placement.refresh_from_db()
     assert resnet.state == DeploymentState.SERVING and resnet.active_version == resnet_v1

@@ -1,5 +1,6 @@
-"""One writer per model: ``apps.deployments.services`` writes deployments, placements and events, and
-``apps.deployments.scheduler`` places replicas (creates and retires placements, with their events),
+"""One writer per model: ``apps.deployments.services`` writes deployments, placements and events (the agents'
+reports on placements in ``apps.deployments.reports``), ``apps.deployments.scheduler`` places replicas
+(creates and retires placements, with their events; an ensemble's steps in ``.ensemble_placing``), and
 ``apps.deployments.rollouts`` (the rollout state machine's owner) writes rollouts and their analyses. Every
 other module of the platform - signal receivers, other apps, pages - calls them instead of writing rows.
 
@@ -25,6 +26,12 @@ OWNERS = {
     # are pending (and PENDING <-> DEPLOYING), and writes each decision's event. What a deployment's state
     # becomes from its placements' reports stays with services.
     "apps/deployments/scheduler.py": {"Deployment", "DeploymentInstance", "DeploymentEvent"},
+    # The scheduler's decisions for an ensemble's steps: the step replicas placed with an ensemble's replica
+    # (a step deployment's replicas grow by one where it lacked none; PENDING -> DEPLOYING), with events.
+    "apps/deployments/ensemble_placing.py": {"Deployment", "DeploymentInstance", "DeploymentEvent"},
+    # The agents' reports: the placement a report is about (fenced on its generation) and its event. What the
+    # deployment's state becomes from them is settled by services.
+    "apps/deployments/reports.py": {"DeploymentInstance", "DeploymentEvent"},
     "apps/deployments/rollouts.py": {"Rollout", "RolloutAnalysis"},
     # The autoscaler's decisions are replica counts (sleep and wake too), each with its event; the
     # placements they lead to are the scheduler's.

@@ -9,7 +9,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from apps.deployments import services
+from apps.deployments import reports, services
 from apps.deployments.models import DeploymentInstance, DeploymentState, PlacementState
 from tests.support.models import add_instance
 
@@ -33,7 +33,7 @@ def deploy_on(owner, version, host, count: int):
 
 def loaded_queries(placement, version) -> list[str]:
     with CaptureQueriesContext(connection) as queries:
-        assert services.placement_loaded(placement.pk, placement.generation, version)
+        assert reports.placement_loaded(placement.pk, placement.generation, version)
     return [q["sql"] for q in queries.captured_queries]
 
 
@@ -50,7 +50,7 @@ def test_a_loaded_report_costs_the_same_queries_for_3_and_30_placements(owner, m
     # Not the last placement: the deployment stays DEPLOYING and nothing is read per placement.
     assert len(loaded_queries(small[0], version)) == len(loaded_queries(big[0], v2))
     for placement in big[1:-1]:
-        services.placement_loaded(placement.pk, placement.generation, v2)
+        reports.placement_loaded(placement.pk, placement.generation, v2)
     big_deployment.refresh_from_db()
     assert big_deployment.state == DeploymentState.DEPLOYING
     # The last one: SERVING, with the event naming the version.
@@ -64,16 +64,16 @@ def test_a_loaded_report_costs_the_same_queries_for_3_and_30_placements(owner, m
 def test_started_and_waiting_take_no_lock_and_a_stale_one_is_refused(owner, model, version, shared_host):
     deployment, (placement,) = deploy_on(owner, version, shared_host, 1)
     with CaptureQueriesContext(connection) as queries:
-        assert services.placement_started(placement.pk, 1)
-        assert services.placement_waiting(placement.pk, 1, "instance not running")
+        assert reports.placement_started(placement.pk, 1)
+        assert reports.placement_waiting(placement.pk, 1, "instance not running")
     assert not any("FOR UPDATE" in q["sql"] for q in queries.captured_queries)
     assert DeploymentInstance.objects.get(pk=placement.pk).state == PlacementState.LOADING
     services.undeploy(actor=owner, deployment=deployment)  # a new decision: generation 2
-    assert not services.placement_started(placement.pk, 1)
-    assert not services.placement_waiting(placement.pk, 1, "late")
+    assert not reports.placement_started(placement.pk, 1)
+    assert not reports.placement_waiting(placement.pk, 1, "late")
     fresh = DeploymentInstance.objects.get(pk=placement.pk)
     assert fresh.generation == 2 and fresh.last_error == "instance not running"
-    assert services.placement_started(placement.pk, 2)
+    assert reports.placement_started(placement.pk, 2)
 
 
 def test_a_report_through_the_agent_api_reads_only_its_own_instances_placements(

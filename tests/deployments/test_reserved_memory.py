@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from apps.deployments import healing, reserved, scheduler, services
+from apps.deployments import healing, reports, reserved, scheduler, services
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet import pools
 from apps.fleet.models import Host, Pool, TritonInstance
@@ -62,9 +62,9 @@ def report(deployment: Deployment, *, loaded: bool = True, only=None) -> None:
     rows = deployment.placements.exclude(state=PlacementState.UNLOADED)
     for placement in rows.filter(**(only or {})):
         if placement.unload or not loaded:
-            services.placement_unloaded(placement.pk, placement.generation, "unloaded")
+            reports.placement_unloaded(placement.pk, placement.generation, "unloaded")
         else:
-            services.placement_loaded(placement.pk, placement.generation, version)
+            reports.placement_loaded(placement.pk, placement.generation, version)
     assert_kept()
 
 
@@ -95,7 +95,7 @@ def test_deploy_switch_and_undeploy_keep_the_figure(owner, model, pool):
 def test_a_failed_first_deploy_reserves_nothing(owner, model, pool):
     deployment = deploy(owner, sized(model, mb=300), replicas=1, pool=pool)
     placement = deployment.placements.get()
-    services.placement_failed(
+    reports.placement_failed(
         placement.pk, placement.generation, "boom", version=deployment.target_version, still_serving=None
     )
     assert_kept()
@@ -118,7 +118,7 @@ def test_healing_a_lost_host_keeps_the_figure(owner, model, team, pool):
     tick()  # the replacement serves: the lost replica is told to unload
     lost.refresh_from_db()
     assert lost.unload
-    services.placement_unloaded(lost.pk, lost.generation, "unloaded")
+    reports.placement_unloaded(lost.pk, lost.generation, "unloaded")
     assert_kept()
     assert sum(reserved_by_host().values()) == 2 * 300 + 3 * 50
 
@@ -146,10 +146,10 @@ def test_a_measured_footprint_replaces_the_estimate_on_the_instances(owner, mode
     assert estimate == 64 + 15
     deployment = deploy(owner, version, replicas=2, pool=pool)
     assert sorted(reserved_by_host().values()) == [0, estimate, estimate]
-    assert services.footprint_measured(version.pk, 1234)
+    assert reports.footprint_measured(version.pk, 1234)
     assert_kept()
     assert sorted(reserved_by_host().values()) == [0, 1234, 1234]
-    assert not services.footprint_measured(version.pk, 99)  # only the first load's measure counts
+    assert not reports.footprint_measured(version.pk, 99)  # only the first load's measure counts
     report(deployment)
     assert sorted(reserved_by_host().values()) == [0, 1234, 1234]
 

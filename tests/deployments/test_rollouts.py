@@ -10,7 +10,7 @@ import pytest
 from django.utils import timezone
 
 from apps.audit.models import AuditEvent
-from apps.deployments import rollouts, services
+from apps.deployments import reports, rollouts, services
 from apps.deployments.models import (
     DeploymentInstance,
     DeploymentState,
@@ -222,7 +222,7 @@ def test_promote_now_switches_the_deployment_to_the_canary(
     assert deployment.state == DeploymentState.SWITCHING and deployment.target_version == canary
     # The agent switches (old+new, then new only) and reports: the canary serves alone.
     placement = deployment.placements.get()
-    services.placement_loaded(placement.pk, placement.generation, canary)
+    reports.placement_loaded(placement.pk, placement.generation, canary)
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.SERVING and deployment.active_version == canary
     assert deployment.placements.get().canary_version is None
@@ -234,7 +234,7 @@ def test_a_canary_that_fails_to_load_rolls_the_rollout_back_and_stable_keeps_ser
 ):
     rollout = rollouts.start_rollout(actor=owner, deployment=deployment, canary=canary, step_interval_s=2)
     placement = deployment.placements.get()
-    services.placement_canary_failed(
+    reports.placement_canary_failed(
         placement.pk, placement.generation, "smoke inference failed", canary=canary, still_serving=version
     )
     rollout.refresh_from_db()
@@ -253,7 +253,7 @@ def test_undeploy_aborts_a_live_rollout(owner, deployment, canary, enqueued):
 def test_a_stale_canary_report_is_dropped(owner, deployment, canary, instance, enqueued):
     rollout = rollouts.start_rollout(actor=owner, deployment=deployment, canary=canary)
     placement = deployment.placements.get()
-    assert not services.placement_canary_loaded(
+    assert not reports.placement_canary_loaded(
         placement.pk, placement.generation - 1, rollout.stable_version, canary
     )
     assert deployment.placements.get().canary_version is None
@@ -273,7 +273,7 @@ def test_a_live_rollouts_versions_are_in_use_and_an_ended_rollout_lets_a_deleted
     rollouts.abort(actor=owner, rollout=rollout)
     rollouts.check_rollouts(timezone.now() + timedelta(seconds=60))
     placement = deployment.placements.get()
-    services.placement_loaded(
+    reports.placement_loaded(
         placement.pk, placement.generation, rollout.stable_version
     )  # the canary unloaded
     assert owner_client.delete(f"{versions}2/").status_code == 204

@@ -9,7 +9,7 @@ import pytest
 from django.utils import timezone
 
 from apps.audit.models import AuditEvent
-from apps.deployments import healing, services
+from apps.deployments import healing, reports, services
 from apps.deployments.models import Deployment, PlacementState
 from apps.fleet import pools
 from apps.fleet.models import DesiredInstanceState, Host, InstanceState, Pool, TritonInstance
@@ -136,7 +136,7 @@ def test_a_host_that_changes_pools_has_its_template_instance_drained_then_made_b
     # Its replica is on the host that moves (both are empty: the lower id is chosen), and serves.
     placement = deployment.placements.get()
     assert placement.instance.host == moving
-    services.placement_loaded(placement.pk, placement.generation, version)
+    reports.placement_loaded(placement.pk, placement.generation, version)
     first = TritonInstance.objects.get(host=moving)
 
     pools.set_labels(actor=staff, host=moving, labels={"pool": "new"})
@@ -150,11 +150,11 @@ def test_a_host_that_changes_pools_has_its_template_instance_drained_then_made_b
     healing.tick()
     replacement = deployment.placements.get(retiring_reason="")
     assert replacement.instance.host == staying
-    services.placement_loaded(replacement.pk, replacement.generation, version)
+    reports.placement_loaded(replacement.pk, replacement.generation, version)
     healing.tick()  # the replacement serves: the old replica unloads
     placement.refresh_from_db()
     assert placement.unload
-    services.placement_unloaded(placement.pk, placement.generation, "unloaded")
+    reports.placement_unloaded(placement.pk, placement.generation, "unloaded")
     healing.tick()  # nothing left on it: stopped ...
     first.refresh_from_db()
     assert first.desired_state == DesiredInstanceState.STOPPED

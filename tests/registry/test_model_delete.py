@@ -9,7 +9,7 @@ import pytest
 from django.utils import timezone
 
 from apps.audit.models import AuditEvent
-from apps.deployments import rollouts
+from apps.deployments import reports, rollouts
 from apps.deployments import services as deployments
 from apps.deployments.models import (
     Deployment,
@@ -45,7 +45,7 @@ def undeployed(owner, deployment: Deployment) -> Deployment:
     """Undeploy, and the agent reports the instance unloaded."""
     deployments.undeploy(actor=owner, deployment=deployment)
     placement = deployment.placements.get()
-    assert deployments.placement_unloaded(placement.pk, placement.generation, "unloaded")
+    assert reports.placement_unloaded(placement.pk, placement.generation, "unloaded")
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.UNDEPLOYED
     return deployment

@@ -7,6 +7,7 @@ import pytest
 from django.core.exceptions import ValidationError
 
 from apps.audit.models import AuditEvent
+from apps.deployments import reports
 from apps.deployments import services as deployments
 from apps.deployments.models import Deployment, DeploymentState
 from apps.registry import versions
@@ -77,7 +78,7 @@ def test_delete_after_undeploy_releases_the_history_and_keeps_the_deployment(
     deployment = serve(owner, v1, instance)
     deployments.undeploy(actor=owner, deployment=deployment)
     placement = deployment.placements.get()
-    deployments.placement_unloaded(placement.pk, placement.generation, "unloaded")
+    reports.placement_unloaded(placement.pk, placement.generation, "unloaded")
     deployment.refresh_from_db()
     assert deployment.state == DeploymentState.UNDEPLOYED
     response = maintainer_client.delete(f"{URL}1/")
