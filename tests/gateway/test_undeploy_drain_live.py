@@ -23,7 +23,7 @@ from apps.registry.models import RegisteredModel
 from tests.conftest import wait_for
 from tests.factories import ready_onnx_version
 from tests.support.models import scaler_onnx
-from tests.support.servers import pool_hosts, requires_haproxy
+from tests.support.servers import deploy_to_pool, pool_hosts, requires_haproxy
 
 pytestmark = [pytest.mark.triton, requires_haproxy, pytest.mark.django_db(transaction=True)]
 
@@ -85,16 +85,7 @@ def test_requests_in_flight_when_a_deployment_is_undeployed_answer_and_later_one
     ready_onnx_version(
         model, scaler_onnx(2.0), tmp_path, preferred_batch_sizes=(8,), max_queue_delay_us=int(SLOW_S * 1e6)
     )
-    response = owner_client.post(
-        URL, {"model": "slow", "version": 1, "replicas": 1, "pool": "cpu"}, format="json"
-    )
-    assert response.status_code == 201, response.json()
-    deployment = Deployment.objects.get(pk=response.json()["id"])
-    wait_for(
-        lambda: Deployment.objects.filter(pk=deployment.pk, state=DeploymentState.SERVING).exists(),
-        120,
-        f"the deployment to be SERVING\n{agent.output()}",
-    )
+    deployment = deploy_to_pool(owner_client, "vision", "slow", agent=agent)
     gateway = start_gateway()
     _, secret = make_token(name="undeploy")
     wait_for(lambda: gateway.infer("vision__slow", secret)[0] == 200, 30, "the model through the gateway")
