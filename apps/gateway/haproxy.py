@@ -426,12 +426,6 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         lines += [
             f"backend {name}",
             "    balance leastconn",
-            # No server connection outlives its request: HAProxy 2.6 keeps a keep-alive client's server
-            # connection with its session and reuses it for the client's next request to "the same server",
-            # compared by the server's address in memory - which a server deleted at run time hands on to one
-            # added later (another instance): the request then reached the old instance with the new one's
-            # key (Triton's 403). A connection on loopback per request costs far less than that.
-            "    option http-server-close",
             # The slot's servers are checked with the readiness of the model (version) it serves now:
             # the path comes from checks.map, which changes at run time with the slot's owner.
             "    option httpchk",

@@ -17,7 +17,7 @@ from apps.deployments.models import Deployment, DeploymentInstance, DeploymentSt
 from apps.fleet.models import InstanceState, TritonInstance
 from apps.gateway.haproxy import Slots
 from apps.gateway.services import Gateway
-from backend_ge.runtime import API_KEY_HEADER, free_port
+from backend_ge.runtime import free_port
 from tests.conftest import wait_for
 from tests.support.models import add_instance, serving_rows
 from tests.support.servers import requires_haproxy
@@ -49,10 +49,6 @@ def servers(gateway: Gateway) -> dict[str, dict[str, str]]:
 
 def owners(gateway: Gateway) -> dict[str, str]:
     return Slots.read(Path(gateway.o.directory) / "slots.map", 1).owners
-
-
-def slot_of(gateway: Gateway, deployment: Deployment) -> str:
-    return next(slot for slot, owner in owners(gateway).items() if owner == f"d{deployment.pk}")
 
 
 def test_deployments_take_slots_at_run_time_and_only_an_exhausted_pool_reloads(
@@ -315,94 +311,3 @@ def http_status(gateway: Gateway, path: str, token: str) -> int:
         return response.status
     finally:
         connection.close()
-
-
-class KeyedInstance:
-    """An instance's HTTP port that answers only requests carrying its instance key, as tritonserver's
-    restricted API does (403 otherwise), keeps connections alive as tritonserver does, and counts the
-    connections open to it."""
-
-    def __init__(self) -> None:
-        self.key = ""
-        self.open = 0
-        keyed = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive, as tritonserver
-
-            def setup(self):
-                super().setup()
-                keyed.open += 1
-
-            def finish(self):
-                keyed.open -= 1
-                super().finish()
-
-            def do_GET(self):  # noqa: N802 - the stdlib's name
-                self._answer(200)
-
-            def do_POST(self):  # noqa: N802 - the stdlib's name
-                self.rfile.read(int(self.headers.get("content-length", 0)))
-                self._answer(200 if self.headers.get(API_KEY_HEADER) == keyed.key else 403)
-
-            def _answer(self, code: int):
-                body = f'{{"port": {keyed.port}}}'.encode()
-                self.send_response(code)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def test_no_server_connection_outlives_its_request(gateway, team, owner, shared_host, make_token):
-    """HAProxy 2.6 keeps a keep-alive client's server connection with the client's session and reuses it for
-    the client's next request to "the same server" - compared by the server's address in memory. A server
-    deleted at run time and another added (another deployment, another instance) can take that memory: the
-    client's next request then went over the old connection to the old instance with the new instance's key
-    (Triton's 403 - seen in a capture: 2-3 requests in 3,000 of the density benchmark; reproduced with a bare
-    HAProxy 2.6 by deleting a server and adding one). So the slots close each server connection once its
-    answer is in (``option http-server-close``): the client keeps its connection, the instance none."""
-    first, second = KeyedInstance(), KeyedInstance()
-    client = None
-    try:
-        one = add_instance(shared_host, "cpu-0", port=first.port)
-        two = add_instance(shared_host, "cpu-1", port=second.port)
-        first.key, second.key = one.api_key, two.api_key
-        a = serving_rows(team, owner, "a", one)
-        b = serving_rows(team, owner, "b", two)
-        _, secret = make_token(name="keyed")
-        assert gateway.sync() == "started"
-        for deployment, instance in ((a, one), (b, two)):
-            slot = slot_of(gateway, deployment)
-            wait_for(lambda s=slot, i=instance: status(gateway, s, i.api_key) == "UP", 10, f"{slot}'s server")
-        client = http.client.HTTPConnection("127.0.0.1", int(gateway.o.bind.rsplit(":", 1)[1]), timeout=10)
-
-        def infer(model: str) -> tuple[int, bytes]:
-            client.request("POST", f"/v2/models/vision__{model}/infer", body=b"{}",
-                           headers={"Authorization": f"Bearer {secret}"})  # fmt: skip
-            response = client.getresponse()
-            return response.status, response.read()
-
-        for model, instance in (("a", first), ("b", second), ("a", first)):  # one client connection
-            assert infer(model) == (200, f'{{"port": {instance.port}}}'.encode())
-            wait_for(
-                lambda i=instance: i.open == 0, 5, f"the gateway to close its connection to {instance.port}"
-            )
-        assert client.sock is not None  # the client's own connection stayed open
-    finally:
-        if client is not None:
-            client.close()
-        first.close()
-        second.close()
