@@ -180,10 +180,6 @@ def sleep(*, actor, deployment: Deployment, now: float | None = None) -> Deploym
     return deployment
 
 
-def autoscaled_ids() -> list[int]:
-    return [pk for pk, _ in _autoscaled()]
-
-
 def _autoscaled() -> list[tuple[int, bool]]:
     """(id, settled asleep) of every autoscaled deployment. Settled asleep: no replica wanted and none
     serving as of its last sample - an evaluation without a request in flight has nothing to decide or chart
