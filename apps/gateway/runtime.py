@@ -6,9 +6,19 @@ No Django here. Order matters, so that no request meets a half-applied change:
 2. servers that appear are added (``add server``, which creates them in maintenance), given their health
    check and put in rotation; servers whose weight changed are updated; then routes, tokens and limits
    change (a route never names a slot whose servers are not there yet);
-3. servers that disappear are put in maintenance (in-flight requests finish) and deleted. HAProxy refuses to
-   delete a server that still has connections: such a server stays *draining* and the next sync tries again.
-   A draining server that is wanted again is put back in rotation instead of added.
+3. servers that disappear are put in maintenance (in-flight requests finish) and are never deleted: while one
+   still has a request in flight (``show stat``'s current or queued sessions) it is *draining* and the next
+   sync looks again; then it is *parked*. A draining or parked server that is wanted again is put back in
+   rotation instead of added.
+
+Why never deleted: HAProxy 2.6 keeps a keep-alive client's server connection with the client's session
+(``http-reuse never``) and reuses it for the client's next request to "the same server", compared by the
+server's address in memory - which ``del server`` hands on to the next server added (another deployment,
+another instance). That request then went over the old connection to the old instance with the new
+instance's key: Triton's 403 (3 requests in 3,000 of the density benchmark, seen in a capture; reproduced by
+``tests/gateway/test_runtime.py``). A parked server keeps its memory; parked servers are few (slots times
+instances) and a reload, which starts a new worker, forgets them (the sync reloads past
+``MAX_PARKED_SERVERS``).
 
 A server that comes back from maintenance (its instance restarted, a draining server wanted again) enters the
 rotation only through its health check: HAProxy itself counts a server leaving maintenance as UP at once
@@ -34,7 +44,8 @@ class Command:
 
     text: str
     ok: tuple[str, ...] = ("",)  # answers that mean success (an answer starting with one of these)
-    deletes: tuple[str, str] | None = None  # (backend, server) a `del server` removes
+    # (backend, servers): servers out of rotation whose requests in flight this `show stat` counts
+    leaving: tuple[str, tuple[str, ...]] | None = None
 
     def succeeded(self, answer: str) -> bool:
         return any(answer.startswith(prefix) if prefix else answer == "" for prefix in self.ok)
@@ -44,8 +55,8 @@ class Command:
 class Plan:
     commands: list[Command] = field(default_factory=list)
 
-    def add(self, text: str, *ok: str, deletes: tuple[str, str] | None = None) -> None:
-        self.commands.append(Command(text, ok or ("",), deletes))
+    def add(self, text: str, *ok: str, leaving: tuple[str, tuple[str, ...]] | None = None) -> None:
+        self.commands.append(Command(text, ok or ("",), leaving))
 
 
 def _map_commands(
@@ -83,9 +94,11 @@ def runtime_plan(
     new_slots: Slots,
     o: Options,
     draining: set[tuple[str, str]],
+    parked: set[tuple[str, str]] = frozenset(),
 ) -> Plan:
-    """Commands from ``old`` to ``new`` (same structure and slot pool size). ``draining``: servers still in
-    HAProxy, in maintenance, that an earlier sync could not delete yet."""
+    """Commands from ``old`` to ``new`` (same structure and slot pool size). ``draining`` and ``parked``:
+    servers still in HAProxy, in maintenance, that left in an earlier sync, with requests in flight at the
+    last look and without."""
     plan = Plan()
     old_maps, new_maps = old.maps(old_slots), new.maps(new_slots)
     # Health-check paths first: a server added next is checked with its slot's path from its first check.
@@ -99,6 +112,14 @@ def runtime_plan(
         for key, server in sorted(servers.items()):
             weight = new_weights.get((backend, key), 100)
             was: Server | None = before.get(backend, {}).get(key)
+            if was is None and (backend, key) in parked:
+                # Back as if added: out of rotation since its placement left, in again for a placement its
+                # agent reported serving moments ago (possibly another deployment's, at another address).
+                _set_address(plan, backend, key, server)
+                plan.add(f"set server {backend}/{key} weight {weight}")
+                if weight:
+                    plan.add(f"set server {backend}/{key} state ready")
+                continue
             if was is None and (backend, key) not in draining:
                 plan.add(
                     f"add server {backend}/{key} {server_options(server, o, weight)}", "New server registered"
@@ -109,22 +130,46 @@ def runtime_plan(
                 continue
             moved = was is None or (was.address, was.port) != (server.address, server.port)
             if moved:
-                plan.add(
-                    f"set server {backend}/{key} addr {server.address} port {server.port}",
-                    "IP changed", "no need to change", "port changed", "IP and port",
-                )  # fmt: skip
+                _set_address(plan, backend, key, server)
             old_weight = 0 if was is None else old_weights.get((backend, key), 100)
             if moved or old_weight != weight:
                 _set_weight(plan, backend, key, weight, unchecked=moved or not old_weight)
     _map_commands(plan, old_maps, new_maps, o, ("models", "tokens", "limits", "grpc", "sleepy"))
+    leaving: dict[str, list[str]] = {}
     for backend, servers in sorted(before.items()):
         for key in sorted(servers.keys() - after.get(backend, {}).keys()):
             plan.add(f"set server {backend}/{key} state maint")
-            plan.add(f"del server {backend}/{key}", "Server deleted", deletes=(backend, key))
+            leaving.setdefault(backend, []).append(key)
     for backend, key in sorted(draining):
         if key not in after.get(backend, {}) and key not in before.get(backend, {}):
-            plan.add(f"del server {backend}/{key}", "Server deleted", deletes=(backend, key))
+            leaving.setdefault(backend, []).append(key)
+    # Never `del server` (see above): count what the leaving servers still have in flight.
+    for backend, keys in sorted(leaving.items()):
+        plan.add(f"show stat {backend} 4 -1", "# ", leaving=(backend, tuple(sorted(keys))))
     return plan
+
+
+def _set_address(plan: Plan, backend: str, key: str, server: Server) -> None:
+    plan.add(
+        f"set server {backend}/{key} addr {server.address} port {server.port}",
+        "IP changed", "no need to change", "port changed", "IP and port",
+    )  # fmt: skip
+
+
+def in_flight(stat_csv: str) -> dict[str, int] | None:
+    """``show stat`` CSV -> server name: requests in flight (current plus queued sessions); None for an answer
+    that is not a statistics table."""
+    lines = stat_csv.splitlines()
+    if not lines or not lines[0].startswith("# "):
+        return None
+    header = lines[0][2:].split(",")
+    name, current, queued = header.index("svname"), header.index("scur"), header.index("qcur")
+    out = {}
+    for line in lines[1:]:
+        fields = line.split(",")
+        if len(fields) > max(name, current, queued):
+            out[fields[name]] = sum(int(fields[i]) for i in (current, queued) if fields[i].isdigit())
+    return out
 
 
 def runtime_commands(

@@ -11,8 +11,9 @@ Drain, then unload (``apps.deployments.draining``): a placement is marked routed
 in rotation (one the platform told to unload meanwhile stays out), and a routed placement told to unload is
 confirmed drained once HAProxy holds it out of rotation with no session on it (its requests in flight
 finished) - only then does its agent unload it. An undeploying deployment's backend goes at once (no route:
-new requests get the gateway's 404), but HAProxy keeps a deleted server that still has connections (draining)
-until a later sync deletes it: its replica is confirmed once no such server holds a request.
+new requests get the gateway's 404), but its servers stay in HAProxy, in maintenance (draining while a request
+is in flight there, then parked: ``apps.gateway.runtime`` never deletes one): its replica is confirmed once none
+of them holds a request.
 """
 
 from __future__ import annotations
@@ -31,13 +32,16 @@ from apps.gateway import grpc_frontend
 from apps.gateway.autoscaling import poll_wakeups
 from apps.gateway.haproxy import GatewayError, GatewayState, Options, Slots, write_files
 from apps.gateway.process import HAProxyProcess
-from apps.gateway.runtime import Plan, runtime_plan
+from apps.gateway.runtime import Plan, in_flight, runtime_plan
 from apps.gateway.state import Tracked, desired_state, options
 
 log = logging.getLogger(__name__)
 
 # More changes than this at once (e.g. thousands of tokens created by a script) go through a reload.
 MAX_RUNTIME_COMMANDS = 500
+# Servers kept in maintenance after they left (``apps.gateway.runtime``: never deleted): past this many, a
+# reload (a new worker) forgets them. Slots times instances bounds them; this only caps a very large fleet.
+MAX_PARKED_SERVERS = 5000
 
 
 def poke_socket_path() -> Path:
@@ -68,7 +72,8 @@ def find_haproxy(binary: str | None = None) -> str:
 
 
 class Gateway:
-    """HAProxy plus the state and slot assignment it was last given, and the servers still draining."""
+    """HAProxy plus the state and slot assignment it was last given, and the servers that left it: still
+    draining (requests in flight) or parked (``apps.gateway.runtime``)."""
 
     def __init__(self, o: Options | None = None, binary: str | None = None) -> None:
         self.o = o or options()
@@ -76,6 +81,7 @@ class Gateway:
         self.applied: GatewayState | None = None
         self.slots = Slots(settings.GATEWAY_SLOT_CHUNK)
         self.draining: set[tuple[str, str]] = set()
+        self.parked: set[tuple[str, str]] = set()
         # Logical backend -> the slot it left while servers there still drain (the slot is not reassigned
         # meanwhile): where the requests sent to an undeployed deployment are still counted.
         self.vacated: dict[str, str] = {}
@@ -91,7 +97,7 @@ class Gateway:
         slots = self._assign(state, previous, set())
         write_files(state, slots, self.o)
         self.process.start()
-        self.applied, self.slots, self.draining, self.vacated = state, slots, set(), {}
+        self._forget(state, slots)
 
     def sync(self) -> str:
         """Bring HAProxy to the database's state; returns what it did: unchanged, runtime or reloaded. Marks
@@ -122,7 +128,8 @@ class Gateway:
 
     def _remember_vacated(self, before: Slots) -> None:
         """After a sync: the slots that backends left (``before``: the assignment it started from), for as long
-        as servers there drain. A reload or a start forgets them (``draining`` too: a new worker)."""
+        as servers there drain. A reload or a start forgets them (``draining`` and ``parked`` too: a new
+        worker)."""
         owners = self.slots.owners
         wanted = set(owners.values())
         vacated = {**self.vacated, **{o: slot for slot, o in before.owners.items() if o not in wanted}}
@@ -150,7 +157,7 @@ class Gateway:
         for backend, answer in zip(
             backends, self.process.admin.each([f"show stat {b} 4 -1" for b in backends]), strict=True
         ):
-            current = _current_sessions(answer)
+            current = in_flight(answer) or {}
             for logical, key in by_backend[backend]:
                 busy[(logical, key)] = busy.get((logical, key), 0) + current.get(key, 0)
         return busy
@@ -167,7 +174,7 @@ class Gateway:
         write_files(state, slots, self.o)
         if state.structure() != self.applied.structure() or slots.size != self.slots.size:
             return self._reload(state, slots)
-        plan = runtime_plan(self.applied, self.slots, state, slots, self.o, self.draining)
+        plan = runtime_plan(self.applied, self.slots, state, slots, self.o, self.draining, self.parked)
         if len(plan.commands) > MAX_RUNTIME_COMMANDS:
             return self._reload(state, slots)
         errors = self._run(plan, state.servers(slots))
@@ -176,46 +183,45 @@ class Gateway:
             # The files already hold the new state: a reload applies it whatever the socket refused.
             log.warning("runtime changes refused (%s); reloading", "; ".join(errors[:3]))
             return self._reload(state, slots)
+        if len(self.parked) > MAX_PARKED_SERVERS:
+            log.info("%d servers parked in maintenance; reloading to release them", len(self.parked))
+            return self._reload(state, slots)
         return "runtime"
 
     def _reload(self, state: GatewayState, slots: Slots) -> str:
         self.process.reload()
         self.reloads += 1
-        self.applied, self.slots, self.draining, self.vacated = state, slots, set(), {}
+        self._forget(state, slots)
         return "reloaded"
+
+    def _forget(self, state: GatewayState, slots: Slots) -> None:
+        """A new worker: it has the configuration's servers only."""
+        self.applied, self.slots, self.vacated = state, slots, {}
+        self.draining, self.parked = set(), set()
 
     def _run(self, plan: Plan, wanted: dict[str, dict]) -> list[str]:
         errors = []
         answers = self.process.admin.each([command.text for command in plan.commands])
         for command, answer in zip(plan.commands, answers, strict=True):
-            if command.deletes is not None:
-                if command.succeeded(answer) or answer.startswith("No such server"):
-                    self.draining.discard(command.deletes)
-                else:  # still has connections: in maintenance, deleted by a later sync
-                    self.draining.add(command.deletes)
+            if command.leaving is not None:
+                backend, keys = command.leaving
+                counts = in_flight(answer)
+                for key in keys:
+                    # An answer that is no table counts as busy: a later sync looks again.
+                    if counts is None or counts.get(key, 0):
+                        self.draining.add((backend, key))
+                    else:
+                        self.draining.discard((backend, key))
+                        self.parked.add((backend, key))
             elif not command.succeeded(answer):
                 errors.append(f"{command.text}: {answer}")
-        # A draining server that is wanted again was put back in rotation.
+        # A draining or parked server that is wanted again was put back in rotation.
         self.draining = {(b, k) for b, k in self.draining if k not in wanted.get(b, {})}
+        self.parked = {(b, k) for b, k in self.parked if k not in wanted.get(b, {})}
         return errors
 
     def stop(self) -> None:
         self.process.stop()
-
-
-def _current_sessions(stat_csv: str) -> dict[str, int]:
-    """``show stat`` CSV -> server name: current sessions (``scur``)."""
-    lines = stat_csv.splitlines()
-    if not lines or not lines[0].startswith("# "):
-        return {}
-    header = lines[0][2:].split(",")
-    name, current = header.index("svname"), header.index("scur")
-    out = {}
-    for line in lines[1:]:
-        fields = line.split(",")
-        if len(fields) > max(name, current) and fields[current].isdigit():
-            out[fields[name]] = int(fields[current])
-    return out
 
 
 def run_gateway(stop, interval: float | None = None) -> None:

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from apps.gateway.haproxy import GatewayError, GatewayState, Route, Server, Slots, render_config, write_files
-from apps.gateway.runtime import runtime_commands, runtime_plan
+from apps.gateway.runtime import in_flight, runtime_commands, runtime_plan
 from apps.gateway.state import options
 
 KEY_A, KEY_B = "a" * 48, "b" * 48
@@ -128,15 +128,37 @@ def test_a_new_deployment_takes_a_free_slot_and_its_servers_are_added_at_run_tim
         f"set server s1/{key_c} state ready",
         f"add map {tmp_path}/models.map vision__other vision/d2/s1/1/-/0/0",
     ]
-    # Undeployed again: route first, then the server leaves (maintenance, then deleted).
+    # Undeployed again: route first, then the server leaves: maintenance, and its requests in flight counted
+    # (never deleted: HAProxy would hand its memory, and a client's connection to it, to the next server).
     plan = runtime_plan(new, slots, state(), SLOTS, o, set())
     assert [c.text for c in plan.commands] == [
         f"del map {tmp_path}/checks.map s1",
         f"del map {tmp_path}/models.map vision__other",
         f"set server s1/{key_c} state maint",
-        f"del server s1/{key_c}",
+        "show stat s1 4 -1",
     ]
-    assert plan.commands[-1].deletes == ("s1", key_c)
+    assert plan.commands[-1].leaving == ("s1", (key_c,))
+    # Parked, then wanted again (here at another port): back in rotation as if added, without an `add server`.
+    moved = state()
+    moved.backends["d2"] = (Server(key_c, "127.0.0.1", 8400),)
+    moved.weights[("d2", key_c)] = 100
+    moved.checks["d2"] = "vision__other/versions/1"
+    moved.routes["vision__other"] = Route("vision", "d2", 1)
+    back = [c.text for c in runtime_plan(state(), SLOTS, moved, slots, o, set(), {("s1", key_c)}).commands]
+    assert back == [
+        f"add map {tmp_path}/checks.map s1 vision__other/versions/1",
+        f"set server s1/{key_c} addr 127.0.0.1 port 8400",
+        f"set server s1/{key_c} weight 100",
+        f"set server s1/{key_c} state ready",
+        f"add map {tmp_path}/models.map vision__other vision/d2/s1/1/-/0/0",
+    ]
+
+
+def test_requests_in_flight_are_read_from_show_stat():
+    stat = "# pxname,svname,qcur,qmax,scur,smax\ns1,BACKEND,0,0,3,3\ns1,aaaa,0,0,0,1\ns1,bbbb,2,2,1,1\n"
+    assert in_flight(stat) == {"BACKEND": 3, "aaaa": 0, "bbbb": 3}
+    # An error instead of a table: unknown (the caller counts the servers as busy).
+    assert in_flight("Can't find backend.\n") is None
 
 
 def test_slots_keep_their_owner_skip_unavailable_ones_and_grow_in_chunks(tmp_path):

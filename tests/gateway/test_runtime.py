@@ -17,7 +17,7 @@ from apps.deployments.models import Deployment, DeploymentInstance, DeploymentSt
 from apps.fleet.models import InstanceState, TritonInstance
 from apps.gateway.haproxy import Slots
 from apps.gateway.services import Gateway
-from backend_ge.runtime import free_port
+from backend_ge.runtime import API_KEY_HEADER, free_port
 from tests.conftest import wait_for
 from tests.support.models import add_instance, serving_rows
 from tests.support.servers import requires_haproxy
@@ -81,13 +81,26 @@ def test_deployments_take_slots_at_run_time_and_only_an_exhausted_pool_reloads(
     assert gateway.sync() == "runtime"
     assert servers(gateway)["s1"][second_instance.api_key] == "ready"
 
-    # A placement that goes is deleted from HAProxy.
+    # A placement that goes leaves the rotation: in maintenance, kept (parked), never deleted.
     DeploymentInstance.objects.filter(deployment=b, instance=second_instance).update(
         state=PlacementState.UNLOADED
     )
     assert gateway.sync() == "runtime"
-    assert servers(gateway)["s1"] == {first_instance.api_key: "ready"}
-    assert gateway.draining == set()
+    assert servers(gateway)["s1"] == {first_instance.api_key: "ready", second_instance.api_key: "maint"}
+    assert gateway.draining == set() and gateway.parked == {
+        (b, second_instance.api_key) for b in ("s1", "gs1")
+    }
+    # Back: the parked server is put in rotation again, not added.
+    DeploymentInstance.objects.filter(deployment=b, instance=second_instance).update(
+        state=PlacementState.READY
+    )
+    assert gateway.sync() == "runtime"
+    assert servers(gateway)["s1"] == {first_instance.api_key: "ready", second_instance.api_key: "ready"}
+    assert gateway.parked == set()
+    DeploymentInstance.objects.filter(deployment=b, instance=second_instance).update(
+        state=PlacementState.UNLOADED
+    )
+    assert gateway.sync() == "runtime"
 
     # Pool of 2 full: the third deployment grows it by a chunk, with the one reload.
     c = serving_rows(team, owner, "c", first_instance)
@@ -101,7 +114,7 @@ def test_deployments_take_slots_at_run_time_and_only_an_exhausted_pool_reloads(
     Deployment.objects.filter(pk=b.pk).update(state=DeploymentState.UNDEPLOYED)
     assert gateway.sync() == "runtime"
     assert f"d{b.pk}" not in owners(gateway).values()
-    assert "s1" not in servers(gateway)
+    assert servers(gateway)["s1"] == {first_instance.api_key: "maint"}  # parked
     d = serving_rows(team, owner, "d", first_instance)
     assert gateway.sync() == "runtime"
     assert f"d{d.pk}" in owners(gateway).values()
@@ -311,3 +324,87 @@ def http_status(gateway: Gateway, path: str, token: str) -> int:
         return response.status
     finally:
         connection.close()
+
+
+class KeyedInstance:
+    """An instance's HTTP port that answers an inference only with its own instance key, as tritonserver's
+    restricted API does (403 otherwise), keeps connections alive as tritonserver does, and says which port
+    answered."""
+
+    def __init__(self) -> None:
+        self.key = ""
+        keyed = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as tritonserver
+
+            def do_GET(self):  # noqa: N802 - the stdlib's name
+                self._answer(200)
+
+            def do_POST(self):  # noqa: N802 - the stdlib's name
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                self._answer(200 if self.headers.get(API_KEY_HEADER) == keyed.key else 403)
+
+            def _answer(self, code: int):
+                body = f'{{"port": {keyed.port}}}'.encode()
+                self.send_response(code)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_keep_alive_client_never_reaches_an_instance_through_a_server_that_left(
+    gateway, team, owner, shared_host, make_token
+):
+    """HAProxy 2.6 keeps a keep-alive client's server connection with the client's session and reuses it for
+    the client's next request to "the same server" - compared by the server's address in memory. A server
+    deleted at run time frees that memory for a server added later (another deployment, another instance):
+    the client's next request then went over the old connection to the old instance with the new instance's
+    key (Triton's 403: 3 requests in 3,000 of the density benchmark, seen in a capture). Deployments come and
+    go on two instances while one client connection calls each new one: every answer is its own instance's."""
+    first, second = KeyedInstance(), KeyedInstance()
+    client = None
+    try:
+        one = add_instance(shared_host, "cpu-0", port=first.port)
+        two = add_instance(shared_host, "cpu-1", port=second.port)
+        first.key, second.key = one.api_key, two.api_key
+        _, secret = make_token(name="keyed")
+        gateway.start()
+        client = http.client.HTTPConnection("127.0.0.1", int(gateway.o.bind.rsplit(":", 1)[1]), timeout=10)
+
+        def infer(model: str) -> tuple[int, bytes]:
+            client.request("POST", f"/v2/models/vision__{model}/infer", body=b"{}",
+                           headers={"Authorization": f"Bearer {secret}"})  # fmt: skip
+            response = client.getresponse()
+            return response.status, response.read()
+
+        previous = None
+        for n, (instance, server) in enumerate([(one, first), (one, first), (two, second), (one, first)] * 3):
+            if previous is not None:
+                services.undeploy(actor=owner, deployment=previous)
+                wait_for(lambda: gateway.sync() and not gateway.draining, 10, "the old servers to go")
+            deployment = serving_rows(team, owner, f"m{n}", instance)
+            assert gateway.sync() in ("runtime", "reloaded")
+            slot = next(s for s, o in owners(gateway).items() if o == f"d{deployment.pk}")
+            wait_for(lambda s=slot, i=instance: status(gateway, s, i.api_key) == "UP", 10, f"{slot}'s server")
+            assert infer(f"m{n}") == (200, f'{{"port": {server.port}}}'.encode()), f"deployment {n}"
+            previous = deployment
+        assert gateway.reloads == 0
+    finally:
+        if client is not None:
+            client.close()
+        first.close()
+        second.close()
