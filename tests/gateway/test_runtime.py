@@ -97,6 +97,9 @@ def test_deployments_take_slots_at_run_time_and_only_an_exhausted_pool_reloads(
     assert gateway.sync() == "runtime"
     assert servers(gateway)["s1"] == {first_instance.api_key: "ready", second_instance.api_key: "ready"}
     assert gateway.parked == set()
+    # In rotation at once, as an added server is (its placement was just reported serving): a wake-up that
+    # meets a parked server waits no health check.
+    assert status(gateway, "s1", second_instance.api_key).startswith("UP")  # (its port is closed: "UP 1/2")
     DeploymentInstance.objects.filter(deployment=b, instance=second_instance).update(
         state=PlacementState.UNLOADED
     )
