@@ -227,7 +227,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.resident % args.hosts:
         raise SystemExit("--resident must be a multiple of --hosts (each instance holds the same number)")
-    scratch = setup_environment(args)
+    scratch = setup_environment(args, "density")
     from django.contrib.auth import get_user_model
     from django.db import connections
 

@@ -58,8 +58,8 @@ def free_port() -> int:
     return pick()
 
 
-def setup_environment(args: argparse.Namespace) -> Path:
-    scratch = Path(tempfile.mkdtemp(prefix="rollout-drill-"))
+def setup_environment(args: argparse.Namespace, name: str = "rollout-drill") -> Path:
+    scratch = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     os.environ.update(
         DEBUG="1",
         VAR_DIR=str(scratch),

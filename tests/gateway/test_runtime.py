@@ -136,35 +136,61 @@ def test_deployments_take_slots_at_run_time_and_only_an_exhausted_pool_reloads(
     assert text.count(f"server {second_instance.api_key} ") == 1  # gone from every deployment
 
 
-class ModelReadiness:
+class FakeInstance:
+    """An instance's HTTP port, served in threads and kept alive as tritonserver does: ``answer`` gives each
+    request's status and body (a POST's body read first)."""
+
+    def __init__(self) -> None:
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):  # noqa: N802 - the stdlib's name
+                self._reply(*fake.answer(self))
+
+            def do_POST(self):  # noqa: N802 - the stdlib's name
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                self._reply(*fake.answer(self))
+
+            def _reply(self, code: int, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def answer(self, request: http.server.BaseHTTPRequestHandler) -> tuple[int, bytes]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class ModelReadiness(FakeInstance):
     """An instance's HTTP port as the gateway's health checks see it: Triton answering, its model loading
     (``/v2/models/.../ready`` 400, as Triton answers for a version that is not ready) until ``loaded``."""
 
     def __init__(self) -> None:
         self.loaded = False
         self.asked = 0
-        readiness = self
+        super().__init__()
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - the stdlib's name
-                readiness.asked += 1
-                ready = (
-                    self.path.startswith("/v2/models/") and self.path.endswith("/ready") and readiness.loaded
-                )
-                self.send_response(200 if ready else 400)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def answer(self, request):
+        self.asked += 1
+        path = request.path
+        return (
+            200 if path.startswith("/v2/models/") and path.endswith("/ready") and self.loaded else 400
+        ), b""
 
 
 def status(gateway: Gateway, backend: str, key: str) -> str:
@@ -208,46 +234,24 @@ def test_a_returning_instance_is_down_until_its_model_check_passes(gateway, team
         readiness.close()
 
 
-class HeldInstance:
+class HeldInstance(FakeInstance):
     """An instance's HTTP port whose model answers every readiness check but holds each inference until
     ``release`` is set: a request in flight for as long as the test wants."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
         self.received = 0
-        held = self
+        super().__init__()
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive, as tritonserver
-
-            def do_GET(self):  # noqa: N802 - the stdlib's name
-                self._answer()
-
-            def do_POST(self):  # noqa: N802 - the stdlib's name
-                self.rfile.read(int(self.headers.get("content-length", 0)))
-                held.received += 1
-                held.release.wait(30)
-                self._answer()
-
-            def _answer(self):
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", "2")
-                self.end_headers()
-                self.wfile.write(b"{}")
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def answer(self, request):
+        if request.command == "POST":
+            self.received += 1
+            self.release.wait(30)
+        return 200, b"{}"
 
     def close(self) -> None:
         self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
+        super().close()
 
 
 def test_an_undeployed_replica_is_confirmed_drained_only_once_its_requests_in_flight_finished(
@@ -329,44 +333,17 @@ def http_status(gateway: Gateway, path: str, token: str) -> int:
         connection.close()
 
 
-class KeyedInstance:
+class KeyedInstance(FakeInstance):
     """An instance's HTTP port that answers an inference only with its own instance key, as tritonserver's
-    restricted API does (403 otherwise), keeps connections alive as tritonserver does, and says which port
-    answered."""
+    restricted API does (403 otherwise), and says which port answered."""
 
     def __init__(self) -> None:
         self.key = ""
-        keyed = self
+        super().__init__()
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive, as tritonserver
-
-            def do_GET(self):  # noqa: N802 - the stdlib's name
-                self._answer(200)
-
-            def do_POST(self):  # noqa: N802 - the stdlib's name
-                self.rfile.read(int(self.headers.get("content-length", 0)))
-                self._answer(200 if self.headers.get(API_KEY_HEADER) == keyed.key else 403)
-
-            def _answer(self, code: int):
-                body = f'{{"port": {keyed.port}}}'.encode()
-                self.send_response(code)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def answer(self, request):
+        ok = request.command == "GET" or request.headers.get(API_KEY_HEADER) == self.key
+        return (200 if ok else 403), f'{{"port": {self.port}}}'.encode()
 
 
 def test_a_keep_alive_client_never_reaches_an_instance_through_a_server_that_left(
