@@ -388,3 +388,23 @@ def test_a_keep_alive_client_never_reaches_an_instance_through_a_server_that_lef
             client.close()
         first.close()
         second.close()
+
+
+def test_parked_servers_past_the_cap_are_released_by_a_reload(gateway, team, owner, shared_host, monkeypatch):
+    """Parked servers (never deleted) are bounded by slots times instances; past ``MAX_PARKED_SERVERS`` the
+    sync reloads, and the new worker has only the servers in the configuration."""
+    monkeypatch.setattr("apps.gateway.services.MAX_PARKED_SERVERS", 2)
+    one, two = add_instance(shared_host, "cpu-0", port=1), add_instance(shared_host, "cpu-1", port=3)
+    a = serving_rows(team, owner, "a", one)
+    DeploymentInstance.objects.create(
+        deployment=a, instance=two, served_version=a.active_version, state=PlacementState.READY
+    )
+    gateway.start()
+    (slot,) = owners(gateway)
+    DeploymentInstance.objects.filter(deployment=a, instance=two).update(state=PlacementState.UNLOADED)
+    assert gateway.sync() == "runtime"
+    assert gateway.parked == {(slot, two.api_key), (f"g{slot}", two.api_key)}  # two: at the cap
+    DeploymentInstance.objects.filter(deployment=a, instance=one).update(state=PlacementState.UNLOADED)
+    assert gateway.sync() == "reloaded"
+    assert gateway.parked == set() and gateway.reloads == 1
+    assert servers(gateway).get(slot, {}) == {}
