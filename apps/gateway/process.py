@@ -25,6 +25,7 @@ class HAProxyProcess:
         self.o, self.binary = o, binary
         self.process: subprocess.Popen | None = None
         self.admin = AdminSocket(o.admin_socket)
+        self.retiring: set[int] = set()  # old workers' pids (see retiring_workers)
 
     def check_config(self) -> None:
         result = subprocess.run(
@@ -39,6 +40,7 @@ class HAProxyProcess:
     def start(self, timeout: float = 10.0) -> None:
         self.check_config()
         self._stop_orphan()
+        self.retiring = set()
         log = open(self.o.directory / "haproxy.log", "ab")  # noqa: SIM115 - the child writes to it
         try:
             self.process = subprocess.Popen(
@@ -93,6 +95,14 @@ class HAProxyProcess:
         old = self.admin.worker_pid()
         self.process.send_signal(signal.SIGUSR2)
         self._wait_for_worker(old, timeout)
+        if old is not None:
+            self.retiring.add(old)
+
+    def retiring_workers(self) -> set[int]:
+        """Workers a reload replaced that still run: they finish the requests they had in flight (until
+        ``hard-stop-after``), which the new worker's admin socket does not show."""
+        self.retiring = {pid for pid in self.retiring if pid_alive(pid)}
+        return self.retiring
 
     def _wait_for_worker(self, old_pid: int | None, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -112,8 +112,9 @@ class Gateway:
         before = self.slots
         outcome = self._apply(state)
         self._remember_vacated(before)
-        # After a reload the old worker may still hold requests this one cannot see: the next sync confirms.
-        if tracked.to_confirm and outcome != "reloaded":
+        # After a reload an old worker may still hold requests this one cannot see: no confirmation until it
+        # has finished them and exited (or GATEWAY_DRAIN_TIMEOUT_S hands the replicas to their agents).
+        if tracked.to_confirm and outcome != "reloaded" and not self.process.retiring_workers():
             busy = self.sessions({server for servers in tracked.to_confirm.values() for server in servers})
             drained = {
                 pk for pk, servers in tracked.to_confirm.items() if not any(busy.get(s) for s in servers)

@@ -408,3 +408,59 @@ def test_parked_servers_past_the_cap_are_released_by_a_reload(gateway, team, own
     assert gateway.sync() == "reloaded"
     assert gateway.parked == set() and gateway.reloads == 1
     assert servers(gateway).get(slot, {}) == {}
+
+
+def test_a_replica_is_not_confirmed_drained_while_a_worker_a_reload_replaced_still_runs_its_request(
+    gateway, team, owner, shared_host, make_token
+):
+    """A reload starts a new HAProxy worker; the old one finishes the requests it had in flight, which the new
+    worker's admin socket does not show. A replica told to unload meanwhile is confirmed drained only once
+    that old worker has finished them (and exited)."""
+    held = HeldInstance()
+    client = None
+    try:
+        instance = add_instance(shared_host, "cpu-0", port=held.port)
+        deployment = serving_rows(team, owner, "a", instance)
+        placement = deployment.placements.get()
+        _, secret = make_token(name="held")
+        assert gateway.sync() == "started"
+        (slot,) = owners(gateway)
+        wait_for(lambda: status(gateway, slot, instance.api_key) == "UP", 10, "the server UP")
+        client = http.client.HTTPConnection("127.0.0.1", int(gateway.o.bind.rsplit(":", 1)[1]), timeout=30)
+        answers = []
+
+        def infer() -> None:
+            client.request("POST", "/v2/models/vision__a/infer", body=b"{}",
+                           headers={"Authorization": f"Bearer {secret}"})  # fmt: skip
+            response = client.getresponse()
+            response.read()
+            answers.append(response.status)
+
+        in_flight = threading.Thread(target=infer)
+        in_flight.start()
+        wait_for(lambda: held.received == 1, 10, "the request to reach the instance")
+        # Two more deployments exhaust the pool of 2 slots: a reload, the request still in the old worker.
+        serving_rows(team, owner, "b", instance)
+        serving_rows(team, owner, "c", instance)
+        assert gateway.sync() == "reloaded"
+        assert gateway.process.retiring_workers()
+
+        services.undeploy(actor=owner, deployment=deployment)
+        for _ in range(3):  # the new worker has no request on it: the old one still runs one
+            gateway.sync()
+            assert DeploymentInstance.objects.get(pk=placement.pk).routed  # not confirmed
+        assert not deployment.events.filter(kind="drained").exists()
+
+        held.release.set()
+        in_flight.join(10)
+        assert answers == [200]
+        wait_for(
+            lambda: gateway.sync() and not DeploymentInstance.objects.get(pk=placement.pk).routed,
+            15,
+            "the gateway to confirm the replica drained once the old worker finished",
+        )
+        assert not gateway.process.retiring_workers()
+    finally:
+        if client is not None:
+            client.close()
+        held.close()
