@@ -31,7 +31,7 @@ from datetime import timedelta
 from urllib.parse import quote
 
 from django.conf import settings
-from django.db.models import F, Prefetch
+from django.db.models import F
 from django.utils import timezone
 
 from apps.deployments.models import (
@@ -146,15 +146,19 @@ def _add_http_routes(state: GatewayState, tracked: Tracked) -> None:
         Deployment.objects.exclude(state__in=(DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED))
         # model__team: the Triton model name is made of the model's team's slug (one query, not one a deployment).
         .select_related("team", "model__team", "active_version", "target_version")
-        .prefetch_related(
-            Prefetch(
-                "placements",
-                queryset=DeploymentInstance.objects.exclude(state=PlacementState.UNLOADED).select_related(
-                    "instance__host", "served_version"
-                ),
-            )
-        )
     )
+    # Grouped here rather than by prefetch_related, which builds a related manager and a queryset for each
+    # deployment: with 300 deployments that was half of a sync's time (and a sync follows every placement
+    # change). UNLOADED placements are not fetched.
+    deployments = list(deployments)
+    placements_of: dict[int, list[DeploymentInstance]] = {}
+    for placement in (
+        DeploymentInstance.objects.filter(deployment_id__in=[d.pk for d in deployments])
+        .exclude(state=PlacementState.UNLOADED)
+        .select_related("instance__host", "served_version")
+        .order_by("pk")
+    ):
+        placements_of.setdefault(placement.deployment_id, []).append(placement)
     rollouts = {
         rollout.deployment_id: rollout
         for rollout in Rollout.objects.live().select_related("stable_version", "canary_version")
@@ -165,7 +169,7 @@ def _add_http_routes(state: GatewayState, tracked: Tracked) -> None:
             continue
         model = deployment.triton_model_name()
         name = backend_name(deployment.pk)
-        placements = list(deployment.placements.all())  # UNLOADED ones are not fetched
+        placements = placements_of.get(deployment.pk, [])
         rollout = rollouts.get(deployment.pk)
         if rollout is not None and version:
             version = rollout.stable_version.number
