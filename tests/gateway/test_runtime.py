@@ -4,10 +4,12 @@ exhausted slot pool reloads; the files written after runtime changes are a confi
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import subprocess
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -254,12 +256,31 @@ class HeldInstance(FakeInstance):
         super().close()
 
 
-def test_an_undeployed_replica_is_confirmed_drained_only_once_its_requests_in_flight_finished(
-    gateway, team, owner, shared_host, make_token
-):
-    """Undeploying drops the route and the servers in one sync (new requests: the gateway's 404), but the
-    request already sent to the replica finishes there: HAProxy keeps the deleted server while it has a
-    session (draining), and the gateway confirms the replica drained - so its agent unloads it - only after."""
+@dataclass
+class InFlight:
+    """A deployment ``a`` on a :class:`HeldInstance`, routed, with one request in flight there."""
+
+    held: HeldInstance
+    deployment: Deployment
+    placement: DeploymentInstance
+    slot: str
+    key: str
+    secret: str
+    thread: threading.Thread
+    answers: list[int]
+
+    def routed(self) -> bool:
+        return DeploymentInstance.objects.get(pk=self.placement.pk).routed
+
+    def finish(self) -> None:
+        """Let the request answer; it must be a 200."""
+        self.held.release.set()
+        self.thread.join(10)
+        assert self.answers == [200]
+
+
+@contextlib.contextmanager
+def one_request_in_flight(gateway, team, owner, shared_host, make_token):
     held = HeldInstance()
     client = None
     try:
@@ -270,56 +291,57 @@ def test_an_undeployed_replica_is_confirmed_drained_only_once_its_requests_in_fl
         assert gateway.sync() == "started"
         assert DeploymentInstance.objects.get(pk=placement.pk).routed  # marked before it was routed
         (slot,) = owners(gateway)
-        key = instance.api_key
-        wait_for(lambda: status(gateway, slot, key) == "UP", 10, "the server UP")
-
+        wait_for(lambda: status(gateway, slot, instance.api_key) == "UP", 10, "the server UP")
         client = http.client.HTTPConnection("127.0.0.1", int(gateway.o.bind.rsplit(":", 1)[1]), timeout=30)
-        answers = []
+        answers: list[int] = []
 
         def infer() -> None:
-            client.request(
-                "POST",
-                "/v2/models/vision__a/infer",
-                body=b"{}",
-                headers={"Authorization": f"Bearer {secret}"},
-            )
+            client.request("POST", "/v2/models/vision__a/infer", body=b"{}",
+                           headers={"Authorization": f"Bearer {secret}"})  # fmt: skip
             response = client.getresponse()
             response.read()
             answers.append(response.status)
 
-        in_flight = threading.Thread(target=infer)
-        in_flight.start()
+        thread = threading.Thread(target=infer)
+        thread.start()
         wait_for(lambda: held.received == 1, 10, "the request to reach the instance")
-
-        services.undeploy(actor=owner, deployment=deployment)
-        assert gateway.sync() == "runtime"
-        assert (slot, key) in gateway.draining  # deleted, but HAProxy keeps it while the request runs
-        row = DeploymentInstance.objects.get(pk=placement.pk)
-        assert row.routed and row.unload  # not confirmed: its agent keeps serving it
-        assert not deployment.events.filter(kind="drained").exists()
-        assert gateway.vacated == {f"d{deployment.pk}": slot}
-        # A new request has no route any more.
-        assert http_status(gateway, "/v2/models/vision__a/infer", secret) == 404
-        assert gateway.sync() == "runtime"  # still in flight: still not confirmed
-        assert DeploymentInstance.objects.get(pk=placement.pk).routed
-
-        held.release.set()
-        in_flight.join(10)
-        assert answers == [200]
-        # The client keeps its connection open (keep-alive): only requests in flight count.
-        wait_for(
-            lambda: gateway.sync() and not DeploymentInstance.objects.get(pk=placement.pk).routed,
-            10,
-            "the gateway to confirm the replica drained",
-        )
-        drained = deployment.events.get(kind="drained")
-        assert "no request in flight at the gateway" in drained.message
-        wait_for(lambda: gateway.sync() and not gateway.draining, 10, "HAProxy to delete the server")
-        assert gateway.vacated == {} and gateway.reloads == 0
+        yield InFlight(held, deployment, placement, slot, instance.api_key, secret, thread, answers)
     finally:
         if client is not None:
             client.close()
         held.close()
+
+
+def test_an_undeployed_replica_is_confirmed_drained_only_once_its_requests_in_flight_finished(
+    gateway, team, owner, shared_host, make_token
+):
+    """Undeploying drops the route and takes the servers out of rotation in one sync (new requests: the
+    gateway's 404), but the request already sent to the replica finishes there: its server is draining while
+    it has a session, and the gateway confirms the replica drained - so its agent unloads it - only after."""
+    with one_request_in_flight(gateway, team, owner, shared_host, make_token) as flight:
+        deployment, slot = flight.deployment, flight.slot
+        services.undeploy(actor=owner, deployment=deployment)
+        assert gateway.sync() == "runtime"
+        assert (slot, flight.key) in gateway.draining  # out of rotation, the request still running there
+        row = DeploymentInstance.objects.get(pk=flight.placement.pk)
+        assert row.routed and row.unload  # not confirmed: its agent keeps serving it
+        assert not deployment.events.filter(kind="drained").exists()
+        assert gateway.vacated == {f"d{deployment.pk}": slot}
+        # A new request has no route any more.
+        assert http_status(gateway, "/v2/models/vision__a/infer", flight.secret) == 404
+        assert gateway.sync() == "runtime"  # still in flight: still not confirmed
+        assert flight.routed()
+
+        flight.finish()
+        # The client keeps its connection open (keep-alive): only requests in flight count.
+        wait_for(
+            lambda: gateway.sync() and not flight.routed(), 10, "the gateway to confirm the replica drained"
+        )
+        drained = deployment.events.get(kind="drained")
+        assert "no request in flight at the gateway" in drained.message
+        wait_for(lambda: gateway.sync() and not gateway.draining, 10, "the server to be parked")
+        assert (slot, flight.key) in gateway.parked
+        assert gateway.vacated == {} and gateway.reloads == 0
 
 
 def http_status(gateway: Gateway, path: str, token: str) -> int:
@@ -416,51 +438,24 @@ def test_a_replica_is_not_confirmed_drained_while_a_worker_a_reload_replaced_sti
     """A reload starts a new HAProxy worker; the old one finishes the requests it had in flight, which the new
     worker's admin socket does not show. A replica told to unload meanwhile is confirmed drained only once
     that old worker has finished them (and exited)."""
-    held = HeldInstance()
-    client = None
-    try:
-        instance = add_instance(shared_host, "cpu-0", port=held.port)
-        deployment = serving_rows(team, owner, "a", instance)
-        placement = deployment.placements.get()
-        _, secret = make_token(name="held")
-        assert gateway.sync() == "started"
-        (slot,) = owners(gateway)
-        wait_for(lambda: status(gateway, slot, instance.api_key) == "UP", 10, "the server UP")
-        client = http.client.HTTPConnection("127.0.0.1", int(gateway.o.bind.rsplit(":", 1)[1]), timeout=30)
-        answers = []
-
-        def infer() -> None:
-            client.request("POST", "/v2/models/vision__a/infer", body=b"{}",
-                           headers={"Authorization": f"Bearer {secret}"})  # fmt: skip
-            response = client.getresponse()
-            response.read()
-            answers.append(response.status)
-
-        in_flight = threading.Thread(target=infer)
-        in_flight.start()
-        wait_for(lambda: held.received == 1, 10, "the request to reach the instance")
+    with one_request_in_flight(gateway, team, owner, shared_host, make_token) as flight:
         # Two more deployments exhaust the pool of 2 slots: a reload, the request still in the old worker.
+        instance = flight.placement.instance
         serving_rows(team, owner, "b", instance)
         serving_rows(team, owner, "c", instance)
         assert gateway.sync() == "reloaded"
         assert gateway.process.retiring_workers()
 
-        services.undeploy(actor=owner, deployment=deployment)
+        services.undeploy(actor=owner, deployment=flight.deployment)
         for _ in range(3):  # the new worker has no request on it: the old one still runs one
             gateway.sync()
-            assert DeploymentInstance.objects.get(pk=placement.pk).routed  # not confirmed
-        assert not deployment.events.filter(kind="drained").exists()
+            assert flight.routed()  # not confirmed
+        assert not flight.deployment.events.filter(kind="drained").exists()
 
-        held.release.set()
-        in_flight.join(10)
-        assert answers == [200]
+        flight.finish()
         wait_for(
-            lambda: gateway.sync() and not DeploymentInstance.objects.get(pk=placement.pk).routed,
+            lambda: gateway.sync() and not flight.routed(),
             15,
             "the gateway to confirm the replica drained once the old worker finished",
         )
         assert not gateway.process.retiring_workers()
-    finally:
-        if client is not None:
-            client.close()
-        held.close()
