@@ -28,7 +28,7 @@ were answered "version N is not at ready state", which HAProxy cannot retry. So 
 ``drain`` (no new request), is set ``health down`` and only then ``ready``: it is DOWN until its model's
 readiness check passed ``rise`` times. A server *added* stays as HAProxy adds it: the platform adds one only
 for a placement its agent reported serving the version (Triton's readiness, moments ago), and its first
-check follows at once.
+check follows at once. A *parked* server wanted again is in that case too, and is put back as if added.
 """
 
 from __future__ import annotations
