@@ -148,8 +148,8 @@ def _add_http_routes(state: GatewayState, tracked: Tracked) -> None:
         .select_related("team", "model__team", "active_version", "target_version")
     )
     # Grouped here rather than by prefetch_related, which builds a related manager and a queryset for each
-    # deployment: with 300 deployments that was half of a sync's time (and a sync follows every placement
-    # change). UNLOADED placements are not fetched.
+    # deployment (with 300 deployments, a sync's median 157-174 ms -> 144-151 ms; a sync follows every
+    # placement change). UNLOADED placements are not fetched.
     deployments = list(deployments)
     placements_of: dict[int, list[DeploymentInstance]] = {}
     for placement in (
