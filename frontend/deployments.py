@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from apps.core.body_limits import PLAYGROUND_HINT, limit_body
 from apps.deployments import autoscaling, calling, services
-from apps.deployments.models import Deployment, DeploymentState, Spread
+from apps.deployments.models import Deployment, DeploymentState, GatewayView, Spread
 from apps.fleet.models import Pool, TritonInstance
 from apps.gateway.metrics import deployment_summary
 from apps.registry.models import ModelVersion, RegisteredModel
@@ -128,12 +128,14 @@ class DeploymentListView(TeamPageView):
 
     def get_context_data(self, **kwargs):
         context = super().get_context_data(**kwargs)
-        context["deployments"] = (
+        deployments = list(
             Deployment.objects.for_user(self.request.user)
             .filter(team=self.team)
             .select_related("model__team", "active_version", "target_version")
             .prefetch_related("placements__instance__host")
         )
+        GatewayView.annotate(deployments)
+        context["deployments"] = deployments
         return context
 
 
@@ -217,7 +219,8 @@ class DeploymentPageView(TeamPageView):
     def status_context(self, deployment: Deployment) -> dict:
         return {
             "deployment": deployment,
-            "in_flight": deployment.state in IN_FLIGHT,
+            # Followed until callable: SERVING in the placements but not yet routed by the gateway polls on.
+            "in_flight": deployment.reported_state() in IN_FLIGHT,
             "placements": deployment.placements.select_related("instance__host", "served_version"),
             "events": deployment.events.select_related("instance__host", "version")[:EVENTS_SHOWN],
         }

@@ -15,7 +15,13 @@ from django.shortcuts import get_object_or_404, redirect
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
-from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
+from apps.deployments.models import (
+    Deployment,
+    DeploymentInstance,
+    DeploymentState,
+    GatewayView,
+    PlacementState,
+)
 from apps.registry import services, versions
 from apps.registry.formats import EXTENSIONS
 from apps.registry.models import ModelKind, ModelVersion, RegisteredModel, TaskType
@@ -69,6 +75,8 @@ def serving_by_model(user, team) -> dict[int, Deployment]:
         .select_related("active_version", "target_version")
         .prefetch_related(Prefetch("placements", queryset=placements))
     )
+    deployments = list(deployments)
+    GatewayView.annotate(deployments)
     return {deployment.model_id: deployment for deployment in deployments}
 
 

@@ -376,6 +376,14 @@ SECTIONS: dict[str, tuple[Variable, ...]] = {
             1,
         ),
         _v(
+            "GATEWAY_ROUTES_STALE_S",
+            "int",
+            15,
+            "a deployment is reported SERVING once every running gateway routes its active version; a gateway "
+            "that has not reported what it routes for this long is no longer waited for",
+            2,
+        ),
+        _v(
             "GATEWAY_WAKE_POLL_MS",
             "int",
             200,

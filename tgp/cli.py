@@ -238,7 +238,9 @@ def _deployment_text(d: dict) -> str:
 @click.option("--version", "-v", "number", type=click.IntRange(min=1), required=True)
 @click.option("--instance", "instances", type=int, multiple=True, help="Instance id to serve on (repeat).")
 @click.option("--replicas", type=click.IntRange(min=1), help="How many replicas the platform places.")
-@click.option("--wait", is_flag=True, help="Wait until the deployment is SERVING.")
+@click.option(
+    "--wait", is_flag=True, help="Wait until the deployment serves the version: a call then succeeds."
+)
 @click.option("--timeout", type=click.FloatRange(min=0), default=600, show_default=True, help="Seconds.")
 @output_option
 def deploy(
@@ -248,7 +250,7 @@ def deploy(
     api = client()
     deployment = api.deploy(model, number, instances=list(instances), replicas=replicas)
     if wait:
-        deployment = api.wait_for_deployment(model, timeout=timeout)
+        deployment = api.wait_for_deployment(model, version=number, timeout=timeout)
     emit(deployment, _deployment_text(deployment))
 
 

@@ -425,11 +425,15 @@ class Client:
             body["replicas"] = replicas
         return self.request("POST", self._team_path("deployments/"), json=body)
 
-    def wait_for_deployment(self, model: str, *, timeout: float = 600, interval: float = 1.0) -> dict:
+    def wait_for_deployment(
+        self, model: str, *, version: int | None = None, timeout: float = 600, interval: float = 1.0
+    ) -> dict:
+        """Poll until the deployment is SERVING (``version`` when given): the platform reports SERVING once a
+        call through the gateway succeeds, so a smoke test may call it at once."""
         deadline = time.monotonic() + timeout
         while True:
             deployment = self.get_deployment(self._live_deployment(model)["id"])
-            if deployment["state"] == "SERVING":
+            if deployment["state"] == "SERVING" and version in (None, deployment["active_version"]):
                 return deployment
             if deployment["state"] == "FAILED":
                 raise Failed(f"Deployment of {model} failed: {deployment.get('last_error') or 'no message'}")
@@ -467,6 +471,13 @@ class Client:
                 seen = now
                 yield rollout
             if rollout["state"] == "PROMOTED":
+                # Promoted is decided; callable once the switch to the canary is routed by the gateway.
+                self.wait_for_deployment(
+                    model,
+                    version=rollout["canary_version"],
+                    timeout=max(deadline - time.monotonic(), 0),
+                    interval=min(interval, 1.0),
+                )
                 return
             if rollout["state"] in ("ROLLED_BACK", "ABORTED"):
                 raise Failed(

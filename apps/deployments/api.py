@@ -20,7 +20,14 @@ from rest_framework.response import Response
 
 from apps.core.body_limits import PLAYGROUND_HINT, RequestTooLarge, limit_body, too_large_message
 from apps.deployments import autoscaling, calling, services
-from apps.deployments.models import Deployment, DeploymentEvent, DeploymentInstance, Spread
+from apps.deployments.models import (
+    Deployment,
+    DeploymentEvent,
+    DeploymentInstance,
+    DeploymentState,
+    GatewayView,
+    Spread,
+)
 from apps.fleet.models import Pool, TritonInstance, is_platform_staff
 from apps.registry.models import ModelVersion, RegisteredModel
 from apps.teams.models import Action
@@ -108,6 +115,8 @@ class DeploymentSerializer(serializers.ModelSerializer):
     created_by = serializers.CharField(source="created_by.username", allow_null=True, default=None)
     pool = serializers.CharField(source="pool.name", allow_null=True, default=None)
     replicas_ready = serializers.SerializerMethodField()
+    state = serializers.SerializerMethodField()
+    waiting_for = serializers.SerializerMethodField()
 
     class Meta:
         model = Deployment
@@ -117,6 +126,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "model_name",
             "triton_model_name",
             "state",
+            "waiting_for",
             "active_version",
             "target_version",
             "last_error",
@@ -141,6 +151,24 @@ class DeploymentSerializer(serializers.ModelSerializer):
             "updated_at",
         ]
         read_only_fields = fields
+
+    def to_representation(self, deployment: Deployment) -> dict:
+        view = self.context.get("gateway_view")
+        if view is not None:  # one look at the gateways for a whole list
+            deployment.__dict__.setdefault("_gateway_view", view)
+        return super().to_representation(deployment)
+
+    @extend_schema_field(serializers.ChoiceField(choices=DeploymentState.choices))
+    def get_state(self, deployment: Deployment) -> str:
+        """SERVING once a call succeeds: its replicas serve the active version and every running gateway
+        routes it to one of them. Until the gateway does, DEPLOYING (or SWITCHING while it routes another
+        version) with ``waiting_for`` saying so."""
+        return deployment.reported_state()
+
+    def get_waiting_for(self, deployment: Deployment) -> str:
+        """What a deployment whose replicas serve still waits for before a call succeeds (the gateway's
+        route); empty when nothing."""
+        return deployment.waiting_for()
 
     def get_replicas_ready(self, deployment: Deployment) -> int:
         """Replicas READY now (those being replaced not counted)."""
@@ -371,6 +399,9 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamSc
 
     def get_serializer_class(self):
         return DeploymentDetailSerializer if self.action == "retrieve" else DeploymentSerializer
+
+    def get_serializer_context(self) -> dict:
+        return {**super().get_serializer_context(), "gateway_view": GatewayView.load()}
 
     def _detail(self, deployment: Deployment, code: int = status.HTTP_200_OK) -> Response:
         return Response(

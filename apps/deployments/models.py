@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import timedelta
+
 from django.conf import settings
 from django.db import models
+from django.utils import timezone
 
 from apps.teams.models import TeamScopedQuerySet
 from hostagent import protocol
@@ -120,10 +124,40 @@ class Deployment(models.Model):
 
     def residency(self) -> str:
         """Whether its model is in memory now: "asleep" (scaled to zero; the next request wakes it),
-        "waking" (asked for replicas, none ready yet), "loaded" (a replica serves). Reads prefetched placements."""
+        "waking" (asked for replicas, none ready yet), "loaded" (a replica serves, and every running gateway
+        has one in rotation). Reads prefetched placements."""
         if self.autoscaled() and self.replicas == 0:
             return "asleep"
-        return "loaded" if self.replicas_ready() else "waking"
+        if not self.replicas_ready():
+            return "waking"
+        in_rotation = self.gateway_view().servers_in_rotation(self)
+        return "waking" if in_rotation == 0 else "loaded"
+
+    def holds_requests_asleep(self) -> bool:
+        """Scale to zero is on: the gateway holds a request while no replica serves and wakes it."""
+        return self.min_replicas == 0 and not self.pinned
+
+    def gateway_view(self) -> GatewayView:
+        """What the running gateways route (loaded once per object; ``GatewayView.annotate`` shares one
+        among the deployments of a list)."""
+        if "_gateway_view" not in self.__dict__:
+            self._gateway_view = GatewayView.load()
+        return self._gateway_view
+
+    def waiting_for(self) -> str:
+        """Why a deployment whose placements serve is not callable through the gateway yet; empty otherwise."""
+        return self.gateway_view().waiting_for(self)
+
+    def reported_state(self) -> str:
+        """The state clients are told: SERVING only once a call would succeed, i.e. the placements serve the
+        active version *and* every running gateway routes it to a server in rotation. Until the gateway has
+        it: DEPLOYING, or SWITCHING while the gateway still routes another version."""
+        if not self.waiting_for():
+            return self.state
+        return self.gateway_view().state_meanwhile(self)
+
+    def get_reported_state_display(self) -> str:
+        return DeploymentState(self.reported_state()).label
 
     def replicas_ready(self) -> int:
         """Replicas READY now; those being replaced do not count (reads prefetched placements)."""
@@ -407,3 +441,81 @@ class RolloutAnalysis(models.Model):
 
     def __str__(self) -> str:
         return f"{self.rollout_id} at {self.checked_at:%H:%M:%S}: {'pass' if self.passed else 'fail'}"
+
+
+class GatewayRouting(models.Model):
+    """What one running gateway routes, as it last reported after applying a sync: the gateway's half of
+    "SERVING" (``apps.deployments.routing``). ``routes`` maps a deployment's id to ``[version, servers]``:
+    the version its unversioned requests reach (0: any, during a switch) and how many of its servers are in
+    rotation (a sleeping deployment's route holds requests with none). ``seen_at`` is the gateway's heartbeat:
+    a gateway silent for ``GATEWAY_ROUTES_STALE_S`` is no longer waited for. One row per gateway process
+    (host name and bind), removed when it stops."""
+
+    name = models.CharField(max_length=200, unique=True)
+    routes = models.JSONField(default=dict, blank=True)
+    seen_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"gateway {self.name} ({len(self.routes)} routes)"
+
+
+@dataclass(frozen=True)
+class GatewayView:
+    """The routes of every gateway that reported within ``GATEWAY_ROUTES_STALE_S``: deployment id ->
+    (version, servers in rotation). No gateway running: nothing to wait for, the placements alone decide
+    (as for draining, ``apps.deployments.draining``)."""
+
+    gateways: tuple[dict[int, tuple[int, int]], ...] = ()
+
+    @classmethod
+    def load(cls) -> GatewayView:
+        since = timezone.now() - timedelta(seconds=settings.GATEWAY_ROUTES_STALE_S)
+        rows = GatewayRouting.objects.filter(seen_at__gte=since).values_list("routes", flat=True)
+        return cls(
+            tuple(
+                {int(pk): (int(entry[0]), int(entry[1])) for pk, entry in routes.items()} for routes in rows
+            )
+        )
+
+    @classmethod
+    def annotate(cls, deployments) -> None:
+        """One view for a list of deployments (one query, whatever their number)."""
+        view = cls.load()
+        for deployment in deployments:
+            deployment._gateway_view = view
+
+    def servers_in_rotation(self, deployment: Deployment) -> int | None:
+        """The fewest servers in rotation for it over the running gateways; None without a gateway."""
+        if not self.gateways:
+            return None
+        return min(routes.get(deployment.pk, (0, 0))[1] for routes in self.gateways)
+
+    def waiting_for(self, deployment: Deployment) -> str:
+        if (
+            not self.gateways
+            or deployment.state != DeploymentState.SERVING
+            or deployment.active_version is None
+        ):
+            return ""
+        want = deployment.active_version.number
+        for routes in self.gateways:
+            routed = routes.get(deployment.pk)
+            if routed is None:
+                return f"the gateway to route version {want} (its next sync)"
+            version, servers = routed
+            if version != want:
+                now = f"version {version}" if version else "every version (a switch)"
+                return f"the gateway to route version {want} (it routes {now})"
+            if not servers and not deployment.holds_requests_asleep():
+                return f"the gateway to put a replica of version {want} in rotation"
+        return ""
+
+    def state_meanwhile(self, deployment: Deployment) -> str:
+        """A gateway still routes another version: SWITCHING; none routes it yet, or without a server in
+        rotation: DEPLOYING."""
+        want = deployment.active_version.number if deployment.active_version else None
+        other = any(routes.get(deployment.pk, (want,))[0] != want for routes in self.gateways)
+        return DeploymentState.SWITCHING if other else DeploymentState.DEPLOYING

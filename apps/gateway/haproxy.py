@@ -121,6 +121,10 @@ class GatewayState:
     checks: dict[str, str] = field(default_factory=dict)
     tokens: dict[str, str] = field(default_factory=dict)  # "<prefix>:<sha256>" -> "<team>:<expires>"
     limits: dict[str, str] = field(default_factory=dict)  # team -> requests per second
+    # (backend, server key) out of rotation only because its placement does not serve (yet) on a READY
+    # instance: once it does, its agent has just seen Triton serve the version, so it enters the rotation at
+    # once instead of through its health checks (``apps.gateway.runtime``).
+    awaiting_placement: set[tuple[str, str]] = field(default_factory=set)
     # model -> deployment key (``d12``) of deployments that may sleep (min_replicas 0): their requests are
     # held by ``wake.lua`` while the deployment's slot has no usable server.
     sleepy: dict[str, str] = field(default_factory=dict)
@@ -154,6 +158,24 @@ class GatewayState:
             if twins:
                 out[grpc_frontend.twin(slot)] = twins
         out.update({name: {s.key: s for s in servers} for name, servers in self.grpc_backends.items()})
+        return out
+
+    def routed(self) -> dict[int, tuple[int, int]]:
+        """Deployment id -> (the version its unversioned requests reach, 0 during a switch; its servers in
+        rotation): what this state lets clients call (``apps.deployments.routing``)."""
+        out = {}
+        for route in self.routes.values():
+            servers = self.backends.get(route.backend, ())
+            in_rotation = sum(1 for s in servers if self.weights.get((route.backend, s.key), 100))
+            out[int(deployment_key(route.backend)[1:])] = (route.version, in_rotation)
+        return out
+
+    def awaiting_servers(self, slots: Slots) -> set[tuple[str, str]]:
+        """``awaiting_placement`` with HAProxy's backend names (the slot and its gRPC twin)."""
+        out = set()
+        for name, key in self.awaiting_placement:
+            slot = slots.slot_of(name)
+            out |= {(slot, key), (grpc_frontend.twin(slot), key)}
         return out
 
     def server_weights(self, slots: Slots) -> dict[tuple[str, str], int]:

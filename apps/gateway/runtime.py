@@ -20,8 +20,13 @@ instance's key: Triton's 403 (3 requests in 3,000 of the density benchmark, seen
 instances) and a reload, which starts a new worker, forgets them (the sync reloads past
 ``MAX_PARKED_SERVERS``).
 
-A server that comes back from maintenance (its instance restarted, a draining server wanted again) enters the
-rotation only through its health check: HAProxy itself counts a server leaving maintenance as UP at once
+A server that was out of rotation only because its placement did not serve yet (loading on a READY instance:
+``GatewayState.awaiting_placement``) enters the rotation at once when its agent reports the version served -
+Triton's readiness seen moments ago, as for a server added. Before, it went through the health checks below
+like any other, and a deployment reported SERVING answered 503 for another 0.06-0.6 s.
+
+A server that comes back from maintenance for any other reason (its instance restarted, a draining server
+wanted again) enters the rotation only through its health check: HAProxy itself counts a server leaving maintenance as UP at once
 (its check health set to ``rise``, "start OK but check immediately"), and a restarted instance is READY to the
 platform as soon as Triton answers, before its agent has loaded the model again - gRPC calls that met it then
 were answered "version N is not at ready state", which HAProxy cannot retry. So it leaves maintenance through
@@ -108,6 +113,7 @@ def runtime_plan(
     _map_commands(plan, old_maps, new_maps, o, ("wakefail",))
     before, after = old.servers(old_slots), new.servers(new_slots)
     old_weights, new_weights = old.server_weights(old_slots), new.server_weights(new_slots)
+    awaited = old.awaiting_servers(old_slots)
     for backend, servers in sorted(after.items()):
         for key, server in sorted(servers.items()):
             weight = new_weights.get((backend, key), 100)
@@ -133,7 +139,10 @@ def runtime_plan(
                 _set_address(plan, backend, key, server)
             old_weight = 0 if was is None else old_weights.get((backend, key), 100)
             if moved or old_weight != weight:
-                _set_weight(plan, backend, key, weight, unchecked=moved or not old_weight)
+                # Out of rotation because its instance was not READY (restarted, lost): checked first. Out
+                # only because its placement did not serve yet: its agent just saw Triton serve it - at once.
+                unchecked = moved or (not old_weight and (backend, key) not in awaited)
+                _set_weight(plan, backend, key, weight, unchecked=unchecked)
     _map_commands(plan, old_maps, new_maps, o, ("models", "tokens", "limits", "grpc", "sleepy"))
     leaving: dict[str, list[str]] = {}
     for backend, servers in sorted(before.items()):

@@ -27,7 +27,7 @@ from pathlib import Path
 from django.conf import settings
 from django.db import close_old_connections
 
-from apps.deployments import draining
+from apps.deployments import draining, routing
 from apps.gateway import grpc_frontend
 from apps.gateway.autoscaling import poll_wakeups
 from apps.gateway.haproxy import GatewayError, GatewayState, Options, Slots, write_files
@@ -86,6 +86,10 @@ class Gateway:
         # meanwhile): where the requests sent to an undeployed deployment are still counted.
         self.vacated: dict[str, str] = {}
         self.reloads = 0
+        # What clients can call, as last reported to the platform (``apps.deployments.routing``), and when.
+        self.name = f"{socket.gethostname()} {self.o.bind}"
+        self.reported: dict[int, tuple[int, int]] | None = None
+        self.reported_at = 0.0
 
     def _assign(self, state: GatewayState, previous: Slots, unavailable: set[str]) -> Slots:
         return previous.assign(state.backends, unavailable, settings.GATEWAY_SLOT_CHUNK)
@@ -112,6 +116,7 @@ class Gateway:
         before = self.slots
         outcome = self._apply(state)
         self._remember_vacated(before)
+        self.report_routes()
         # After a reload an old worker may still hold requests this one cannot see: no confirmation until it
         # has finished them and exited (or GATEWAY_DRAIN_TIMEOUT_S hands the replicas to their agents).
         if tracked.to_confirm and outcome != "reloaded" and not self.process.retiring_workers():
@@ -121,6 +126,18 @@ class Gateway:
             }
             draining.placements_drained(drained, "no request in flight at the gateway")
         return outcome
+
+    def report_routes(self) -> None:
+        """Tell the platform what HAProxy now routes (a deployment is SERVING once it is callable): on a
+        change, and as a heartbeat a few times per ``GATEWAY_ROUTES_STALE_S``."""
+        if self.applied is None:
+            return
+        routes = self.applied.routed()
+        due = time.monotonic() - self.reported_at >= settings.GATEWAY_ROUTES_STALE_S / 3
+        if routes == self.reported and not due:
+            return
+        routing.record_gateway_routes(self.name, routes)
+        self.reported, self.reported_at = routes, time.monotonic()
 
     def _draining_slots(self) -> set[str]:
         """The slots with a server still draining, in the HTTP backend or its gRPC twin."""
@@ -223,6 +240,12 @@ class Gateway:
 
     def stop(self) -> None:
         self.process.stop()
+        if self.reported is not None:
+            try:
+                routing.forget_gateway(self.name)
+            except Exception:  # the database is gone too: the row ages out after GATEWAY_ROUTES_STALE_S
+                log.warning("could not remove this gateway's routes from the platform", exc_info=True)
+            self.reported = None
 
 
 def run_gateway(stop, interval: float | None = None) -> None:
@@ -240,6 +263,7 @@ def run_gateway(stop, interval: float | None = None) -> None:
         poke.settimeout(step)
         try:
             gateway.start()
+            gateway.report_routes()
             log.info("gateway listening on %s (gRPC %s)", settings.GATEWAY_BIND, settings.GATEWAY_GRPC_BIND)
             next_sync = time.monotonic() + interval
             while not stop.is_set():

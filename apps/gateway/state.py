@@ -133,6 +133,8 @@ def _canary_servers(
         servers.append(server)
         ready = _routable(instance) and placement.state == PlacementState.READY and not placement.unload
         state.weights[(name, server.key)] = 100 if ready else 0
+        if not ready and _routable(instance):
+            state.awaiting_placement.add((name, server.key))
         if ready and not placement.routed:
             tracked.to_mark.setdefault(placement.pk, []).append((name, server.key))
         in_rotation += ready
@@ -180,6 +182,8 @@ def _add_http_routes(state: GatewayState, tracked: Tracked) -> None:
             servers.append(server)
             in_rotation = _in_rotation(placement, version)
             state.weights[(name, server.key)] = 100 if in_rotation else 0
+            if not in_rotation and _routable(instance):
+                state.awaiting_placement.add((name, server.key))
             if in_rotation and not placement.routed:
                 tracked.to_mark[placement.pk] = [(name, server.key)]
             elif placement.unload and placement.routed:
