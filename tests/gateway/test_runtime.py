@@ -236,6 +236,44 @@ def test_a_returning_instance_is_down_until_its_model_check_passes(gateway, team
         readiness.close()
 
 
+def test_a_replica_that_finished_loading_enters_the_rotation_at_once_and_the_gateway_reports_it(
+    gateway, team, owner, shared_host
+):
+    """A replica out of rotation only because it was loading on a READY instance: when its agent reports the
+    version served, the gateway puts it UP in the same sync (no health checks to rise first - here they would
+    even fail), and tells the platform it routes the version, which then reports the deployment SERVING."""
+    readiness = ModelReadiness()  # its checks fail throughout: only the agent's report puts it in rotation
+    try:
+        instance = add_instance(shared_host, "cpu-0", port=readiness.port)
+        deployment = serving_rows(team, owner, "a", instance)
+        placement = deployment.placements.get()
+        DeploymentInstance.objects.filter(pk=placement.pk).update(
+            served_version=None, state=PlacementState.LOADING
+        )
+        gateway.start()
+        gateway.report_routes()
+        (slot,) = owners(gateway)
+        assert status(gateway, slot, instance.api_key) == "MAINT"
+        deployment = Deployment.objects.get(pk=deployment.pk)
+        assert deployment.reported_state() == DeploymentState.DEPLOYING
+        assert deployment.waiting_for() == "the gateway to put a replica of version 1 in rotation"
+
+        DeploymentInstance.objects.filter(pk=placement.pk).update(
+            served_version=deployment.active_version, state=PlacementState.READY
+        )
+        assert gateway.sync() == "runtime"
+        for backend in (slot, f"g{slot}"):  # "UP 1/2" once a (failing) check ran: in rotation all the same
+            assert status(gateway, backend, instance.api_key).startswith("UP"), backend
+        deployment = Deployment.objects.get(pk=deployment.pk)
+        assert deployment.reported_state() == DeploymentState.SERVING and deployment.waiting_for() == ""
+
+        gateway.stop()  # a stopped gateway is not waited for: the placements alone decide again
+        DeploymentInstance.objects.filter(pk=placement.pk).update(state=PlacementState.LOADING)
+        assert Deployment.objects.get(pk=deployment.pk).waiting_for() == ""
+    finally:
+        readiness.close()
+
+
 class HeldInstance(FakeInstance):
     """An instance's HTTP port whose model answers every readiness check but holds each inference until
     ``release`` is set: a request in flight for as long as the test wants."""
