@@ -51,7 +51,10 @@ MODEL_NAME = TRITON_MODEL_NAME_PATTERN
 # The only inference paths a tenant may call. Slugs are [a-z0-9-], so `_`, `.`, `%` and `//` cannot match
 # (and a candidate name, `<name>__candidate`, is no model name).
 ALLOWED_PATH = rf"^/v2/models/{MODEL_NAME}(/versions/[1-9][0-9]{{0,8}})?(/infer|/ready|/config)?$"
+# GET /v2/models: the caller's team's callable models (index.lua, from index.map).
+INDEX_PATH = r"^/v2/models/?$"
 WAKE_LUA_FILE = Path(__file__).with_name("wake.lua")
+INDEX_LUA_FILE = Path(__file__).with_name("index.lua")
 RETRY_AFTER_S = 10
 SERVER_NAME = re.compile(r"^[A-Za-z0-9_-]{16,128}$")
 
@@ -128,6 +131,8 @@ class GatewayState:
     # model -> deployment key (``d12``) of deployments that may sleep (min_replicas 0): their requests are
     # held by ``wake.lua`` while the deployment's slot has no usable server.
     sleepy: dict[str, str] = field(default_factory=dict)
+    # team -> its callable models for GET /v2/models, each "<model>/<versions>/<READY|ASLEEP>" (sorted).
+    index: dict[str, list[str]] = field(default_factory=dict)
     # deployment key -> why its wake-up failed (``wake_failure_value``: percent-encoded), for a woken
     # deployment none of whose replicas could load: a held request is answered 503 with it at once.
     wake_failures: dict[str, str] = field(default_factory=dict)
@@ -145,7 +150,17 @@ class GatewayState:
             "checks": {slots.slot_of(name): check for name, check in self.checks.items()},
             "sleepy": self.sleepy,
             "wakefail": self.wake_failures,
+            "index": self.index_entries(),
         }
+
+    def index_entries(self) -> dict[str, str]:
+        """``index`` as map entries: ``<team>`` -> how many, ``<team>.<i>`` -> the i-th model (slugs have no
+        dot, so no team's keys meet another's)."""
+        out = {}
+        for team, models in self.index.items():
+            out[team] = str(len(models))
+            out.update({f"{team}.{i}": entry for i, entry in enumerate(sorted(models))})
+        return out
 
     def servers(self, slots: Slots) -> dict[str, dict[str, Server]]:
         """HAProxy backend -> {server name: server}, for every backend that has servers: each slot, its gRPC
@@ -305,6 +320,8 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         f"    presetenv TGP_COLDSTART_MAP {o.map_file('coldstart')}",
         f"    presetenv TGP_WAKEFAIL_MAP {o.map_file('wakefail')}",
         f"    lua-load '{WAKE_LUA_FILE}'",
+        f"    presetenv TGP_INDEX_MAP {o.map_file('index')}",
+        f"    lua-load '{INDEX_LUA_FILE}'",
         # A port another process listens on is an error, not shared: with SO_REUSEPORT (HAProxy's default) a
         # second HAProxy bound to the same port (another gateway, an orphan, a stats port equal to the
         # inference port) silently got a share of the connections, e.g. the stats frontend's empty 404 for an
@@ -366,8 +383,9 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         f"    http-request track-sc2 str(all) table {COUNTS_TABLE}",
         *count_rules(0, 2),
         f"    acl allowed_path path -m reg '{ALLOWED_PATH}'",
+        f"    acl index_path path -m reg '{INDEX_PATH}'",
         "    acl infer_path path -m end /infer",
-        json_error(404, "not found") + " if !allowed_path",
+        json_error(404, "not found") + " if !allowed_path !index_path",
         json_error(404, "not found") + " if infer_path !METH_POST",
         json_error(404, "not found") + " if !infer_path !METH_GET",
         # One lookup gives the whole route (Route.render):
@@ -398,6 +416,10 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         """'{"error":"rate limit exceeded: team %[var(txn.team)] may send %[var(txn.limit)] requests per second"}' if over_limit""",
         "    http-request sc-inc-gpc0(0)",
         *count_rules(3, 1, 2),
+        # The team's model list (a token and the rate limit checked, like any request of the team's); it
+        # passed every refusal stage, so it counts as answered, not as a refusal.
+        "    http-request sc-inc-gpc(4,2) if index_path",
+        "    http-request use-service lua.models_index if index_path",
         "    acl own_model var(txn.route),field(1,/),strcmp(txn.team) eq 0",
         "    http-request return status 404 content-type application/json lf-string "
         """"{\\"error\\":\\"Request for unknown model: '%[var(txn.model)]' is not found\\"}" if !own_model""",

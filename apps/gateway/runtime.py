@@ -143,7 +143,7 @@ def runtime_plan(
                 # only because its placement did not serve yet: its agent just saw Triton serve it - at once.
                 unchecked = moved or (not old_weight and (backend, key) not in awaited)
                 _set_weight(plan, backend, key, weight, unchecked=unchecked)
-    _map_commands(plan, old_maps, new_maps, o, ("models", "tokens", "limits", "grpc", "sleepy"))
+    _map_commands(plan, old_maps, new_maps, o, ("models", "tokens", "limits", "grpc", "sleepy", "index"))
     leaving: dict[str, list[str]] = {}
     for backend, servers in sorted(before.items()):
         for key in sorted(servers.keys() - after.get(backend, {}).keys()):

@@ -213,6 +213,34 @@ def _add_http_routes(state: GatewayState, tracked: Tracked) -> None:
             failure = _wake_failure(deployment, placements)
             if failure:
                 state.wake_failures[name] = wake_failure_value(failure)
+        _add_to_index(state, deployment, route, placements)
+
+
+def _add_to_index(state: GatewayState, deployment: Deployment, route: Route, placements) -> None:
+    """The model in its team's ``GET /v2/models`` answer if a call reaches it: the versions served by
+    replicas in rotation (the canary's too while it takes requests), READY; or, scaled to zero with none in
+    rotation, its active version, ASLEEP (the gateway holds the call and wakes it)."""
+    versions = set()
+    for placement in placements:
+        key = _server(placement.instance).key
+        if state.weights.get((route.backend, key)) and placement.served_version is not None:
+            versions.add(placement.served_version.number)
+        canary = route.canary_backend
+        if (
+            canary
+            and route.canary_weight
+            and state.weights.get((canary, key))
+            and placement.canary_version_id
+        ):
+            versions.add(route.canary_version)
+    if versions:
+        entry_state = "READY"
+    elif deployment.holds_requests_asleep() and deployment.active_version is not None:
+        versions, entry_state = {deployment.active_version.number}, "ASLEEP"
+    else:
+        return
+    numbers = ",".join(str(v) for v in sorted(versions))
+    state.index.setdefault(route.team, []).append(f"{deployment.triton_model_name()}/{numbers}/{entry_state}")
 
 
 def _track_undeploying(tracked: Tracked) -> None:

@@ -1,6 +1,7 @@
 """SERVING means callable: with a real host agent, tritonserver and the gateway, a client that polls the API
 every 100 ms and calls the model the moment it says SERVING gets 200 the first time - for five models
-deployed one after another, and after a version switch. The figures (from the agent's "ready" report to
+deployed one after another, and after a version switch; ``GET /v2/models`` lists what the caller's team
+can call. The figures (from the agent's "ready" report to
 the API's SERVING) are printed for the benchmarks page."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import pytest
 
 from apps.deployments.models import Deployment, DeploymentEvent
 from apps.registry.models import RegisteredModel
+from apps.teams import services
+from tests.conftest import wait_for
 from tests.support.models import output_of
 from tests.support.servers import pool_hosts, requires_haproxy
 
@@ -53,8 +56,9 @@ def ready_reported_at(pk: int, kind: str) -> float:
 
 
 def test_each_model_called_the_moment_the_api_says_serving_answers_200_and_so_does_a_switch(
-    owner_client, owner, team, start_agent, make_scaler_version, start_gateway, make_token, artifact_root
-):
+    owner_client, owner, team, outsider, other_team, start_agent, make_scaler_version, start_gateway,
+    make_token, artifact_root,
+):  # fmt: skip
     pool_hosts(start_agent, artifact_root, budget_mb=4096)
     _, token = make_token(name="smoke")
     gateway = start_gateway()
@@ -74,6 +78,18 @@ def test_each_model_called_the_moment_the_api_says_serving_answers_200_and_so_do
         assert output_of(answer) == [1.0 * (n + 2), 2.0 * (n + 2), 3.0 * (n + 2), 4.0 * (n + 2)]
         assert body["waiting_for"] == ""
         gaps.append(serving_at - ready_reported_at(pk, "deployed"))
+
+    # GET /v2/models: the team's callable models, as called; another team's token sees none of them.
+    status, index = gateway.get("/v2/models", token)
+    assert status == 200, index
+    assert index == {
+        "models": [{"name": f"vision__m{n}", "versions": ["1"], "state": "READY"} for n in range(5)]
+    }
+    _, outsider_token = services.create_token(actor=outsider, team=other_team, name="probe")
+    wait_for(lambda: gateway.get("/v2/models", outsider_token)[0] == 200, 15, "the outsider's token")
+    assert gateway.get("/v2/models", outsider_token) == (200, {"models": []})
+    assert gateway.get("/v2/models")[0] == 401
+    assert gateway.request("POST", "/v2/models", token, b"{}")[0] == 404
 
     # A switch: SERVING v2 is v2 answering, at once.
     deployment = Deployment.objects.get(model__slug="m0")

@@ -6,6 +6,7 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
+from apps.deployments.models import Deployment, PlacementState
 from apps.fleet import services as fleet_services
 from apps.gateway.state import backend_name, desired_state
 from tests.support.models import add_instance, serving_rows
@@ -70,3 +71,27 @@ def test_the_queries_of_a_sync_do_not_grow_with_the_deployments(team, owner, sha
     assert len(state.backends) == 5 and state.backends[backend_name(first.pk)]
     # Only the READY placement on ``instance`` is a server; the unloaded ones on ``other`` are not.
     assert all(len(servers) == 1 for servers in state.backends.values())
+
+
+def test_the_models_index_lists_each_teams_callable_models_ready_or_asleep(
+    team, owner, other_team, shared_host
+):
+    instance = add_instance(shared_host, "cpu-0")
+    serving_rows(team, owner, "ready", instance)
+    asleep = serving_rows(team, owner, "asleep", instance)
+    asleep.placements.update(state=PlacementState.UNLOADED, served_version=None)
+    Deployment.objects.filter(pk=asleep.pk).update(pinned=False, min_replicas=0, max_replicas=1, replicas=0)
+    loading = serving_rows(
+        team, owner, "loading", instance
+    )  # pinned, its replica not serving yet: no call works
+    loading.placements.update(state=PlacementState.LOADING, served_version=None)
+    state = desired_state()
+    assert {team: sorted(models) for team, models in state.index.items()} == {
+        "vision": ["vision__asleep/1/ASLEEP", "vision__ready/1/READY"]
+    }
+    assert state.index_entries() == {
+        "vision": "2",
+        "vision.0": "vision__asleep/1/ASLEEP",
+        "vision.1": "vision__ready/1/READY",
+    }
+    assert other_team.slug not in state.index
