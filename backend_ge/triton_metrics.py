@@ -131,6 +131,12 @@ class Baseline:
     counters: Mapping[str, float]
 
 
+def started_baseline(server_id: str | None) -> Baseline:
+    """The baseline of a server process known to have started with every counter at zero - one the platform's
+    agent started, read for the first time: all it counted is traffic the platform has not seen."""
+    return Baseline(server_id, {})
+
+
 def flatten(counters: Mapping[SeriesKey, Mapping[str, float]]) -> dict[str, float]:
     """``{"model|version|counter": value}``: a JSON-friendly form of a reading's counters."""
     return {
@@ -146,7 +152,9 @@ def counter_deltas(
     """The traffic since the previous reading, per model version, never negative nor counted twice.
 
     - No previous reading of this instance: it becomes the baseline and nothing is counted (like
-      Prometheus' ``increase()``: the history before the platform watched is not this interval's).
+      Prometheus' ``increase()``: the history before the platform watched is not this interval's). The
+      caller passes ``started_baseline()`` instead for a process it knows started at zero (its own agent
+      started it): then everything it counted is new.
     - Another server process than last time (a restart): every counter starts again at zero, so the new
       value is the whole traffic since the restart.
     - A counter below its previous value (the model was reloaded, or a restart the process id missed):

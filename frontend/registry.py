@@ -44,7 +44,8 @@ class ModelForm(forms.Form):
         choices=ModelKind.choices,
         initial=ModelKind.MODEL,
         required=False,
-        help_text="An ensemble is a pipeline of the team's own models: compose it here or upload a Triton ensemble directory.",
+        help_text="An ensemble is a pipeline of the team's own models: compose it here or upload a Triton ensemble "
+        "directory. Until it has a version, the model takes its kind from its first upload.",
     )
     description = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), required=False)
 

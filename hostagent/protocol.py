@@ -8,7 +8,9 @@ platform, a logged refusal on the agent - never a half-applied report.
 Messages, agent -> platform:
 - ``POST join`` ``{"join_token"}`` -> ``{"host", "address", "credential"}``
 - ``POST heartbeat`` ``{"facts", "npu", "instances": [{"id", "log_tail"}], "ports": {"first", "last"}}`` -> ``{"host", "address", "generation"}``
-- ``POST instances/<id>/state`` ``{"state", "pid", "restarts", "crash_times", "last_error", "log_tail"}`` (any subset)
+- ``POST instances/<id>/state`` ``{"state", "pid", "started_at", "restarts", "crash_times", "last_error", "log_tail"}``
+  (any subset; ``started_at``: when this agent started the server ``pid``, so the platform counts everything
+  that process counted - it had no traffic before)
 - ``POST placements/<id>/report`` ``{"generation", "result", ...}`` -> ``{"accepted", "placement"}``
 - ``POST instances/<id>/final-counts`` (``apps.monitoring.final_counts`` checks its rows)
 
@@ -277,7 +279,7 @@ def check_heartbeat(body) -> Heartbeat:
     )
 
 
-INSTANCE_REPORT_FIELDS = ("state", "pid", "restarts", "crash_times", "last_error", "log_tail")
+INSTANCE_REPORT_FIELDS = ("state", "pid", "started_at", "restarts", "crash_times", "last_error", "log_tail")
 
 
 def check_instance_report(body) -> dict:
@@ -296,6 +298,8 @@ def check_instance_report(body) -> dict:
         if body["pid"] is not None and not is_int(body["pid"], 1):
             raise ProtocolError(f"'pid' must be an integer from 1 to {MAX_INT}, or null.")
         fields["pid"] = body["pid"]
+    if "started_at" in body:
+        fields["started_at"] = _started_at(body["started_at"])
     if "restarts" in body:
         fields["restarts"] = _int(body["restarts"], "restarts")
     if "crash_times" in body:
@@ -313,6 +317,19 @@ def check_instance_report(body) -> dict:
     if "log_tail" in body:
         fields["log_tail"] = text(body["log_tail"], "log_tail")
     return fields
+
+
+def _started_at(value) -> str | None:
+    """When the agent started the reported server: an ISO 8601 time with its UTC offset, or null."""
+    if value is None:
+        return None
+    try:
+        moment = datetime.fromisoformat(value) if isinstance(value, str) and len(value) <= 40 else None
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None:
+        raise ProtocolError("'started_at' must be an ISO 8601 time with its UTC offset, or null.")
+    return value
 
 
 @dataclass(frozen=True)

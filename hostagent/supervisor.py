@@ -385,6 +385,9 @@ class HostAgent:
             return False
         self._set_state(instance.pk, InstanceState.STARTING)
         proc.server = self._server_for(instance, proc)
+        # Reported with its pid: a server this agent started counted nothing before, so the platform's first
+        # scrape of it counts from zero instead of taking its counters as a baseline.
+        started_at = datetime.now(UTC).isoformat()
         try:
             proc.server.start(timeout=self.config.start_timeout)
         except TritonError as exc:
@@ -400,7 +403,11 @@ class HostAgent:
                 instance,
             )
         self._set_state(
-            instance.pk, InstanceState.READY, pid=proc.server.process.pid, log_tail=proc.server.log_tail(30)
+            instance.pk,
+            InstanceState.READY,
+            pid=proc.server.process.pid,
+            started_at=started_at,
+            log_tail=proc.server.log_tail(30),
         )
         return True
 
@@ -408,6 +415,8 @@ class HostAgent:
         """Keep the instance's state here and report it to the platform (absolute values: safe to retry)."""
         if state is not None:
             fields["state"] = state
+        if "pid" in fields and fields["pid"] is None:
+            fields["started_at"] = None
         if fields.get("last_error"):
             # Tenants read it: no host paths or tracebacks (those go to the log under an error id).
             fields["last_error"] = public_error(fields["last_error"])

@@ -353,6 +353,12 @@ class TritonInstance(models.Model):
     )
     state = models.CharField(max_length=20, choices=InstanceState.choices, default=InstanceState.STOPPED)
     pid = models.IntegerField(null=True, blank=True)
+    server_started_at = models.DateTimeField(
+        null=True,
+        blank=True,
+        help_text="When the agent started the server ``pid`` (the host's clock): a process the agent started "
+        "counted nothing before, so monitoring counts its first reading from zero. Empty: unknown start.",
+    )
     restarts = models.PositiveIntegerField(default=0)
     crash_times = models.JSONField(
         default=list, blank=True, help_text="Recent crash timestamps (ISO), for quarantine."

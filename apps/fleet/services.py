@@ -256,7 +256,12 @@ def record_log_tails(host_id: int, log_tails: dict[int, str]) -> None:
 
 
 def record_instance_state(instance: TritonInstance, **fields) -> None:
-    """An agent reports what its supervisor did to an instance (absolute values: a retry is harmless)."""
+    """An agent reports what its supervisor did to an instance (absolute values: a retry is harmless).
+
+    A pid comes with the time the agent started that server, or its start is unknown (an agent that does not
+    say): monitoring counts a known start's first reading from zero, an unknown one's as a baseline."""
+    if "pid" in fields or "started_at" in fields:
+        fields["server_started_at"] = fields.pop("started_at", None)
     if "state" in fields and fields["state"] != instance.state:
         fields["state_changed_at"] = timezone.now()
     if fields:

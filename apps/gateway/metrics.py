@@ -12,17 +12,19 @@ Two sources, read in the same scrape:
   refusal is the difference between two stages - 401, 429 and the gateway's own 404s, exactly.
 
 Counters restart at zero when HAProxy reloads (a new worker): a new worker pid, or a counter that went down,
-starts a new baseline from zero.
+starts a new baseline from zero. The very first scrape is only the baseline, unless its worker is one the
+gateway command reported starting (``record_worker_started``): then it counts from zero too.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import urllib.request
 from datetime import datetime
 
 from django.conf import settings
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.db.models import F, QuerySet, Sum
 from django.db.models.functions import TruncHour
 from django.utils import timezone
@@ -32,6 +34,8 @@ from apps.deployments.models import Deployment
 from apps.gateway.haproxy import COUNT_STAGES, COUNTS_TABLE, AdminSocket
 from apps.gateway.models import GatewayMetrics, GatewayScrapeState
 from apps.gateway.state import options
+
+log = logging.getLogger(__name__)
 
 _LINE = re.compile(r'^haproxy_(frontend|backend)_(\w+)\{proxy="([^"]+)"(?:,code="(\w+)")?\} ([0-9.e+-]+)$')
 _FRONTENDS = ("inference", "grpc")
@@ -132,6 +136,32 @@ def read_counts(timeout: float) -> tuple[dict[str, dict[str, int]], int | None]:
     return parse_counts_table("\n".join(answers[1:])), int(pid.group(1)) if pid else None
 
 
+# Worker pids the gateway command started, kept for the scraper (newest last).
+KEEP_STARTED_WORKERS = 20
+
+
+def record_worker_started(pid: int) -> None:
+    """The gateway command started (or reloaded) HAProxy and ``pid`` is the new worker: everything it counts
+    is new traffic. Best effort: without the record its first scrape is only a baseline, as before."""
+    try:
+        with transaction.atomic():
+            GatewayScrapeState.objects.get_or_create(pk=1)
+            state = GatewayScrapeState.objects.select_for_update().get(pk=1)
+            workers = [w for w in state.started_workers if w.get("pid") != pid]
+            workers.append({"pid": pid, "at": timezone.now().isoformat()})
+            state.started_workers = workers[-KEEP_STARTED_WORKERS:]
+            state.save(update_fields=["started_workers"])
+    except DatabaseError:
+        log.warning("could not record the start of HAProxy worker %s", pid, exc_info=True)
+
+
+def _started_by_gateway(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    workers = GatewayScrapeState.objects.filter(pk=1).values_list("started_workers", flat=True).first()
+    return any(w.get("pid") == pid for w in workers or [])
+
+
 COUNTERS = ("requests", "2xx", "4xx", "5xx", *STAGES)
 REFUSALS = ("responses_401", "responses_404", "responses_429")
 
@@ -202,6 +232,8 @@ def scrape_gateway(now: datetime | None = None, timeout: float | None = None) ->
         current.setdefault(key, {}).update(stages)
     if baseline is not None and before.get("pid") not in (None, pid):
         baseline = {}  # HAProxy reloaded since: every counter started again at zero
+    elif baseline is None and not error and _started_by_gateway(pid):
+        baseline = {}  # the first reading of a worker the gateway started: it counted from zero
     bucket = now.replace(second=0, microsecond=0)
     slots = read_slot_owners()
     if slots is None:  # out of reach with the admin socket: the last known owners

@@ -59,9 +59,14 @@ class GatewayMetrics(models.Model):
 
 class GatewayScrapeState(models.Model):
     """The exporter's counters at the last scrape: the baseline for the next deltas. HAProxy's counters restart
-    at zero with every reload (new workers), seen as a counter that went down."""
+    at zero with every reload (new workers), seen as a new worker pid or a counter that went down.
+
+    ``started_workers`` are the worker pids the gateway command started (a start or a reload), newest last,
+    written by that command: the first scrape of such a worker counts from zero - it counted nothing before
+    the gateway started it - where a worker of unknown start is only the baseline."""
 
     counters = models.JSONField(default=dict, blank=True)
+    started_workers = models.JSONField(default=list, blank=True)
     fetched_at = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True)
 

@@ -37,7 +37,8 @@ class HAProxyProcess:
         if result.returncode != 0:
             raise GatewayError(f"haproxy refused the configuration: {result.stdout}{result.stderr}".strip())
 
-    def start(self, timeout: float = 10.0) -> None:
+    def start(self, timeout: float = 10.0) -> int:
+        """Start HAProxy; returns its worker's pid once the worker answers."""
         self.check_config()
         self._stop_orphan()
         self.retiring = set()
@@ -62,7 +63,7 @@ class HAProxyProcess:
             )
         finally:
             log.close()
-        self._wait_for_worker(None, timeout)
+        return self._wait_for_worker(None, timeout)
 
     def _stop_orphan(self, timeout: float = 30.0) -> None:
         """An HAProxy left running from this directory (its gateway command was killed) holds the ports and
@@ -88,15 +89,17 @@ class HAProxyProcess:
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def reload(self, timeout: float = 10.0) -> None:
+    def reload(self, timeout: float = 10.0) -> int:
+        """Reload gracefully; returns the new worker's pid (its counters start at zero)."""
         self.check_config()
         if not self.running():
             raise GatewayError("haproxy is not running")
         old = self.admin.worker_pid()
         self.process.send_signal(signal.SIGUSR2)
-        self._wait_for_worker(old, timeout)
+        pid = self._wait_for_worker(old, timeout)
         if old is not None:
             self.retiring.add(old)
+        return pid
 
     def retiring_workers(self) -> set[int]:
         """Workers a reload replaced that still run: they finish the requests they had in flight (until
@@ -104,14 +107,14 @@ class HAProxyProcess:
         self.retiring = {pid for pid in self.retiring if pid_alive(pid)}
         return self.retiring
 
-    def _wait_for_worker(self, old_pid: int | None, timeout: float) -> None:
+    def _wait_for_worker(self, old_pid: int | None, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.running():
                 raise GatewayError(f"haproxy exited with code {self.process.returncode}: {self.log_tail()}")
             pid = self.admin.worker_pid()
             if pid is not None and pid != old_pid:
-                return
+                return pid
             time.sleep(0.05)
         raise GatewayError(f"haproxy's new worker did not answer within {timeout:.0f}s: {self.log_tail()}")
 

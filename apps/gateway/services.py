@@ -31,6 +31,7 @@ from apps.deployments import draining, routing
 from apps.gateway import grpc_frontend
 from apps.gateway.autoscaling import poll_wakeups
 from apps.gateway.haproxy import GatewayError, GatewayState, Options, Slots, write_files
+from apps.gateway.metrics import record_worker_started
 from apps.gateway.process import HAProxyProcess
 from apps.gateway.runtime import Plan, in_flight, runtime_plan
 from apps.gateway.state import Tracked, desired_state, options
@@ -100,7 +101,7 @@ class Gateway:
         previous = Slots.read(self.o.map_file("slots"), settings.GATEWAY_SLOT_CHUNK)
         slots = self._assign(state, previous, set())
         write_files(state, slots, self.o)
-        self.process.start()
+        record_worker_started(self.process.start())
         self._forget(state, slots)
 
     def sync(self) -> str:
@@ -207,7 +208,7 @@ class Gateway:
         return "runtime"
 
     def _reload(self, state: GatewayState, slots: Slots) -> str:
-        self.process.reload()
+        record_worker_started(self.process.reload())
         self.reloads += 1
         self._forget(state, slots)
         return "reloaded"

@@ -126,13 +126,12 @@ def fold(
     return deltas
 
 
-def retire(state: ScrapeState, new_server_id: str, new_counters: Mapping[str, float], now: datetime) -> None:
+def retire(state: ScrapeState, restarted: bool, new_counters: Mapping[str, float], now: datetime) -> None:
     """Before the scraper replaces the baseline: keep the last scraped values of every version the new
     reading no longer has (or all of them, when the server restarted) for a report that arrives late, and
     forget what is older than ``KEEP``."""
     if state.has_baseline:
         present = {name.rsplit("|", 1)[0] for name in new_counters}
-        restarted = new_server_id != state.server_id
         gone: dict[str, dict[str, float]] = {}
         for name, value in state.counters.items():
             key, _, counter = name.rpartition("|")
@@ -146,13 +145,23 @@ def retire(state: ScrapeState, new_server_id: str, new_counters: Mapping[str, fl
             del table[key]
 
 
-def restart_baseline(state: ScrapeState, server_id: str) -> triton_metrics.Baseline | None:
+def restart_baseline(
+    state: ScrapeState, server_id: str, started_at: datetime | None = None
+) -> triton_metrics.Baseline | None:
     """The baseline of a server process the scraper reads for the first time: the final counts already
-    folded for it (reported between its start and this scrape), so they are not counted again."""
+    folded for it (reported between its start and this scrape), so they are not counted again. Reports read
+    before ``started_at`` (the host's clock, like theirs) were of an older process with the same pid."""
     folded = {
         f"{key}|{name}": value
         for key, entry in state.finals.items()
-        if entry.get("server") == server_id
+        if entry.get("server") == server_id and _read_since(entry, started_at)
         for name, value in entry.get("counters", {}).items()
     }
     return triton_metrics.Baseline(server_id, folded) if folded else None
+
+
+def _read_since(entry: Mapping, started_at: datetime | None) -> bool:
+    if started_at is None:
+        return True
+    read_at = parse_datetime(entry.get("read_at") or "")
+    return read_at is None or read_at >= started_at

@@ -116,13 +116,17 @@ class DeviceMetrics(models.Model):
 class ScrapeState(models.Model):
     """What the scraper last read from one instance: the baseline for the next interval's deltas.
 
-    ``server_id`` identifies the tritonserver process (its pid): when it changes, every counter restarted
-    at zero. ``counters`` is ``{"model|version|counter": value}``; ``owed`` holds backend failures not yet
+    ``server_id`` identifies the tritonserver process (its pid, with ``server_started_at``): when it changes,
+    every counter restarted at zero. The first reading of an instance is only the baseline, unless its agent
+    reported starting that process: then it counts from zero (``apps.monitoring.scraper.record_scrape``). ``counters`` is ``{"model|version|counter": value}``; ``owed`` holds backend failures not yet
     matched by a success count (``backend_ge.triton_metrics.settle_backend_failures``).
     """
 
     instance = models.OneToOneField("fleet.TritonInstance", on_delete=models.CASCADE, related_name="+")
     server_id = models.CharField(max_length=64, blank=True)
+    # When the agent started that process (``TritonInstance.server_started_at``): the same pid with another
+    # start is another process; empty when its start is unknown.
+    server_started_at = models.DateTimeField(null=True, blank=True)
     counters = models.JSONField(default=dict, blank=True)
     owed = models.JSONField(default=dict, blank=True)
     # apps.monitoring.final_counts: versions a scrape found gone, with their last scraped values, and the

@@ -43,6 +43,8 @@ class Fetched:
     server_id: str
     reading: triton_metrics.Reading | None = None
     error: str = ""
+    # When the agent started the process (None: unknown start), as the instance row said before the read.
+    server_started_at: datetime | None = None
 
 
 @dataclass
@@ -63,7 +65,9 @@ def _get(url: str, timeout: float, headers: dict[str, str] | None = None) -> byt
 def fetch_instance(instance: TritonInstance, timeout: float | None = None) -> Fetched:
     """Read ``/metrics`` and ``/v2/models/stats`` of one instance (no database access: runs in a thread)."""
     timeout = timeout or settings.METRICS_SCRAPE_TIMEOUT
-    fetched = Fetched(instance, timezone.now(), str(instance.pid or ""))
+    fetched = Fetched(
+        instance, timezone.now(), str(instance.pid or ""), server_started_at=instance.server_started_at
+    )
     try:
         text = _get(instance.metrics_url(), timeout).decode("utf-8", errors="replace")
         # The statistics API needs the instance key; the metrics port has no restriction (it stays private).
@@ -172,17 +176,23 @@ def record_scrape(fetched: Fetched, names: ModelNames, now: datetime | None = No
         previous = (
             triton_metrics.Baseline(state.server_id or None, state.counters) if state.has_baseline else None
         )
-        restarted = previous is not None and fetched.server_id and fetched.server_id != state.server_id
-        if restarted:
-            # Versions unloaded on the new process before this first read of it were counted by their report.
-            previous = final_counts.restart_baseline(state, fetched.server_id) or previous
+        restarted = bool(previous is not None and fetched.server_id and not _same_process(state, fetched))
+        started_here = previous is None and bool(fetched.server_id) and fetched.server_started_at is not None
+        if restarted or started_here:
+            # The first reading of this process, which started at zero (a restart, or its agent started it):
+            # all it counted is new, less the versions unloaded on it before this read, which their final
+            # counts report counted already. A process of unknown start keeps the baseline rule.
+            previous = final_counts.restart_baseline(
+                state, fetched.server_id, fetched.server_started_at
+            ) or triton_metrics.started_baseline(fetched.server_id)
         deltas = triton_metrics.counter_deltas(previous, fetched.server_id or None, reading.counters)
         owed = triton_metrics.settle_backend_failures(deltas, {} if restarted else state.owed)
         rows = write_model_rows(instance, bucket, deltas, reading.quantiles, names)
         _write_instance_row(instance, bucket, reading)
         counters = triton_metrics.flatten(reading.counters)
-        final_counts.retire(state, fetched.server_id, counters, fetched.started_at)
+        final_counts.retire(state, restarted, counters, fetched.started_at)
         state.server_id = fetched.server_id
+        state.server_started_at = fetched.server_started_at
         state.counters = counters
         state.owed = owed
         state.has_baseline = True
@@ -192,6 +202,14 @@ def record_scrape(fetched: Fetched, names: ModelNames, now: datetime | None = No
         state.consecutive_failures = 0
         state.save()
     return rows
+
+
+def _same_process(state: ScrapeState, fetched: Fetched) -> bool:
+    """The baseline's process: the same pid, and the same start where both are known (a pid can be reused)."""
+    if fetched.server_id != state.server_id:
+        return False
+    known = state.server_started_at is not None and fetched.server_started_at is not None
+    return not known or state.server_started_at == fetched.server_started_at
 
 
 def _count_failure(state: ScrapeState, instance: TritonInstance, bucket: datetime, error: str) -> None:

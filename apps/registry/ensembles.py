@@ -307,6 +307,10 @@ def compose_ensemble(*, actor, model: RegisteredModel, spec: dict, note: str = "
 def _new_version(*, actor, model: RegisteredModel, prepared: PreparedEnsemble, note: str, action: str):
     with transaction.atomic():
         locked = RegisteredModel.objects.select_for_update().select_related("team").get(pk=model.pk)
+        if not locked.is_ensemble():  # its first upload, a model file, made it a model meanwhile
+            raise ValidationError(
+                {"kind": [f"{model.slug} is of kind '{locked.kind}' now, not an ensemble."]}
+            )
         number = (locked.versions.aggregate(n=Max("number"))["n"] or 0) + 1
         version = locked.versions.create(
             number=number,
@@ -360,13 +364,30 @@ def update_step(
     )
 
 
-def ensemble_kind_matches(model: RegisteredModel, fmt: str) -> str:
-    """Why an upload of format ``fmt`` does not fit ``model``'s kind ("" when it does)."""
-    if fmt == SourceFormat.ENSEMBLE and model.kind != ModelKind.ENSEMBLE:
-        return f"this is an ensemble; {model.slug} is a model: create a model of kind 'ensemble' and upload it there"
-    if fmt != SourceFormat.ENSEMBLE and model.kind == ModelKind.ENSEMBLE:
-        return f"{model.slug} is an ensemble: upload a Triton ensemble directory or compose a version"
-    return ""
+def kind_of_format(fmt: str) -> str:
+    """The kind a version of format ``fmt`` belongs to."""
+    return ModelKind.ENSEMBLE if fmt == SourceFormat.ENSEMBLE else ModelKind.MODEL
+
+
+def upload_kind(model: RegisteredModel, fmt: str, version: ModelVersion) -> str:
+    """The kind ``model`` has once ``version`` (format ``fmt``) is in: its own, or - for a model whose other
+    versions hold nothing yet - the upload's (an ensemble archive makes it an ensemble, a model file a model).
+    ValidationError when the model already holds versions of the other kind: the message names the model
+    and its kind. The caller holding the model row's lock makes the answer final."""
+    kind = kind_of_format(fmt)
+    if kind == model.kind or not model.has_versions_besides(version):
+        return kind
+    if kind == ModelKind.ENSEMBLE:
+        message = (
+            f"this is a Triton ensemble, but {model.slug} is of kind '{model.kind}' and has versions: create a "
+            "model of kind 'ensemble' and upload it there"
+        )
+    else:
+        message = (
+            f"this is a model file, but {model.slug} is of kind '{model.kind}' and has versions: upload a "
+            "Triton ensemble directory or compose a version, or upload the file to a model of kind 'model'"
+        )
+    raise ValidationError({"file": [message]})
 
 
 def pipeline(version: ModelVersion) -> list[dict]:

@@ -83,6 +83,15 @@ class RegisteredModel(models.Model):
     def is_ensemble(self) -> bool:
         return self.kind == ModelKind.ENSEMBLE
 
+    def has_versions_besides(self, version: ModelVersion | None = None) -> bool:
+        """Whether a version other than ``version`` holds an upload or a composition (an open or rejected
+        upload holds nothing: its format is blank). A model without one takes its kind from its first
+        upload (``apps.registry.ensembles.upload_kind``)."""
+        others = self.versions.exclude(source_format="")
+        if version is not None:
+            others = others.exclude(pk=version.pk)
+        return others.exists()
+
     def latest_version(self) -> ModelVersion | None:
         """The latest READY version: what "latest" means wherever it is shown (a failed or still converting
         upload with a higher number is not the latest)."""

@@ -33,7 +33,7 @@ from django.utils.text import slugify
 
 from apps.audit.services import record
 from apps.registry.archives import ArchiveRejected, Limits
-from apps.registry.ensembles import ensemble_kind_matches, prepare_ensemble, store_ensemble
+from apps.registry.ensembles import prepare_ensemble, store_ensemble, upload_kind
 from apps.registry.formats import claimed_format, install_source
 from apps.registry.models import (
     ModelKind,
@@ -472,54 +472,74 @@ def complete_upload(*, actor, session: UploadSession, sha256: str = ""):
             shutil.rmtree(version.storage_dir(), ignore_errors=True)
             raise
         prepared = None
-        mismatch = ensemble_kind_matches(version.model, fmt)
+        model = version.model
         try:
-            if mismatch:
-                raise ValidationError({"file": [mismatch]})
+            # Checked again under the model's lock below: a concurrent first upload may decide it first.
+            kind = upload_kind(model, fmt, version)
             if fmt == SourceFormat.ENSEMBLE:
-                prepared = prepare_ensemble(version.model, (source / "config.pbtxt").read_text("utf-8"))
+                model.kind = kind  # what it becomes, for the ensemble checks (saved only with the version)
+                prepared = prepare_ensemble(model, (source / "config.pbtxt").read_text("utf-8"))
+            with transaction.atomic():
+                _install_version(actor, session, version, fmt, actual, prepared)
         except ValidationError as exc:
             reason = "; ".join(f"{k}: {' '.join(v)}" for k, v in exc.message_dict.items())
             _reject(actor=actor, session=session, message=reason, entry="config.pbtxt")
             raise
-        try:
-            with transaction.atomic():
-                UploadSession.objects.filter(pk=session.pk).update(state=UploadState.COMPLETE)
-                version.state = VersionState.UPLOADED
-                version.source_format = fmt
-                version.sha256 = actual
-                version.size_bytes = session.expected_size
-                version.error = ""
-                version.save(
-                    update_fields=["state", "source_format", "sha256", "size_bytes", "error", "updated_at"]
-                )
-                record(
-                    actor=actor,
-                    team=version.model.team,
-                    action="upload.completed",
-                    target=version,
-                    details={
-                        "model": version.model.slug,
-                        "version": version.number,
-                        "format": fmt,
-                        "sha256": actual,
-                        "size": session.expected_size,
-                    },
-                )
-                if prepared is not None:  # nothing to convert: the ensemble is READY once it is checked
-                    store_ensemble(
-                        actor=actor, version=version, prepared=prepared, action="ensemble.uploaded"
-                    )
-                else:
-                    # The conversions app answers (it builds on the registry; the registry never imports it).
-                    version_uploaded.send(
-                        sender=type(version), actor=actor, version=version, options=session.conversion_options
-                    )
         except BaseException:
             shutil.rmtree(version.storage_dir(), ignore_errors=True)
             raise
     session.state = UploadState.COMPLETE
     return version
+
+
+def _take_kind(actor, version: ModelVersion, fmt: str) -> None:
+    """Under the model row's lock (two first uploads of different kinds cannot both win): the kind the model
+    has with this version in, saved and audited when its first upload gave it one."""
+    model = RegisteredModel.objects.select_for_update().select_related("team").get(pk=version.model_id)
+    kind = upload_kind(model, fmt, version)
+    if kind != model.kind:
+        RegisteredModel.objects.filter(pk=model.pk).update(kind=kind, updated_at=timezone.now())
+        record(
+            actor=actor,
+            team=model.team,
+            action="model.kind_taken",
+            target=model,
+            details={"model": model.slug, "from": model.kind, "to": kind, "version": version.number},
+        )
+    version.model.kind = kind
+
+
+def _install_version(actor, session: UploadSession, version: ModelVersion, fmt: str, actual: str, prepared):
+    """Complete the upload in the caller's transaction: the kind settled, the version UPLOADED (an ensemble
+    READY at once), the conversion queued."""
+    _take_kind(actor, version, fmt)
+    UploadSession.objects.filter(pk=session.pk).update(state=UploadState.COMPLETE)
+    version.state = VersionState.UPLOADED
+    version.source_format = fmt
+    version.sha256 = actual
+    version.size_bytes = session.expected_size
+    version.error = ""
+    version.save(update_fields=["state", "source_format", "sha256", "size_bytes", "error", "updated_at"])
+    record(
+        actor=actor,
+        team=version.model.team,
+        action="upload.completed",
+        target=version,
+        details={
+            "model": version.model.slug,
+            "version": version.number,
+            "format": fmt,
+            "sha256": actual,
+            "size": session.expected_size,
+        },
+    )
+    if prepared is not None:  # nothing to convert: the ensemble is READY once it is checked
+        store_ensemble(actor=actor, version=version, prepared=prepared, action="ensemble.uploaded")
+    else:
+        # The conversions app answers (it builds on the registry; the registry never imports it).
+        version_uploaded.send(
+            sender=type(version), actor=actor, version=version, options=session.conversion_options
+        )
 
 
 def abort_upload(*, actor, session: UploadSession) -> None:

@@ -40,6 +40,11 @@ def text(counts: dict[str, int], name: str = NAME) -> str:
 
 @pytest.fixture
 def setup(team, owner):
+    return served_mlp(team, owner)
+
+
+def served_mlp(team, owner) -> dict:
+    """Versions 1 and 2 of vision's mlp, the first served on an instance whose server is pid 100."""
     host = Host.objects.create(name="fc-host", address="127.0.0.1")
     instance = TritonInstance.objects.create(
         host=host, name="cpu-0", http_port=1, grpc_port=2, metrics_port=3, state="READY", pid=100
