@@ -31,6 +31,11 @@ FAILURE_PREFIX = "failure:"
 # as successes (see backend_ge.serving.FAILURE_METRIC): "gefail:<REASON>".
 GE_FAILURE_FAMILY = "ge_inference_request_failure"
 GE_FAILURE_PREFIX = "gefail:"
+# Reasons that are the caller's error, not the server's: the GE backend's INVALID_ARG answers (a request
+# that does not fit the model, a 400). Counted apart as client errors; every other reason is a server failure,
+# which error rates, rollout gates and alerts judge. (Triton's own request checks - parse errors, shape or data
+# type against the config, batch size - are counted in none of its metrics; measured with Triton 2.51.)
+CLIENT_ERROR_REASONS = frozenset({"INVALID_REQUEST"})
 BATCH_PREFIX = "batch:"  # executions per batch size, from the statistics API
 # Triton's latency summaries (only with --metrics-config=summary_latencies=true).
 SUMMARY_FAMILIES = {
@@ -212,8 +217,17 @@ def settle_backend_failures(
 
 
 def failures(values: Mapping[str, float]) -> dict[str, float]:
-    """``{reason: count}`` of one series' failure counters."""
-    return {k[len(FAILURE_PREFIX) :]: v for k, v in values.items() if k.startswith(FAILURE_PREFIX)}
+    """``{reason: count}`` of one series' server failures (client errors are not among them)."""
+    return {
+        k[len(FAILURE_PREFIX) :]: v
+        for k, v in values.items()
+        if k.startswith(FAILURE_PREFIX) and k[len(FAILURE_PREFIX) :] not in CLIENT_ERROR_REASONS
+    }
+
+
+def client_errors(values: Mapping[str, float]) -> float:
+    """Requests of one series that failed as the caller's error (``CLIENT_ERROR_REASONS``)."""
+    return sum(values.get(FAILURE_PREFIX + reason, 0.0) for reason in CLIENT_ERROR_REASONS)
 
 
 def batch_executions(values: Mapping[str, float]) -> dict[str, float]:

@@ -24,6 +24,8 @@ ROLE_FIGURES = (
     ("requests_per_s", "Requests/s", "{:.1f}"),
     ("requests", "Requests (last check)", "{:d}"),
     ("success_rate", "Success rate", "{:.2%}"),
+    # Not gated: requests the model refused as malformed are the caller's error (400), not the version's.
+    ("client_errors", "Bad requests (400, not gated)", "{:d}"),
     ("p50_ms", "p50", "{:.1f} ms"),
     ("p99_ms", "p99", "{:.1f} ms"),
     ("queue_ms", "Queue time (mean)", "{:.2f} ms"),
@@ -51,6 +53,7 @@ def side_by_side(rollout: Rollout, check) -> list[dict]:
             if part
         ),
         "requests": f"≥ {rollout.min_requests} to judge",
+        "client_errors": "not judged",
     }
     failed = {gate["gate"] for gate in (check.failed_gates if check else [])}
     return [

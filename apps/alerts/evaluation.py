@@ -126,6 +126,7 @@ def _traffic(context: Context, window_minutes: int) -> dict[int, dict]:
         .annotate(
             success_sum=Sum("success"),
             failure_sum=Sum("failure"),
+            client_errors_sum=Sum("client_errors"),
             request_us_sum=Sum("request_us"),
             quantile_requests_sum=Sum("quantile_requests"),
             p99_weighted=Sum(F("p99_us") * F("quantile_requests"), filter=Q(p99_us__isnull=False)),
@@ -136,6 +137,8 @@ def _traffic(context: Context, window_minutes: int) -> dict[int, dict]:
 
 
 def check_error_rate(rules: list[AlertRule], context: Context) -> Findings:
+    """Server failures of the requests the model took. Bad requests (the caller's error, a 400) are named in
+    the summary but never raise the rate: a client sending malformed requests is not an outage."""
     findings: Findings = defaultdict(dict)
     for window, window_rules in _by_window(rules).items():
         traffic = _traffic(context, window)
@@ -151,13 +154,19 @@ def check_error_rate(rules: list[AlertRule], context: Context) -> Findings:
                         subject=f"deployment:{deployment.pk}",
                         value=round(rate, 3),
                         summary=(
-                            f"{deployment.model.name}: {rate:.1f}% of {total} requests failed in the last "
-                            f"{window} min (threshold {rule.threshold:g}%)"
+                            f"{deployment.model.name}: {rate:.1f}% of {total} requests failed (server errors) in "
+                            f"the last {window} min (threshold {rule.threshold:g}%)"
+                            + _client_errors_note(row)
                         ),
                         labels=_deployment_labels(deployment),
                         deployment_id=deployment.pk,
                     )
     return findings
+
+
+def _client_errors_note(row: dict) -> str:
+    count = row.get("client_errors_sum") or 0
+    return f"; besides, {count} bad requests (400) not counted" if count else ""
 
 
 def check_p99_latency(rules: list[AlertRule], context: Context) -> Findings:
@@ -198,7 +207,7 @@ def check_no_traffic(rules: list[AlertRule], context: Context) -> Findings:
         ModelMetrics.objects.filter(
             team_id__in=context.team_ids, bucket__gte=context.now - NO_TRAFFIC_LOOKBACK
         )
-        .filter(Q(success__gt=0) | Q(failure__gt=0))
+        .filter(Q(success__gt=0) | Q(failure__gt=0) | Q(client_errors__gt=0))
         .values("model_id")
         .annotate(last=Max("bucket"))
         .values_list("model_id", "last")

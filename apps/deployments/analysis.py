@@ -1,11 +1,16 @@
 """The figures a rollout check judges: per version, over the window since the last judged check.
 
 Read at check time straight from the instances that serve both versions (their metrics port, no key needed):
-cumulative counters give requests, failures and time spent (deltas against the readings kept on the rollout,
+cumulative counters give requests, server failures, client errors and time spent (deltas against the readings kept on the rollout,
 per server process, so a restart or a reload never counts twice or goes negative), and Triton's latency
 summaries (``--metrics-config=summary_latencies=true``, an instance's ``latency_summaries``) give real
 per-version p50/p99 of request and queue time. Triton computes those quantiles over a sliding window (the
 last minute), not exactly over the check's window; instances merge weighted by their requests.
+
+Gates judge server failures only: a request the model refused as not fitting it (a client error, 400 - see
+``backend_ge.triton_metrics.CLIENT_ERROR_REASONS``) is shown beside them, in neither ``requests`` nor
+``success_rate``, so a flood of bad requests can neither fail a canary nor hide its failures. (Triton's own
+request checks - malformed JSON, shapes, data types, batch size - are counted in none of its metrics.)
 
 The text parser is ``backend_ge.triton_metrics``: pure functions without Django, shared with the scraper.
 """
@@ -26,11 +31,13 @@ from backend_ge import triton_metrics
 
 @dataclass
 class VersionFigures:
-    """One version's traffic over a window (times in ms; None when nothing was measured)."""
+    """One version's traffic over a window (times in ms; None when nothing was measured). ``requests`` are the
+    requests the model took (successes and server failures); ``client_errors`` the ones it refused."""
 
     version: int
     requests: int = 0
     failures: int = 0
+    client_errors: int = 0
     success_rate: float | None = None
     requests_per_s: float = 0.0
     mean_ms: float | None = None
@@ -122,6 +129,7 @@ def window_figures(
             figures = totals[role]
             figures.requests += int(round(count))
             figures.failures += int(round(failed))
+            figures.client_errors += int(round(triton_metrics.client_errors(values)))
             request_us[role] += values.get("request_us", 0.0)
             queue_us[role] += values.get("queue_us", 0.0)
             quantiles = item.reading.quantiles.get((name, str(number)), {})

@@ -131,6 +131,9 @@ def frontend_lines(o: Options) -> list[str]:
         # An instance's NOT_FOUND (a version it does not serve) comes back as a trailers-only answer.
         "    http-response sc-inc-gpc(5,1) if { res.hdr(grpc-status) 5 } !{ var(txn.gmsg) -m found }",
         "    http-response sc-inc-gpc(5,2) if { res.hdr(grpc-status) 5 } !{ var(txn.gmsg) -m found }",
+        # ... and its INVALID_ARGUMENT (a request that does not fit the model) is a bad request, like HTTP's 400.
+        "    http-response sc-inc-gpc(6,1) if { res.hdr(grpc-status) 3 } !{ var(txn.gmsg) -m found }",
+        "    http-response sc-inc-gpc(6,2) if { res.hdr(grpc-status) 3 } !{ var(txn.gmsg) -m found }",
         *_routing_lines(),
         *_hold_lines(o),
         "    http-request del-header authorization",

@@ -39,6 +39,7 @@ from apps.gateway.rules import (
     COUNT_STAGES,
     COUNTS_TABLE,
     Options,
+    client_error_rules,
     count_rules,
     json_error,
     token_rules,
@@ -388,6 +389,7 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         json_error(404, "not found") + " if !allowed_path !index_path",
         json_error(404, "not found") + " if infer_path !METH_POST",
         json_error(404, "not found") + " if !infer_path !METH_GET",
+        *client_error_rules("infer_path"),  # Triton's parse failures: 500 -> 400
         # One lookup gives the whole route (Route.render):
         # <team>/<deployment>/<slot>/<version>/<canary slot>/<canary version>/<canary weight>
         "    http-request set-var(txn.model) path,field(4,/)",

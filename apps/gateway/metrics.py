@@ -9,7 +9,12 @@ Two sources, read in the same scrape:
   the gateway.
 * The ``gateway_counts`` stick table over the admin socket (``show table``): HAProxy 2.6 counts responses
   only by class, so the gateway counts the stages each request passed (see ``apps.gateway.haproxy``) and a
-  refusal is the difference between two stages - 401, 429 and the gateway's own 404s, exactly.
+  refusal is the difference between two stages - 401, 429 and the gateway's own 404s, exactly - and the
+  instances' 404s and 400s (bad requests, gRPC's NOT_FOUND and INVALID_ARGUMENT too) have counters of their own.
+
+Client errors and server errors are kept apart: ``responses_5xx`` are server errors only (the gateway turns
+Triton's request-parse failures from 500 into 400 before HAProxy counts them, ``apps.gateway.rules``);
+``responses_400`` are requests the model could not take as sent (fix the request, do not retry), shown beside.
 
 Counters restart at zero when HAProxy reloads (a new worker): a new worker pid, or a counter that went down,
 starts a new baseline from zero. The very first scrape is only the baseline, unless its worker is one the
@@ -54,6 +59,7 @@ SUMMED = (
     "responses_401",
     "responses_404",
     "responses_429",
+    "responses_400",
     "time_ms_sum",
 )
 
@@ -163,7 +169,8 @@ def _started_by_gateway(pid: int | None) -> bool:
 
 
 COUNTERS = ("requests", "2xx", "4xx", "5xx", *STAGES)
-REFUSALS = ("responses_401", "responses_404", "responses_429")
+# Counted from the stage counters (exact per code): the gateway's refusals, and the bad requests (400).
+REFUSALS = ("responses_401", "responses_404", "responses_429", "responses_400")
 
 
 def _deltas(now: dict[str, float], before: dict[str, float] | None) -> tuple[dict[str, float], bool]:
@@ -190,7 +197,7 @@ def _counted_refusals(
 
 
 def _refusals(stages: dict[str, float], gateway_wide: bool) -> dict[str, int]:
-    """401, 404 and 429 from the stage counts (see ``apps.gateway.haproxy``)."""
+    """401, 404, 429 and 400 from the stage counts (see ``apps.gateway.rules``)."""
     g = [stages.get(name, 0) for name in STAGES]
     not_found = g[5]  # answered by an instance
     if gateway_wide:
@@ -199,6 +206,7 @@ def _refusals(stages: dict[str, float], gateway_wide: bool) -> dict[str, int]:
         "responses_401": int(max(0, g[1] - g[2])),
         "responses_404": int(not_found),
         "responses_429": int(max(0, g[2] - g[3])),
+        "responses_400": int(g[6]),  # answered by an instance (or rewritten from Triton's 500)
     }
 
 
@@ -316,7 +324,8 @@ def summary(rows: QuerySet) -> dict:
 
 def gateway_series(rows: QuerySet, window) -> dict:
     """Chart lines over ``window`` (an ``apps.monitoring.rollups.Window``): requests/s forwarded, refusals
-    (401, 404, 429) and 5xx per second, the average time at the gateway (ms), and the totals."""
+    (401, 404, 429), bad requests (400) and server errors (5xx) per second, the average time at the gateway
+    (ms), and the totals."""
     point = TruncHour("bucket") if window.range.step == HOUR else F("bucket")
     grouped = (
         rows.filter(bucket__gte=window.start, bucket__lt=window.end)
@@ -337,6 +346,7 @@ def gateway_series(rows: QuerySet, window) -> dict:
         "unauthorized_per_second": "responses_401",
         "not_found_per_second": "responses_404",
         "rate_limited_per_second": "responses_429",
+        "bad_requests_per_second": "responses_400",
         "server_errors_per_second": "responses_5xx",
     }
     return {

@@ -17,6 +17,11 @@ class GatewayMetrics(models.Model):
     are 404s its instances answered (a version that is not loaded). A 404 for an unknown model, or another
     team's, names no deployment of the caller: it is counted gateway-wide only.
 
+    Client errors apart from server errors: ``responses_400`` are bad requests its instances answered (HTTP 400,
+    Triton's request-parse failures included - the gateway answers those 400, not Triton's 500 - and gRPC
+    INVALID_ARGUMENT): the caller must fix the request. ``responses_5xx`` are server errors only (a model that
+    failed, no instance ready, a timeout): worth a retry, and what alerts and charts of failures show.
+
     Gateway-wide: every request that reached the gateway (HTTP and gRPC, refusals included); ``responses_404``
     adds the gateway's own 404s (paths off the allow-list, unknown models, gRPC methods not offered and gRPC
     without a dedicated instance) to the instances'; gRPC UNAUTHENTICATED and RESOURCE_EXHAUSTED count as 401
@@ -38,6 +43,7 @@ class GatewayMetrics(models.Model):
     responses_401 = models.BigIntegerField(default=0)
     responses_404 = models.BigIntegerField(default=0)
     responses_429 = models.BigIntegerField(default=0)
+    responses_400 = models.BigIntegerField(default=0)
     time_ms_sum = models.FloatField(default=0)
 
     class Meta:

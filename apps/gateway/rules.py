@@ -87,11 +87,50 @@ def token_rules(o: Options, deny_unauthenticated: str, deny_expired: str) -> lis
 # --- Refusal counts (apps.gateway.metrics reads them with `show table gateway_counts`). -----------------------
 # HAProxy 2.6 counts responses only by class, and `http-after-response` cannot increment counters, so each
 # request increments the stage it has passed: a refusal is the difference between two stages (401 = stage 1 -
-# stage 2, 429 = 2 - 3, the gateway's 404 = (0 - 1) + (3 - 4)); stage 5 counts 404s answered by an instance.
+# stage 2, 429 = 2 - 3, the gateway's 404 = (0 - 1) + (3 - 4)); stage 5 counts 404s answered by an instance,
+# stage 6 the 400s (bad requests: the instance's own and those ``client_error_rules`` rewrote).
 # Key "all": every request (sticky counter 2); key "d<id>": requests naming a served model (sticky counter 1).
 COUNTS_TABLE = "gateway_counts"
-COUNT_STAGES = 6
+COUNT_STAGES = 7
+BAD_REQUEST_STAGE = 6
 
 
 def count_rules(stage: int, *counters: int) -> list[str]:
     return [f"    http-request sc-inc-gpc({stage},{sc})" for sc in counters]
+
+
+# --- Client errors are 400s. ----------------------------------------------------------------------------------
+# Triton 2.51 answers a request its HTTP frontend cannot parse with 500, although nothing failed on the server:
+# malformed JSON, a field of the wrong JSON type, a shape that does not match its data, a data type that does
+# not match its data. (Its other checks - shape or data type against the model, batch size, unknown or missing
+# inputs, binary data sizes - and the GE backend's own (INVALID_ARG) already answer 400.) Measured with the
+# real server for every case: docs/users/call.md. Only these messages, at the start of the body, are a bad
+# request; every other 500 (a model that failed in execute) stays a 500.
+TRITON_CLIENT_ERRORS = (
+    "failed to parse the request JSON buffer",  # not JSON, or trailing bytes after it
+    r"Unable to parse \x27[A-Za-z_]+\x27",  # a field missing or of the wrong type; shape vs data
+    r"Unable to set \x27[A-Za-z_]+\x27",  # an output parameter of the wrong type (classification)
+)
+CLIENT_ERROR_BODY = r'^\{"error":"(' + "|".join(TRITON_CLIENT_ERRORS) + "): "
+# How long a 500's body may take to arrive before the rules judge what came (Triton sends it at once).
+ERROR_BODY_WAIT_MS = 1000
+
+
+def client_error_rules(infer_acl: str) -> list[str]:
+    """Rewrite Triton's parse failures on the infer path from 500 to 400, body unchanged.
+
+    Only a 500's body is buffered (``wait-for-body``): a successful answer streams through untouched. The
+    rewrite runs before HAProxy counts the response, so the exporter's classes (and the stage-6 count of
+    400s) see the 400. Triton sends some error bodies as ``text/plain``; they are JSON, and say so here.
+    """
+    if "'" in CLIENT_ERROR_BODY:
+        raise ValueError("the regex is written in single quotes")
+    infer = "{ var(txn.infer) -m found }"
+    return [
+        f"    http-request set-var(txn.infer) int(1) if {infer_acl}",
+        f"    http-response wait-for-body time {ERROR_BODY_WAIT_MS}ms if {{ status 500 }} {infer}",
+        f"    http-response set-status 400 if {{ status 500 }} {infer} {{ res.body -m reg '{CLIENT_ERROR_BODY}' }}",
+        "    http-response set-header content-type application/json"
+        f" if {infer} {{ status 400:599 }} {{ res.hdr(content-type) -m beg text/plain }}",
+        *(f"    http-response sc-inc-gpc({BAD_REQUEST_STAGE},{sc}) if {{ status 400 }}" for sc in (1, 2)),
+    ]

@@ -66,9 +66,12 @@ class FrameSerializer(serializers.Serializer):
 
 
 class CountsSerializer(serializers.Serializer):
-    requests = serializers.IntegerField()
+    requests = serializers.IntegerField(help_text="Requests the model took: success + failure.")
     success = serializers.IntegerField(required=False)
-    failure = serializers.IntegerField()
+    failure = serializers.IntegerField(help_text="Server failures (retry): what error rates and gates judge.")
+    client_errors = serializers.IntegerField(
+        required=False, help_text="Requests refused as malformed (400: fix the request); not in error_rate."
+    )
     error_rate = serializers.FloatField(allow_null=True, required=False)
 
 
@@ -77,6 +80,7 @@ class VersionSeriesSerializer(serializers.Serializer):
     latency = serializers.ChoiceField(choices=["quantiles", "average"])
     requests_per_second = points()
     error_rate = points()
+    client_errors_per_second = points()
     avg_latency_ms = points()
     p50_ms = points()
     p95_ms = points()
@@ -95,15 +99,20 @@ class GatewayTotalsSerializer(serializers.Serializer):
     responses_401 = serializers.IntegerField()
     responses_404 = serializers.IntegerField()
     responses_429 = serializers.IntegerField()
+    responses_400 = serializers.IntegerField(
+        help_text="Bad requests its instances answered (HTTP 400, gRPC INVALID_ARGUMENT): client errors."
+    )
 
 
 class GatewaySeriesSerializer(serializers.Serializer):
-    """What the gateway (HAProxy) saw: requests it forwarded, the refusals it answered itself, 5xx, its time."""
+    """What the gateway (HAProxy) saw: requests it forwarded, the refusals it answered itself, bad requests
+    (400, client errors) and server errors (5xx) apart, its time."""
 
     requests_per_second = points()
     unauthorized_per_second = points()
     not_found_per_second = points()
     rate_limited_per_second = points()
+    bad_requests_per_second = points()
     server_errors_per_second = points()
     avg_ms = points()
     totals = GatewayTotalsSerializer()
@@ -137,7 +146,8 @@ class ModelMetricsSerializer(FrameSerializer):
     failure_reasons = serializers.DictField(child=serializers.IntegerField())
     gateway = GatewaySeriesSerializer(
         help_text="At the gateway, per deployment of the model (not per version): requests forwarded, "
-        "401 and 429 refusals of requests naming the model, 404s its instances answered, 5xx, average time."
+        "401 and 429 refusals of requests naming the model, 404s and 400s its instances answered, 5xx, "
+        "average time."
     )
     replicas = ReplicaSeriesSerializer(
         allow_null=True,
@@ -169,6 +179,7 @@ class InstanceMetricsSerializer(FrameSerializer):
 class FleetTotalsSerializer(serializers.Serializer):
     requests = serializers.IntegerField()
     failure = serializers.IntegerField()
+    client_errors = serializers.IntegerField()
     error_rate = serializers.FloatField(allow_null=True)
     instances = serializers.IntegerField()
     instances_ready = serializers.IntegerField()

@@ -20,6 +20,11 @@ class ModelMetrics(models.Model):
     ``p50_us``/``p95_us``/``p99_us`` are Triton's request latency quantiles (only where the instance runs
     with latency summaries), averaged over the period weighted by ``quantile_requests``; without them the
     charts fall back to ``request_us / requests``.
+
+    ``failure`` (with ``failure_reasons``) are server failures: the model or the server failed a request it
+    should have answered. ``client_errors`` are requests the model refused as not fitting it (the GE backend's
+    INVALID_ARG, a 400 to the caller): counted beside, never in the error rate, rollout gates or alerts.
+    ``success + failure`` are the requests the model took.
     """
 
     period_seconds = models.PositiveIntegerField(choices=PERIOD_CHOICES, default=MINUTE)
@@ -31,6 +36,9 @@ class ModelMetrics(models.Model):
     success = models.BigIntegerField(default=0)
     failure = models.BigIntegerField(default=0)
     failure_reasons = models.JSONField(default=dict, blank=True)
+    client_errors = models.BigIntegerField(
+        default=0, help_text="Requests refused as malformed (400): the caller's error, not a failure."
+    )
     inferences = models.BigIntegerField(default=0, help_text="Batch items: a request of batch 4 counts 4.")
     executions = models.BigIntegerField(default=0, help_text="Model executions (batches).")
     batch_executions = models.JSONField(default=dict, blank=True, help_text="{batch size: executions}")

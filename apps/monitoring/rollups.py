@@ -19,6 +19,7 @@ from apps.monitoring.models import DeviceMetrics, InstanceMetrics, ModelMetrics
 SUMMED = (
     "success",
     "failure",
+    "client_errors",
     "inferences",
     "executions",
     "request_us",
@@ -263,7 +264,9 @@ def traffic_series(rows: QuerySet, window: Window, group: str | None) -> dict:
         requests = [s + f for s, f in zip(sums["success"], sums["failure"], strict=True)]
         out[key] = {
             "requests_per_second": [round(r / step, 4) for r in requests],
+            # Server failures of the requests the model took; bad requests (the caller's error) beside it.
             "error_rate": [ratio(f, r) for f, r in zip(sums["failure"], requests, strict=True)],
+            "client_errors_per_second": [round(c / step, 4) for c in sums["client_errors"]],
             "avg_latency_ms": [ratio(d, r, 1e-3) for d, r in zip(sums["request_us"], requests, strict=True)],
             "queue_ms": [ratio(d, r, 1e-3) for d, r in zip(sums["queue_us"], requests, strict=True)],
             "compute_ms": [
@@ -289,6 +292,7 @@ def traffic_series(rows: QuerySet, window: Window, group: str | None) -> dict:
                 "requests": int(sum(requests)),
                 "success": int(sum(sums["success"])),
                 "failure": int(sum(sums["failure"])),
+                "client_errors": int(sum(sums["client_errors"])),
             },
         }
     return out

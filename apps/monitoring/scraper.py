@@ -309,6 +309,7 @@ UPDATE_FIELDS = [
     *DURATIONS,
     "failure",
     "failure_reasons",
+    "client_errors",
     "batch_executions",
     "p50_us",
     "p95_us",
@@ -327,6 +328,7 @@ def _add(row: ModelMetrics, values: dict[str, float], quantiles: dict[str, float
         reasons[reason] = reasons.get(reason, 0) + int(count)
         row.failure += int(count)
     row.failure_reasons = reasons
+    row.client_errors += int(triton_metrics.client_errors(values))
     batches = dict(row.batch_executions)
     for size, count in triton_metrics.batch_executions(values).items():
         batches[size] = batches.get(size, 0) + int(count)

@@ -200,7 +200,7 @@ def model_metrics(
     has_quantiles = any(v is not None for line in versions for v in line["p99_ms"])
     for line in versions:
         line["latency"] = "quantiles" if any(v is not None for v in line["p99_ms"]) else "average"
-    totals = {"requests": 0, "success": 0, "failure": 0}
+    totals = {"requests": 0, "success": 0, "failure": 0, "client_errors": 0}
     for line in versions:
         for key in totals:
             totals[key] += line["totals"][key]
@@ -277,7 +277,9 @@ def fleet_metrics(user, range_key: str | None = None, now=None, busiest: int = 1
         .order_by("-requests", "model__slug")[:busiest]
     )
     states = dict(instances.values_list("state").annotate(n=Count("pk")).order_by())
-    totals = in_window.aggregate(success=Sum("success"), failure=Sum("failure"))
+    totals = in_window.aggregate(
+        success=Sum("success"), failure=Sum("failure"), client_errors=Sum("client_errors")
+    )
     requests = (totals["success"] or 0) + (totals["failure"] or 0)
     return {
         **_frame(window),
@@ -286,6 +288,7 @@ def fleet_metrics(user, range_key: str | None = None, now=None, busiest: int = 1
         "totals": {
             "requests": requests,
             "failure": totals["failure"] or 0,
+            "client_errors": totals["client_errors"] or 0,
             "error_rate": rollups.ratio(totals["failure"] or 0, requests),
             "instances": sum(states.values()),
             "instances_ready": states.get(InstanceState.READY, 0),

@@ -52,7 +52,14 @@ def serving(team, owner, shared_host, clock):
 def record_minute(team, serving):
     """Write one recorded minute row of the served model (what the scraper writes)."""
 
-    def _write(bucket, success: int, failure: int = 0, p99_ms: float | None = None, mean_ms: float = 2.0):
+    def _write(
+        bucket,
+        success: int,
+        failure: int = 0,
+        p99_ms: float | None = None,
+        mean_ms: float = 2.0,
+        client_errors: int = 0,
+    ):
         total = success + failure
         return ModelMetrics.objects.create(
             bucket=bucket.replace(second=0, microsecond=0),
@@ -62,6 +69,7 @@ def record_minute(team, serving):
             instance=serving["instance"],
             success=success,
             failure=failure,
+            client_errors=client_errors,
             inferences=total,
             executions=total,
             request_us=total * mean_ms * 1000,

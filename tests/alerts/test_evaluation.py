@@ -83,6 +83,23 @@ def test_error_rate_below_threshold_or_without_traffic_raises_nothing(
     assert only_alert(rule) is None
 
 
+def test_error_rate_judges_server_failures_only_and_names_the_bad_requests_beside(
+    serving, record_minute, make_rule, clock
+):
+    rule = make_rule(AlertKind.ERROR_RATE, threshold=5, window_minutes=5)
+    # A client sending 1,000 malformed requests a minute (400s) is not an outage.
+    record_minute(clock - timedelta(minutes=1), success=100, client_errors=1000)
+    services.evaluate_rules(now=clock)
+    assert only_alert(rule) is None
+    # Server failures fire, at their rate of the requests the model took; the bad requests are named beside.
+    record_minute(clock - timedelta(minutes=2), success=80, failure=20)
+    services.evaluate_rules(now=clock)
+    alert = only_alert(rule)
+    assert alert.value == pytest.approx(10.0)
+    assert "10.0% of 200 requests failed (server errors)" in alert.summary
+    assert "1000 bad requests (400) not counted" in alert.summary
+
+
 def test_p99_rule_reads_the_latency_summaries(serving, record_minute, make_rule, clock):
     rule = make_rule(AlertKind.P99_LATENCY, threshold=250, window_minutes=5)
     record_minute(clock - timedelta(minutes=2), success=100, p99_ms=200, mean_ms=20)

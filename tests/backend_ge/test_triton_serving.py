@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from backend_ge import triton_metrics
 from backend_ge.examples import ENSEMBLE
 from tests.backend_ge.builders import DTYPES
 
@@ -241,6 +244,43 @@ def test_bad_request_in_a_batch_fails_alone_and_the_rest_succeed(triton, client,
     np.testing.assert_array_equal(good2, reference("mlp", {"input": data[2]})["output"])
     # one execution for all three: the bad request did not split or fail the batch
     assert (after["executions"] - before["executions"], after["inferences"] - before["inferences"]) == (1, 3)
+
+
+def test_the_backends_request_errors_are_invalid_arg_a_400_and_counted_as_invalid_requests(triton):
+    # mlp_ragged's config takes any length, so only the backend (which knows the model needs 256) refuses it:
+    # with pb_utils.TritonError.INVALID_ARG, which Triton 2.51 answers 400 over HTTP, INVALID_ARGUMENT over
+    # gRPC (an execution failure is INTERNAL: 500), and the backend counts as INVALID_REQUEST, not BACKEND.
+    def ge_failures() -> dict[str, float]:
+        text = requests.get(triton.metrics_url, timeout=10).text
+        return {
+            reason: value
+            for (model, _), values in triton_metrics.parse_metrics(text).counters.items()
+            if model == "mlp_ragged"
+            for reason, value in values.items()
+            if reason.startswith(triton_metrics.GE_FAILURE_PREFIX)
+        }
+
+    before = ge_failures()
+    body = {"inputs": [{"name": "input", "shape": [1, 100], "datatype": "FP32", "data": [0.5] * 100}]}
+    reply = requests.post(f"http://{triton.http_url}/v2/models/mlp_ragged/infer", json=body, timeout=30)
+    assert reply.status_code == 400, reply.text
+    assert (
+        json.loads(reply.text)["error"]
+        == "input 'input' has shape [1, 100], model 'mlp_ragged' expects [-1, 256]"
+    )
+
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    try:
+        item = grpcclient.InferInput("input", [1, 100], "FP32")
+        item.set_data_from_numpy(np.zeros((1, 100), np.float32))
+        with pytest.raises(InferenceServerException) as caught:
+            client.infer("mlp_ragged", [item], client_timeout=30)
+    finally:
+        client.close()
+    assert caught.value.status() == "StatusCode.INVALID_ARGUMENT", caught.value
+    after = ge_failures()
+    assert after["gefail:INVALID_REQUEST"] - before.get("gefail:INVALID_REQUEST", 0) == 2
+    assert after["gefail:BACKEND"] == before.get("gefail:BACKEND", 0)
 
 
 # -- model repository API ------------------------------------------------------------------------------

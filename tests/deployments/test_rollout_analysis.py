@@ -71,7 +71,7 @@ def test_an_instance_without_a_baseline_counts_the_canary_since_it_loaded():
 def test_an_unreadable_instance_counts_nothing_and_no_traffic_has_no_rates():
     figures = window_figures([InstanceReading(1, "100", None, "URLError")], {}, NAME, VERSIONS, seconds=2)
     assert figures["canary"] == {
-        "version": 2, "requests": 0, "failures": 0, "success_rate": None, "requests_per_s": 0.0, "mean_ms": None,
+        "version": 2, "requests": 0, "failures": 0, "client_errors": 0, "success_rate": None, "requests_per_s": 0.0, "mean_ms": None,
         "p50_ms": None, "p99_ms": None, "queue_ms": None, "queue_p99_ms": None,
     }  # fmt: skip
 
@@ -111,3 +111,31 @@ def test_each_gate_reports_its_value_and_limit():
     assert failed_gates(
         gates(min_success_rate=0.9, max_p99_ms=20), {"success_rate": 1.0, "p99_ms": None}, stable
     )
+
+
+def canary_window(success: int, invalid: int, backend: int) -> dict:
+    """The canary's figures over one window: Triton's successes, of which the GE backend answered ``invalid``
+    as INVALID_ARG (a 400: the caller's error) and ``backend`` as failed (a 500)."""
+    before = [reading(1, "100", {2: {"success": 0}})]
+    after = [
+        reading(
+            1, "100", {2: {"success": success, "gefail:INVALID_REQUEST": invalid, "gefail:BACKEND": backend}}
+        )
+    ]
+    return window_figures(after, baseline_of(before, NAME), NAME, VERSIONS, seconds=10)["canary"]
+
+
+def test_a_flood_of_bad_requests_does_not_fail_the_canary():
+    canary = canary_window(success=10_100, invalid=10_000, backend=0)
+    assert (canary["requests"], canary["failures"], canary["client_errors"]) == (100, 0, 10_000)
+    assert canary["success_rate"] == 1.0
+    assert failed_gates(gates(), canary, {"p99_ms": None}) == []
+
+
+def test_server_failures_fail_the_canary_whatever_bad_requests_come_beside_them():
+    canary = canary_window(success=10_100, invalid=10_000, backend=5)
+    # 95 of the 100 requests the model took succeeded: bad requests neither hide nor dilute the failures.
+    assert (canary["requests"], canary["failures"], canary["client_errors"]) == (100, 5, 10_000)
+    assert failed_gates(gates(), canary, {"p99_ms": None}) == [
+        {"gate": "success_rate", "value": 0.95, "limit": 0.99}
+    ]

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from apps.monitoring.models import ModelMetrics
+from apps.monitoring.scraper import _add
 from backend_ge import triton_metrics
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -94,10 +96,22 @@ def test_backend_failures_move_out_of_the_successes(reading):
     deltas = {RESHAPER: {"success": 7.0, "gefail:BACKEND": 3.0, "gefail:INVALID_REQUEST": 0.0}}
     owed = triton_metrics.settle_backend_failures(deltas, {})
     assert owed == {}
-    assert deltas[RESHAPER]["success"] == 4 and triton_metrics.failures(deltas[RESHAPER]) == {
-        "BACKEND": 3,
-        "INVALID_REQUEST": 0,
-    }
+    assert deltas[RESHAPER]["success"] == 4 and triton_metrics.failures(deltas[RESHAPER]) == {"BACKEND": 3}
+    assert triton_metrics.client_errors(deltas[RESHAPER]) == 0
+
+
+def test_the_backends_invalid_requests_are_client_errors_not_failures():
+    # Triton counted all 12 as successes; the GE backend answered 5 as INVALID_ARG (400) and 2 failed.
+    deltas = {RESHAPER: {"success": 12.0, "gefail:INVALID_REQUEST": 5.0, "gefail:BACKEND": 2.0}}
+    triton_metrics.settle_backend_failures(deltas, {})
+    values = deltas[RESHAPER]
+    assert values["success"] == 5
+    assert triton_metrics.failures(values) == {"BACKEND": 2}  # what error rates, gates and alerts judge
+    assert triton_metrics.client_errors(values) == 5
+
+    row = ModelMetrics(failure_reasons={}, batch_executions={})
+    _add(row, values, None)
+    assert (row.success, row.failure, row.client_errors, row.failure_reasons) == (5, 2, 5, {"BACKEND": 2})
 
 
 def test_a_failure_published_before_its_success_is_owed_not_counted_twice():

@@ -63,7 +63,7 @@ def test_minutes_become_hours_after_seven_days_and_everything_goes_after_ninety(
 
 def test_model_chart_json_has_one_line_per_version(metrics_setup, viewer_client, frozen):
     write, (v1, v2) = metrics_setup["write"], metrics_setup["versions"]
-    write(v1, 3, 120, 6)
+    write(v1, 3, 120, 6, client_errors=4)
     write(v2, 2, 60, 0, p50_us=1000, p95_us=2000, p99_us=3000, quantile_requests=60)
     response = viewer_client.get("/api/v1/teams/vision/models/classifier/metrics/?range=1h")
     assert response.status_code == 200, response.content
@@ -79,8 +79,10 @@ def test_model_chart_json_has_one_line_per_version(metrics_setup, viewer_client,
         "requests": 186,
         "success": 180,
         "failure": 6,
-        "error_rate": pytest.approx(6 / 186, abs=1e-4),
+        "client_errors": 4,
+        "error_rate": pytest.approx(6 / 186, abs=1e-4),  # bad requests are not in the rate
     }
+    assert sum(lines[1]["client_errors_per_second"]) == pytest.approx(4 / 60, abs=1e-3)
     assert data["failure_reasons"] == {"BACKEND": 6}
 
     week = viewer_client.get("/api/v1/teams/vision/models/classifier/metrics/?range=7d").json()

@@ -112,7 +112,8 @@
     return values.map(function (v) { return v == null ? null : v * 100; });
   }
 
-  /* The gateway's figures (HAProxy): requests it forwarded, refusals it answered itself, 5xx. */
+  /* The gateway's figures (HAProxy): requests it forwarded, refusals it answered itself, bad requests (400:
+     the caller's error) and server errors (5xx) apart. */
   function drawGateway(id, ts, g, markers) {
     if (!g) { return; }
     draw(id, ts, [
@@ -120,13 +121,15 @@
       { label: "401", color: PALETTE[4], values: g.unauthorized_per_second },
       { label: "404", color: PALETTE[7], values: g.not_found_per_second },
       { label: "429", color: PALETTE[3], values: g.rate_limited_per_second },
+      { label: "400 bad request", color: PALETTE[5], values: g.bad_requests_per_second },
       { label: "5xx", color: PALETTE[1], values: g.server_errors_per_second },
     ], "/s", 2, markers);
   }
 
   function gatewayTotals(g) {
     var t = g.totals;
-    return "At the gateway: " + t.requests + " requests, " + t.responses_5xx + " 5xx; refused " +
+    return "At the gateway: " + t.requests + " requests, " + t.responses_5xx + " 5xx (server errors), " +
+      t.responses_400 + " × 400 (bad requests); refused " +
       t.responses_401 + " × 401, " + t.responses_404 + " × 404, " + t.responses_429 + " × 429.";
   }
 
@@ -177,7 +180,8 @@
       if (totals) {
         var reasons = Object.keys(d.failure_reasons).map(function (k) { return k + " " + d.failure_reasons[k]; }).join(", ");
         totals.textContent = d.totals.requests + " requests, " + d.totals.failure + " failed" +
-          (reasons ? " (" + reasons + ")" : "") + " in the last " + d.range + "." +
+          (reasons ? " (" + reasons + ")" : "") + ", " + d.totals.client_errors + " bad requests (400, not failures)" +
+          " in the last " + d.range + "." +
           (d.gateway ? " " + gatewayTotals(d.gateway) : "");
         totals.hidden = false;
       }
