@@ -38,10 +38,13 @@ from apps.gateway import grpc_frontend
 from apps.gateway.rules import (
     COUNT_STAGES,
     COUNTS_TABLE,
+    SHAPES_LUA_FILE,
     Options,
     client_error_rules,
     count_rules,
     json_error,
+    shape_request_rules,
+    shape_response_rules,
     token_rules,
 )
 from backend_ge.files import atomic_write
@@ -323,6 +326,7 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         f"    lua-load '{WAKE_LUA_FILE}'",
         f"    presetenv TGP_INDEX_MAP {o.map_file('index')}",
         f"    lua-load '{INDEX_LUA_FILE}'",
+        f"    lua-load '{SHAPES_LUA_FILE}'",
         # A port another process listens on is an error, not shared: with SO_REUSEPORT (HAProxy's default) a
         # second HAProxy bound to the same port (another gateway, an orphan, a stats port equal to the
         # inference port) silently got a share of the connections, e.g. the stats frontend's empty 404 for an
@@ -389,7 +393,10 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         json_error(404, "not found") + " if !allowed_path !index_path",
         json_error(404, "not found") + " if infer_path !METH_POST",
         json_error(404, "not found") + " if !infer_path !METH_GET",
+        *shape_request_rules(),
+        *shape_response_rules(before_counts=True),
         *client_error_rules("infer_path"),  # Triton's parse failures: 500 -> 400
+        *shape_response_rules(before_counts=False),
         # One lookup gives the whole route (Route.render):
         # <team>/<deployment>/<slot>/<version>/<canary slot>/<canary version>/<canary weight>
         "    http-request set-var(txn.model) path,field(4,/)",
@@ -457,6 +464,14 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         f"    http-request return status 503 content-type application/json hdr retry-after {RETRY_AFTER_S} lf-string "
         f"""\"{{\\\"error\\\":\\\"model '%[var(txn.model)]' is scaled to zero and no replica became ready within """
         f"""the activation timeout ({o.activation_timeout_s} s); retry later\\\"}}\" if {{ var(txn.wake_failed) -m found }}""",
+        # A compressed request body would hide its tensor shapes from tensor_shapes (HAProxy cannot inflate a
+        # request), and Triton inflates it before it sizes them: refused. Responses may still be compressed.
+        json_error(
+            415,
+            "compressed request bodies are not accepted: the gateway checks tensor shapes before a model "
+            "reads them; send the request uncompressed (answers may still be compressed: Accept-Encoding)",
+        )
+        + " if infer_path { req.hdr(content-encoding) -m found } !{ req.hdr(content-encoding) -i identity }",
         "    http-request del-header authorization",
         "    use_backend %[var(txn.backend)]",
         "    default_backend no_route",

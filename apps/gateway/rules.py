@@ -134,3 +134,32 @@ def client_error_rules(infer_acl: str) -> list[str]:
         f" if {infer} {{ status 400:599 }} {{ res.hdr(content-type) -m beg text/plain }}",
         *(f"    http-response sc-inc-gpc({BAD_REQUEST_STAGE},{sc}) if {{ status 400 }}" for sc in (1, 2)),
     ]
+
+
+# --- Tensor shapes (apps/gateway/shapes.lua): Triton 2.51 sizes a JSON input from its shape before reading it. ---
+SHAPES_LUA_FILE = Path(__file__).with_name("shapes.lua")
+
+
+def shape_request_rules() -> list[str]:
+    """What ``tensor_shapes`` reads: the body's length and a binary request's JSON header length (one such
+    header: Triton would read another than the one checked). Declared with the filter, on the HTTP frontend."""
+    return [
+        "    filter lua.tensor_shapes",
+        json_error(400, "send at most one Inference-Header-Content-Length header")
+        + " if { req.hdr_cnt(inference-header-content-length) gt 1 }",
+        "    http-request set-var(txn.blen) req.hdr(content-length)",
+        "    http-request set-var(txn.jlen) req.hdr(inference-header-content-length)",
+    ]
+
+
+def shape_response_rules(before_counts: bool) -> list[str]:
+    """A request whose shape the filter refused reached Triton as JSON it cannot parse (nothing sized): 400
+    first (so it counts as a bad request), then the filter's reason instead of Triton's parse error."""
+    refused = "{ var(txn.shape_refused) -m found }"
+    if before_counts:
+        return [f"    http-response set-status 400 if {refused}"]
+    return [
+        "    http-response return status 400 content-type application/json lf-string "
+        """'{"error":"a tensor shape was refused before the model read it: %[var(txn.shape_refused)]"}' """
+        f"if {refused}"
+    ]

@@ -6,6 +6,7 @@ count the 400s as bad requests (4xx), not as server errors."""
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 
@@ -94,6 +95,19 @@ def post(url: str, path: str, data: bytes, headers: dict, token: str | None = No
             response.getheader("content-type", ""),
             response.read().decode(errors="replace"),
         )
+    finally:
+        connection.close()
+
+
+def post_raw(url: str, path: str, data: bytes, headers: dict, token: str) -> tuple[int, str, bytes]:
+    """(status, Content-Encoding, raw body) of a POST through the gateway."""
+    host, port = url.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=20)
+    try:
+        connection.request("POST", path, body=data, headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {token}", **headers})  # fmt: skip
+        response = connection.getresponse()
+        return response.status, response.getheader("content-encoding", ""), response.read()
     finally:
         connection.close()
 
@@ -216,3 +230,69 @@ def test_bad_inputs_answer_400_with_triton_json_error_and_a_failing_model_stays_
     assert (reshaper_row.responses_5xx, reshaper_row.responses_4xx, reshaper_row.responses_400) == (1, 0, 0)
     wide = GatewayMetrics.objects.get(deployment=None)
     assert (wide.responses_400, wide.responses_5xx) == (http_400 + grpc_invalid, 1)
+
+
+HUGE = 2**40  # one request with this many elements announced aborted tritonserver 2.51 (std::bad_alloc)
+
+
+def huge_shape_cases() -> list[tuple[str, bytes, dict]]:
+    """Requests announcing more elements than they hold - in the ways a client could hide the shape."""
+    plain = body(tensor((1, HUGE), data=[0.5]))
+    padded = body(tensor((1, HUGE), data=[0.5]), id="x" * 100_000)  # the shape 100 kB in: another chunk
+    escaped = b'{"inputs":[{"name":"input","\\u0073hape":[1,%d],"datatype":"FP32","data":[0.5]}]}' % HUGE
+    spaced = (
+        b'{"inputs":[{"name":"input","shape"'
+        + b" " * 40
+        + b':[1,%d],"datatype":"FP32","data":[0.5]}]}' % HUGE
+    )
+    two = body(
+        tensor((1, 40_000), data=[0.5]), tensor((1, 40_000), data=[0.5], name="second"), id="y" * 50_000
+    )
+    header = json.dumps({"inputs": [{"name": "input", "shape": [1, HUGE], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": 16}}]}).encode()  # fmt: skip
+    binary = (header + b"\0" * 16, {"Inference-Header-Content-Length": str(len(header))})
+    return [
+        ("a huge shape", plain, {}),
+        ("a huge shape after 100 kB", padded, {}),
+        ("a huge shape under an escaped key", escaped, {}),
+        ("a huge shape after spaces", spaced, {}),
+        ("two shapes together more than the body", two, {}),
+        ("a huge shape in a binary request's header", *binary),
+    ]
+
+
+def test_a_shape_announcing_more_than_its_request_holds_is_refused_before_triton_sizes_it(
+    served, start_gateway, make_token
+):
+    """Straight to Triton, the first case aborts the server (every model on the instance); through the gateway
+    each is a 400 naming the reason, the instance keeps its process, and well-formed requests - large JSON with
+    the shape far in, "shape" as a value, binary tensors - still answer."""
+    instance, _ = served
+    gateway = start_gateway()
+    _, token = make_token(name="shapes")
+    path = f"/v2/models/{SCALER}/infer"
+    wait_for(lambda: post(gateway.url, path, INFER_BODY, {}, token)[0] == 200, 20, "the scaler routed")
+    pid = type(instance).objects.get(pk=instance.pk).pid
+    for name, data, headers in huge_shape_cases():
+        status, content_type, text = post(gateway.url, path, data, headers, token)
+        assert status == 400 and content_type == "application/json", (name, status, text)
+        assert json.loads(text)["error"].startswith("a tensor shape was refused before the model read it"), (
+            text
+        )
+    four = tensor(data=[1.0, 2.0, 3.0, 4.0])
+    padded_ok = body(four, id="z" * 100_000)
+    value_not_key = body(four, id='"shape":[1099511627776]')
+    ok_binary, ok_headers = binary_body(16)
+    wanted = [2.0, 4.0, 6.0, 8.0]
+    for name, data, headers, output in (("padded", padded_ok, {}, wanted), ("value", value_not_key, {}, wanted),
+                                        ("binary", ok_binary, ok_headers, [2.0] * 4)):  # fmt: skip
+        status, _, text = post(gateway.url, path, data, headers, token)
+        assert status == 200 and json.loads(text)["outputs"][0]["data"] == output, (name, text)
+    # A compressed body would hide its shapes (Triton inflates before it sizes them): refused, saying why;
+    # a compressed answer is still fine.
+    status, _, text = post(gateway.url, path, gzip.compress(INFER_BODY), {"Content-Encoding": "gzip"}, token)
+    assert status == 415 and "send the request uncompressed" in json.loads(text)["error"], (status, text)
+    status, encoding, raw = post_raw(gateway.url, path, INFER_BODY, {"Accept-Encoding": "gzip"}, token)
+    answer = json.loads(gzip.decompress(raw) if encoding == "gzip" else raw)
+    assert status == 200 and answer["outputs"][0]["data"] == wanted, (status, encoding)
+    assert type(instance).objects.get(pk=instance.pk).pid == pid  # the server never restarted
