@@ -115,7 +115,7 @@ def _runnable_module(name: str) -> bool:
         return importlib.util.find_spec(f"{name}.__main__") is not None
     origin = Path(spec.origin or "")
     if ROOT in origin.parents:  # one of ours: it must run something when run
-        return "__name__ == \"__main__\"" in origin.read_text()
+        return '__name__ == "__main__"' in origin.read_text()
     return True
 
 
