@@ -134,10 +134,23 @@ def _strip_namespace(obj: dict) -> dict:
     return obj
 
 
-def _numbered_probe(probe: dict, ports: dict[str, int]) -> None:
-    get = probe.get("httpGet")
-    if get and isinstance(get["port"], str):
-        get["port"] = ports[get["port"]]
+def _podman_probe(probe: dict, ports: dict[str, int], plan: Plan) -> None:
+    get = probe.pop("httpGet", None)
+    if get:
+        # podman 4.3 runs an httpGet probe with curl inside the container, which the image does not carry.
+        port = ports[get["port"]] if isinstance(get["port"], str) else get["port"]
+        url = f"http://127.0.0.1:{port}{get['path']}"
+        probe["exec"] = {
+            "command": [f'python -c "import urllib.request; urllib.request.urlopen({url!r}, timeout=5)"']
+        }
+        plan.changes.add("httpGet probes run as exec probes with the image's python (podman would use curl)")
+        return
+    command = probe.get("exec", {}).get("command", [])
+    if command[:2] == ["sh", "-c"]:
+        # podman 4.3 joins an exec probe's words with spaces, splits them again and runs the result with
+        # /bin/sh -c, so ["sh", "-c", script] would run `sh -c <first word of the script>`: the script alone.
+        probe["exec"]["command"] = command[2:]
+        plan.changes.add("exec probes [sh, -c, script] given as [script] (podman 4.3 joins a probe's words)")
 
 
 def _adapt_pod_spec(spec: dict, name: str, plan: Plan) -> dict:
@@ -171,7 +184,9 @@ def _adapt_pod_spec(spec: dict, name: str, plan: Plan) -> dict:
             named[port["name"]] = port["containerPort"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             if probe in container:
-                _numbered_probe(container[probe], named)
+                _podman_probe(container[probe], named, plan)
+        if container.pop("ports", None):  # on the host network the process binds its port itself
+            plan.changes.add("containerPorts dropped (podman maps no ports on the host network)")
         command = container.get("command", [])
         for i, part in enumerate(command):
             for inside, outside in mapping.items():
@@ -213,6 +228,8 @@ def data_objects(plan: Plan) -> list[dict]:
         for container in obj["spec"]["template"]["spec"]["containers"]:
             for env in container.get("env", []):
                 env["value"] = values.get(env["name"], env["value"])
+            for probe in ("readinessProbe", "livenessProbe"):
+                _podman_probe(container[probe], {}, plan)
     return objects
 
 
@@ -243,6 +260,8 @@ def agent_pod(plan: Plan, join_token: str) -> dict:
             volume = {"name": "join-tokens", "hostPath": {"path": str(tokens), "type": "Directory"}}
         volumes.append(volume)
     spec["volumes"] = volumes
+    for probe in ("startupProbe", "livenessProbe"):
+        _podman_probe(container[probe], {}, plan)
     env = {e["name"]: e for e in container["env"]}
     env["PLATFORM_URL"] = {"name": "PLATFORM_URL", "value": f"http://127.0.0.1:{plan.port['agent_api']}"}
     env["NODE_NAME"] = {"name": "NODE_NAME", "value": NODE}
@@ -290,7 +309,21 @@ def answers(url: str, headers: dict | None = None) -> bool:
 
 
 def healthy(name: str) -> bool:
+    """The container's probe passes. podman 4.3 restarts a container whose liveness probe fails (and runs no
+    probe on its own without systemd), so the probe's command is first tried with ``podman exec`` - which
+    counts for nothing - and ``podman healthcheck run`` is asked only once that passes."""
+    test = json.loads(podman("inspect", "--format", "{{json .Config.Healthcheck.Test}}", name).stdout)
+    script = " ".join(test[1:]) if test and test[0] == "CMD-SHELL" else " ".join(test[1:] if test else [])
+    if podman("exec", name, "/bin/sh", "-c", script, check=False, timeout=120).returncode != 0:
+        return False
     return podman("healthcheck", "run", name, check=False, timeout=120).returncode == 0
+
+
+def remove_leftovers() -> None:
+    """Pods of an earlier check that stopped half way (and its volumes)."""
+    pods = podman("pod", "ps", "--format", "{{.Name}}").stdout.split()
+    for pod in [p for p in pods if p.startswith(PREFIX)]:
+        podman("pod", "rm", "-f", pod, check=False)
 
 
 def manage(plan: Plan, code: str) -> dict:
@@ -394,14 +427,18 @@ def ensure_images() -> None:
                str(HERE / "play"), timeout=1200)  # fmt: skip
 
 
-def prepare_volumes() -> None:
-    """The PVCs' volumes, writable by the platform's user (uid 1000) as fsGroup makes them on a cluster."""
-    for claim in ("artifacts", "gateway"):
-        name = PREFIX + claim
-        podman("volume", "rm", "-f", name, check=False)
-        podman("volume", "create", name)
-        mountpoint = podman("volume", "inspect", "--format", "{{.Mountpoint}}", name).stdout.strip()
-        os.chown(mountpoint, 1000, 1000)
+def play_volumes(plan: Plan) -> Path:
+    """The PVCs, played first: then their volumes are made writable by the platform's user (uid 1000), as
+    fsGroup makes them on a cluster (podman 4.3 does not apply fsGroup)."""
+    claims = [o for o in platform_objects(plan) if o["kind"] == "PersistentVolumeClaim"]
+    for claim in claims:
+        podman("volume", "rm", "-f", claim["metadata"]["name"], check=False)
+    path = play(plan, "volumes", claims)
+    for claim in claims:
+        mountpoint = podman("volume", "inspect", "--format", "{{.Mountpoint}}", claim["metadata"]["name"])
+        os.chown(mountpoint.stdout.strip(), 1000, 1000)
+    plan.changes.add("PVC volumes chowned to uid 1000 (fsGroup, which podman 4.3 does not apply)")
+    return path
 
 
 def teardown(played: list[Path]) -> None:
@@ -431,14 +468,16 @@ def run(keep: bool) -> dict:
     played: list[Path] = []
     started = time.monotonic()
     try:
-        prepare_volumes()
+        remove_leftovers()
+        played.append(play_volumes(plan))
         played.append(play(plan, "data", data_objects(plan)))
         wait_for(
             lambda: healthy(container("postgres")) and healthy(container("redis")),
             120,
             "PostgreSQL and Redis",
         )
-        played.append(play(plan, "platform", platform_objects(plan)))
+        platform = [o for o in platform_objects(plan) if o["kind"] != "PersistentVolumeClaim"]
+        played.append(play(plan, "platform", platform))
         for change in sorted(plan.changes):
             say(f"changed for podman: {change}")
         migrate = container("migrate")
