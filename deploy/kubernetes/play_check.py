@@ -162,7 +162,7 @@ def _adapt_pod_spec(spec: dict, name: str, plan: Plan) -> dict:
             volume["persistentVolumeClaim"]["claimName"] = (
                 PREFIX + volume["persistentVolumeClaim"]["claimName"]
             )
-    for container in spec["containers"]:
+    for container in spec.get("initContainers", []) + spec["containers"]:
         env = [e for e in container.get("env", []) if e["name"] != "GATEWAY_STATS_BIND"]
         if any(e["name"] == "GATEWAY_STATS_BIND" for e in container.get("env", [])):
             env.append({"name": "GATEWAY_STATS_BIND", "value": f"127.0.0.1:{plan.port['gw_stats']}"})
@@ -441,6 +441,18 @@ def play_volumes(plan: Plan) -> Path:
     return path
 
 
+def error_lines() -> list[str]:
+    """Every log line at ERROR of every container of the check (PostgreSQL's too: a query the platform sent
+    before its tables existed shows there)."""
+    found = []
+    for name in container_names():
+        logs = podman("logs", name, check=False)
+        for line in (logs.stdout + logs.stderr).splitlines():
+            if " ERROR" in line or "[ERROR]" in line or "ERROR/" in line or "FATAL" in line:
+                found.append(f"{name}: {line[:300]}")
+    return found
+
+
 def teardown(played: list[Path]) -> None:
     for path in reversed(played):
         podman("kube", "down", str(path), check=False, timeout=300)
@@ -476,15 +488,19 @@ def run(keep: bool) -> dict:
             120,
             "PostgreSQL and Redis",
         )
-        platform = [o for o in platform_objects(plan) if o["kind"] != "PersistentVolumeClaim"]
-        played.append(play(plan, "platform", platform))
-        for change in sorted(plan.changes):
-            say(f"changed for podman: {change}")
+        objects = [o for o in platform_objects(plan) if o["kind"] != "PersistentVolumeClaim"]
+        config = [o for o in objects if o["kind"] == "ConfigMap"]
+        # The migrate pod first: podman 4.3 gives up on an init container that is still waiting when the
+        # pod starts (on a cluster the Deployments' init containers wait for the Job instead).
+        played.append(play(plan, "migrate", config + [o for o in objects if o["kind"] == "Pod"]))
         migrate = container("migrate")
         wait_for(lambda: state(migrate)[0] == "exited", 300, "the migrate pod to finish")
         if state(migrate)[1] != 0:
             raise CheckFailed(f"migrate exited {state(migrate)[1]}")
         say("migrate: exit 0")
+        played.append(play(plan, "platform", [o for o in objects if o["kind"] != "Pod"]))
+        for change in sorted(plan.changes):
+            say(f"changed for podman: {change}")
         port = plan.port
         wait_for(lambda: answers(f"http://127.0.0.1:{port['web']}/readyz"), 180, "web /readyz")
         wait_for(lambda: answers(f"http://127.0.0.1:{port['agent_api']}/healthz"), 180, "agent-api /healthz")
@@ -501,6 +517,9 @@ def run(keep: bool) -> dict:
             raise CheckFailed(f"the host agent runs with capabilities {caps}, not {AGENT_CAPABILITIES:016x}")
         say(f"host agent joined; its capabilities: {caps} (CHOWN DAC_OVERRIDE FOWNER KILL SETGID SETUID)")
         result = serve_one_inference(plan, setup["token"], setup["instance"])
+        errors = error_lines()
+        if errors:
+            raise CheckFailed("log lines at ERROR:\n" + "\n".join(errors[:20]))
         result["seconds"] = round(time.monotonic() - started)
         result["capabilities"] = caps
         return result

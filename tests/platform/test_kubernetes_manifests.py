@@ -195,7 +195,8 @@ def test_no_secret_value_is_committed():
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_images_are_the_two_the_dockerfile_builds(overlay):
     for obj in workloads(rendered(overlay)):
-        for container in pod_spec(obj)["containers"]:
+        spec = pod_spec(obj)
+        for container in spec.get("initContainers", []) + spec["containers"]:
             wanted = IMAGES["host-agent"] if obj["kind"] == "DaemonSet" else IMAGES["platform"]
             assert container["image"] == wanted, obj["metadata"]["name"]
             assert container["imagePullPolicy"] == "IfNotPresent"
@@ -205,7 +206,7 @@ def test_the_commands_the_containers_run_exist():
     commands = set(get_commands())
     seen = 0
     for obj in workloads(rendered("example")):
-        for container in pod_spec(obj)["containers"]:
+        for container in pod_spec(obj)["containers"]:  # the init containers' migrate --check: below
             line = " ".join(container.get("command", []))
             for name in re.findall(r"manage\.py (\w+)", line):
                 assert name in commands, (obj["metadata"]["name"], name)
@@ -214,6 +215,13 @@ def test_the_commands_the_containers_run_exist():
                 assert importlib.util.find_spec(f"{module}.__main__"), module
                 seen += 1
     assert seen == 3  # migrate, gateway, hostagent
+
+
+def test_the_platform_starts_after_the_migrations():
+    for deployment in by_kind(rendered("example"), "Deployment").values():
+        (init,) = pod_spec(deployment)["initContainers"]
+        assert "python manage.py migrate --check" in init["command"][-1], deployment["metadata"]["name"]
+        assert init["envFrom"] == pod_spec(deployment)["containers"][0]["envFrom"]
 
 
 def test_services_configuration_and_volumes_resolve():
