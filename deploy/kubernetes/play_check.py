@@ -155,6 +155,12 @@ def _podman_probe(probe: dict, ports: dict[str, int], plan: Plan) -> None:
 
 def _adapt_pod_spec(spec: dict, name: str, plan: Plan) -> dict:
     spec = copy.deepcopy(spec)
+    if spec.pop("initContainers", None):
+        # podman 4.3 tries to remove an init container as soon as it started it (and fails: "it is
+        # running"); the check runs the migrate pod to its end first, which is what they wait for.
+        plan.changes.add(
+            "init containers (wait for migrations) dropped: the migrate pod runs first (podman 4.3)"
+        )
     if spec.pop("affinity", None):
         plan.changes.add("pod affinity dropped (one machine)")
     for volume in spec.get("volumes", []):
@@ -490,8 +496,7 @@ def run(keep: bool) -> dict:
         )
         objects = [o for o in platform_objects(plan) if o["kind"] != "PersistentVolumeClaim"]
         config = [o for o in objects if o["kind"] == "ConfigMap"]
-        # The migrate pod first: podman 4.3 gives up on an init container that is still waiting when the
-        # pod starts (on a cluster the Deployments' init containers wait for the Job instead).
+        # The migrate pod first, to its end: on a cluster the Deployments' init containers wait for it.
         played.append(play(plan, "migrate", config + [o for o in objects if o["kind"] == "Pod"]))
         migrate = container("migrate")
         wait_for(lambda: state(migrate)[0] == "exited", 300, "the migrate pod to finish")
