@@ -4,8 +4,9 @@ reconnects and a new deploy is served.
 
 Real processes throughout: a gunicorn web server (the agent's platform URL), ``python -m hostagent`` with its
 tritonserver, and ``manage.py gateway`` (HAProxy). The gateway reads the database, which stays up (as PostgreSQL
-and Redis do in the compose stack while web, worker and beat restart). Worker and beat are not run here: this
-suite runs the deploy's Celery tasks in the test process, which is the part of the control plane left up."""
+and Redis do in the compose stack while web, worker and beat restart). No Celery worker or beat runs here: a
+deploy needs neither (the platform records the decision, the agent fetches it through the web server), so the
+whole control plane the agent and the gateway could depend on is down while the web server is."""
 
 from __future__ import annotations
 
