@@ -178,6 +178,9 @@ def test_gateway_serves_without_a_failure_while_the_web_server_is_down_and_the_a
     assert load.failures == [], load.failures[:5]
     assert sent_during >= 0.5 * 3 * 25 * OUTAGE_S, f"only {sent_during} requests during the outage"
     assert load.outputs.keys() == {2.0}
+    # The outage was an outage to them, not a failure: warnings about the unreachable platform, no ERROR.
+    assert " ERROR " not in agent.log_path.read_text(errors="replace"), agent.output()
+    assert " ERROR " not in gateway.log_path.read_text(errors="replace"), gateway.output()
     print(
         f"control-plane outage {OUTAGE_S:.0f} s: {sent_during} requests sent during it, {failed_during} failed; "
         f"{load.total} in all, {len(load.failures)} failed"
