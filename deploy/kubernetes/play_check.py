@@ -40,11 +40,9 @@ IMAGES = ("triton-ge-platform:latest", "triton-ge-host-agent:latest")
 DATA_IMAGE = "triton-ge-play-data:latest"
 PREFIX = "tgek8s-"  # every pod and volume of the check: nothing else on the machine is touched
 NODE = "play-node"
-HTTPS = {"X-Forwarded-Proto": "https"}
-# CHOWN 0, DAC_OVERRIDE 1, FOWNER 3, KILL 5, SETGID 6, SETUID 7: the DaemonSet's six, as a CapEff mask.
-AGENT_CAPABILITIES = sum(
-    1 << bit for bit in (0, 1, 3, 5, 6, 7)
-)  # what the operator's TLS endpoint in front of web sets
+HTTPS = {"X-Forwarded-Proto": "https"}  # what the operator's TLS endpoint in front of web sets
+# CHOWN 0, DAC_READ_SEARCH 2, FOWNER 3, KILL 5, SETGID 6, SETUID 7: the DaemonSet's six, as a CapEff mask.
+AGENT_CAPABILITIES = sum(1 << bit for bit in (0, 2, 3, 5, 6, 7))
 
 _spec = importlib.util.spec_from_file_location("k8s_render", HERE / "render.py")
 render = importlib.util.module_from_spec(_spec)
@@ -520,8 +518,14 @@ def run(keep: bool) -> dict:
         caps = podman("exec", agent, "grep", "CapEff", "/proc/1/status").stdout.split()[-1]
         if int(caps, 16) != AGENT_CAPABILITIES:
             raise CheckFailed(f"the host agent runs with capabilities {caps}, not {AGENT_CAPABILITIES:016x}")
-        say(f"host agent joined; its capabilities: {caps} (CHOWN DAC_OVERRIDE FOWNER KILL SETGID SETUID)")
+        say(f"host agent joined; its capabilities: {caps} (CHOWN DAC_READ_SEARCH FOWNER KILL SETGID SETUID)")
         result = serve_one_inference(plan, setup["token"], setup["instance"])
+        # SIGTERM, as the kubelet sends it: the agent stops its tritonserver (another user's process: KILL)
+        # and exits 0 within the grace period.
+        podman("pod", "stop", "-t", "90", f"{PREFIX}host-agent", timeout=180)
+        if state(agent) != ("exited", 0):
+            raise CheckFailed(f"the host agent stopped with {state(agent)}")
+        say("host agent stopped on SIGTERM: exit 0")
         errors = error_lines()
         if errors:
             raise CheckFailed("log lines at ERROR:\n" + "\n".join(errors[:20]))

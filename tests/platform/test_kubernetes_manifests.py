@@ -29,7 +29,7 @@ OVERLAYS = {
     "ascend310": ("huawei-Ascend310", "huawei.com/Ascend310"),
 }
 # What the host agent keeps (docs/operators/kubernetes.md says why each): everything else is dropped.
-AGENT_CAPABILITIES = {"CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL", "SETGID", "SETUID"}
+AGENT_CAPABILITIES = {"CHOWN", "DAC_READ_SEARCH", "FOWNER", "KILL", "SETGID", "SETUID"}
 ASCEND_RESOURCE = re.compile(
     r"^huawei\.com/Ascend(910[A-C]?|310P?)(-\d+c(\.\d+cpu)?(\.\d+g)?(\.ndvpp|\.dvpp)?)?$"
 )
