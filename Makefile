@@ -97,3 +97,9 @@ npu-check: $(VENV)/.installed
 
 clean:
 	rm -rf var/celery var/staticfiles
+
+## The Kubernetes manifests (deploy/kubernetes/) played with podman kube play on this machine: the platform with
+## PostgreSQL and Redis, the host agent's pod, one inference through the gateway. Needs the two images (make images).
+.PHONY: k8s-check
+k8s-check: $(VENV)/.installed
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) deploy/kubernetes/play_check.py $(K8S_CHECK_ARGS)
