@@ -1,6 +1,7 @@
 """The seed's ensemble through the platform, against a real host agent, tritonserver and HAProxy: its three
 steps converted and deployed, the ensemble directory uploaded and deployed on the same instance, called
-through the gateway with a raw uint8 image, answering top-5 equal to calling the three steps in turn."""
+through the gateway with a raw uint8 image - the moment the API says SERVING - answering top-5 equal to calling
+the three steps in turn."""
 
 from __future__ import annotations
 
@@ -11,11 +12,10 @@ import pytest
 
 from apps.registry.models import VersionState
 from apps.teams import services as teams
-from tests.conftest import wait_for
 from tests.deployments.ensemble_live import BUILDERS, converted_step, infer
 from tests.registry.ensemble_builders import ensemble_model, seed_ensemble_dir, tar_of
 from tests.registry.uploads import upload
-from tests.support.servers import deploy, ready_instance
+from tests.support.servers import deploy, poll_api_until_serving, ready_instance
 
 pytestmark = [
     pytest.mark.triton,
@@ -36,12 +36,18 @@ def test_seed_ensemble_uploaded_deployed_and_called_through_the_gateway(
     uploaded = upload(owner_client, "ensemble.tar.gz", tar_of(seed_ensemble_dir(tmp_path)), model="classify")
     assert uploaded.status_code == 200, uploaded.json()
     assert uploaded.json()["state"] == VersionState.READY
-    deploy(owner_client, "vision", "classify", 1, [instance])
-
     _, token = make_token(name="ensemble")
     _, foreign = teams.create_token(actor=outsider, team=other_team, name="foreign")
     gateway = start_gateway()
-    wait_for(lambda: gateway.get("/v2/models/vision__classify/ready", token)[0] == 200, 20, "the route")
+
+    # SERVING means callable: the ensemble called the moment the API says SERVING answers the first time.
+    response = owner_client.post(
+        "/api/v1/teams/vision/deployments/",
+        {"model": "classify", "version": 1, "instances": [instance.pk]},
+        format="json",
+    )
+    assert response.status_code == 201, response.json()
+    poll_api_until_serving(owner_client, "vision", response.json()["id"], 1)
     image = np.random.default_rng(26).integers(0, 256, (1, 224, 224, 3), dtype=np.uint8)
     answer = infer(gateway, "vision__classify", token, "raw_image", image, "UINT8")
     assert answer["predictions"].shape == (1, 5) and answer["scores"].shape == (1, 5)

@@ -7,7 +7,6 @@ the API's SERVING) are printed for the benchmarks page."""
 from __future__ import annotations
 
 import statistics
-import time
 
 import pytest
 
@@ -16,7 +15,7 @@ from apps.registry.models import RegisteredModel
 from apps.teams import services
 from tests.conftest import wait_for
 from tests.support.models import output_of
-from tests.support.servers import pool_hosts, requires_haproxy
+from tests.support.servers import poll_api_until_serving, pool_hosts, requires_haproxy
 
 pytestmark = [
     pytest.mark.triton,
@@ -33,19 +32,6 @@ POLL_S = 0.1
 def _no_rate_limit(team):
     team.quota_requests_per_second = 1_000_000
     team.save()
-
-
-def poll_until_serving(client, pk: int, version: int, timeout: float = 180) -> tuple[dict, float]:
-    """Poll the API like a pipeline (every 100 ms) until it says SERVING ``version``: (body, when)."""
-    deadline = time.monotonic() + timeout
-    seen = []
-    while time.monotonic() < deadline:
-        body = client.get(f"{BASE}{pk}/").json()
-        seen.append((body["state"], body["waiting_for"]))
-        if body["state"] == "SERVING" and body["active_version"] == version:
-            return body, time.time()
-        time.sleep(POLL_S)
-    raise AssertionError(f"deployment {pk} never SERVING v{version}; states seen: {seen[-10:]}")
 
 
 def ready_reported_at(pk: int, kind: str) -> float:
@@ -72,7 +58,7 @@ def test_each_model_called_the_moment_the_api_says_serving_answers_200_and_so_do
         )
         assert response.status_code == 201, response.json()
         pk = response.json()["id"]
-        body, serving_at = poll_until_serving(owner_client, pk, 1)
+        body, serving_at = poll_api_until_serving(owner_client, "vision", pk, 1)
         status, answer = gateway.infer(f"vision__{slug}", token)
         assert status == 200, (slug, status, answer, gateway.output())
         assert output_of(answer) == [1.0 * (n + 2), 2.0 * (n + 2), 3.0 * (n + 2), 4.0 * (n + 2)]
@@ -97,7 +83,7 @@ def test_each_model_called_the_moment_the_api_says_serving_answers_200_and_so_do
     response = owner_client.post(f"{BASE}{deployment.pk}/switch/", {"version": 2}, format="json")
     assert response.status_code == 200, response.json()
     assert response.json()["state"] == "SWITCHING"
-    _, serving_at = poll_until_serving(owner_client, deployment.pk, 2)
+    _, serving_at = poll_api_until_serving(owner_client, "vision", deployment.pk, 2)
     status, answer = gateway.infer("vision__m0", token)
     assert status == 200 and output_of(answer) == [10.0, 20.0, 30.0, 40.0], (status, answer)
     gaps.append(serving_at - ready_reported_at(deployment.pk, "switched"))

@@ -254,6 +254,20 @@ def deploy(client, team_slug: str, model_slug: str, version: int, instances) -> 
     )
 
 
+def poll_api_until_serving(client, team_slug: str, pk: int, version: int, timeout: float = 180):
+    """Poll the deployment API as a pipeline does (every 100 ms) until it says SERVING ``version``: (the
+    deployment's body, when). SERVING means callable, so the caller may call the model at once."""
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        body = client.get(f"/api/v1/teams/{team_slug}/deployments/{pk}/").json()
+        seen.append((body["state"], body["waiting_for"]))
+        if body["state"] == "SERVING" and body["active_version"] == version:
+            return body, time.time()
+        time.sleep(0.1)
+    raise AssertionError(f"deployment {pk} never SERVING v{version}; states seen: {seen[-10:]}")
+
+
 class GatewayProcess:
     """`manage.py gateway` with HAProxy on free loopback ports."""
 
