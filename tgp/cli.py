@@ -279,7 +279,13 @@ def _watch(api: Client, model: str, timeout: float) -> dict:
 @click.option("--version", "-v", "number", type=click.IntRange(min=1), required=True)
 @click.option("--steps", help="Canary weights in percent, e.g. 10,25,50,100.")
 @click.option("--step-interval", type=click.IntRange(min=1), help="Seconds per step.")
-@click.option("--watch", is_flag=True, help="Follow it until promoted (0), rolled back (1) or --timeout (3).")
+@click.option(
+    "--watch",
+    "--wait",
+    "watch",
+    is_flag=True,
+    help="Follow it until promoted and the new version is callable (0), rolled back (1) or --timeout (3).",
+)
 @click.option("--timeout", type=click.FloatRange(min=0), default=3600, show_default=True)
 @output_option
 def rollout_start(
@@ -301,7 +307,7 @@ def rollout_start(
 
 @rollout.command("status")
 @click.argument("model")
-@click.option("--watch", is_flag=True, help="Follow it until it finishes.")
+@click.option("--watch", "--wait", "watch", is_flag=True, help="Follow it until it finishes.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=3600, show_default=True)
 @output_option
 def rollout_status(model: str, watch: bool, timeout: float) -> None:
