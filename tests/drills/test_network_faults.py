@@ -1,0 +1,135 @@
+"""Network drills: hosts in their own network namespaces (real agents, tritonservers), the gateway (HAProxy)
+and the platform in the root namespace, faults made with iptables and the fault proxy - each under gateway
+load from bounded real clients. The beat's scheduler tick (``healing.tick``) is driven by the tests as beat
+would run it. Each drill records its figures (``record_figures``; ``benchmarks/drills.py`` prints them).
+See ``docs/operators/network-faults.md`` for what the platform does in each case."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from apps.deployments import healing
+from apps.deployments.models import Deployment, DeploymentInstance, PlacementState
+from apps.registry.models import RegisteredModel
+from tests.conftest import wait_for
+from tests.drills.conftest import GRACE_S, Stopwatch, record_figures
+from tests.support.servers import Load, request_pool_deployment, requires_haproxy, server_status, wait_serving
+
+pytestmark = [pytest.mark.triton, pytest.mark.servers, requires_haproxy, pytest.mark.django_db(transaction=True)]
+
+
+class Beat:
+    """The scheduler's beat, ticked by the test; counts what it did (a reserved figure it had to repair is a
+    writer that forgot it: 0 expected)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+
+    def tick(self) -> None:
+        self.counts.update(healing.tick())
+
+    def until(self, predicate):
+        def run():
+            self.tick()
+            return predicate()
+
+        return run
+
+
+def counted_on(deployment_id: int) -> dict[str, str]:
+    """host name -> placement state, for the replicas that count (not retired, not unloaded)."""
+    rows = DeploymentInstance.objects.filter(deployment_id=deployment_id, retiring_reason="").exclude(
+        state=PlacementState.UNLOADED
+    )
+    return {p.instance.host.name: p.state for p in rows.select_related("instance__host")}
+
+
+def duplicate_placements() -> int:
+    """Replicas counted twice: a deployment with more counted replicas than it asks for, or two live rows of
+    one deployment on one instance."""
+    extra = 0
+    for deployment in Deployment.objects.all():
+        live = DeploymentInstance.objects.filter(deployment=deployment).exclude(state=PlacementState.UNLOADED)
+        counted = live.filter(retiring_reason="").count()
+        per_instance = Counter(live.values_list("instance_id", flat=True))
+        extra += max(0, counted - deployment.replicas) + sum(n - 1 for n in per_instance.values() if n > 1)
+    return extra
+
+
+def deploy_models(client, owner, team, make_scaler_version, replicas: dict[str, int]) -> dict[str, int]:
+    """A scaler model per slug, deployed to pool ``cpu`` with that many replicas, SERVING: {slug: id}."""
+    ids = {}
+    for slug, count in replicas.items():
+        model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)
+        make_scaler_version(model, 2.0)
+        ids[slug] = request_pool_deployment(client, team.slug, slug, count)
+    for pk in ids.values():
+        wait_serving(pk)
+    return ids
+
+
+def test_host_cut_from_platform_serves_until_replaced_then_unloads_what_moved_on_heal(
+    owner_client, owner, team, pool_of_net_hosts, network, make_scaler_version, start_gateway, make_token
+):
+    hosts = pool_of_net_hosts(["host-a", "host-b"])
+    deployment_id = deploy_models(owner_client, owner, team, make_scaler_version, {"alpha": 1})["alpha"]
+    (cut,) = counted_on(deployment_id)
+    other = next(name for name in hosts if name != cut)
+    old = DeploymentInstance.objects.get(deployment_id=deployment_id, instance=hosts[cut][1])
+    gateway = start_gateway()
+    _, secret = make_token(name="load")
+    wait_for(lambda: gateway.infer("vision__alpha", secret)[0] == 200, 15, "the model to answer")
+    beat = Beat()
+
+    with Load(gateway, "vision__alpha", secret, threads=2, rate=40, max_seconds=150) as load:
+        load.wait_for_requests(40)
+        clock = Stopwatch()
+        network.partition(cut, platform=True)
+        # Past the grace, the replica is retired (it stays loaded and in rotation) and placed again.
+        wait_for(
+            beat.until(lambda: DeploymentInstance.objects.get(pk=old.pk).retiring_reason != ""),
+            GRACE_S + 20,
+            f"{cut}'s replica to be retired",
+        )
+        detect_s = clock.lap()
+        wait_for(
+            beat.until(lambda: counted_on(deployment_id).get(other) == PlacementState.READY),
+            90,
+            f"the replica to be placed again on {other}\n{hosts[other][0].output()}",
+        )
+        # With its replacement READY, the cut host's replica leaves the rotation; its agent cannot hear yet.
+        wait_for(beat.until(lambda: DeploymentInstance.objects.get(pk=old.pk).unload), 30, "the old one told to unload")
+        load.wait_for_requests(40)
+        assert DeploymentInstance.objects.get(pk=old.pk).state != PlacementState.UNLOADED
+        reports_before = network.proxy.count(f"/placements/{old.pk}/report")
+
+        network.heal(cut)
+        wait_for(
+            beat.until(lambda: DeploymentInstance.objects.get(pk=old.pk).state == PlacementState.UNLOADED),
+            60,
+            f"{cut}'s agent to unload what moved\n{hosts[cut][0].output()}",
+        )
+        converge_s = clock.lap()
+        load.wait_for_requests(40)
+
+    unload_reports = network.proxy.count(f"/placements/{old.pk}/report") - reports_before
+    duplicates = duplicate_placements()
+    row = record_figures(
+        "agent-platform partition", sent=load.total, failed=load.total - load.statuses[200],
+        detect_s=detect_s, converge_s=converge_s, duplicate_placements=duplicates,
+        rows_lost=beat.counts["reserved_repaired"],
+    )  # fmt: skip
+    assert load.failures == [], load.failures[:5]
+    assert row["duplicate_placements"] == 0
+    assert counted_on(deployment_id) == {other: PlacementState.READY}
+    # The agent reported the unload once (a report the platform accepted is not sent again).
+    assert unload_reports == 1, network.proxy.requests
+    # Reserved memory equals the placements: no writer left it for the beat to repair, none drifted since.
+    assert beat.counts["reserved_repaired"] == 0
+    from apps.deployments.reserved import reserved_drift
+
+    assert reserved_drift() == {}
+    # Out of the gateway's rotation (kept in maintenance or removed).
+    assert server_status(gateway, f"d{deployment_id}", hosts[cut][1].api_key) in ("MAINT", "absent")
