@@ -17,7 +17,12 @@ from tests.conftest import wait_for
 from tests.drills.conftest import GRACE_S, Stopwatch, record_figures
 from tests.support.servers import Load, request_pool_deployment, requires_haproxy, server_status, wait_serving
 
-pytestmark = [pytest.mark.triton, pytest.mark.servers, requires_haproxy, pytest.mark.django_db(transaction=True)]
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.servers,
+    requires_haproxy,
+    pytest.mark.django_db(transaction=True),
+]
 
 
 class Beat:
@@ -100,7 +105,11 @@ def test_host_cut_from_platform_serves_until_replaced_then_unloads_what_moved_on
             f"the replica to be placed again on {other}\n{hosts[other][0].output()}",
         )
         # With its replacement READY, the cut host's replica leaves the rotation; its agent cannot hear yet.
-        wait_for(beat.until(lambda: DeploymentInstance.objects.get(pk=old.pk).unload), 30, "the old one told to unload")
+        wait_for(
+            beat.until(lambda: DeploymentInstance.objects.get(pk=old.pk).unload),
+            30,
+            "the old one told to unload",
+        )
         load.wait_for_requests(40)
         assert DeploymentInstance.objects.get(pk=old.pk).state != PlacementState.UNLOADED
         reports_before = network.proxy.count(f"/placements/{old.pk}/report")

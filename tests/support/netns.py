@@ -83,7 +83,9 @@ def remove_leftovers() -> list[str]:
     """Remove the namespaces and links of earlier runs whose process is gone: what a crashed run left."""
     removed = []
     pattern = re.compile(rf"^{PREFIX}(\d+)")
-    namespaces = [line.split()[0] for line in _run("ip", "netns", "list", check=False).stdout.splitlines() if line]
+    namespaces = [
+        line.split()[0] for line in _run("ip", "netns", "list", check=False).stdout.splitlines() if line
+    ]
     links = re.findall(r"^\d+: ([^:@]+)", _run("ip", "-o", "link", "show", check=False).stdout, re.M)
     for name in namespaces + links:
         match = pattern.match(name)
@@ -172,7 +174,7 @@ class FaultProxy:
                 self._sockets.difference_update((source, sink))
 
     def _note_requests(self, data: bytes) -> None:
-        for method, path in re.findall(rb"(?:^|\r\n)(GET|POST|PUT|PATCH|DELETE) (\S+) HTTP/1\.[01]\r\n", data):
+        for path in re.findall(rb"(?:^|\r\n)(?:GET|POST|PUT|PATCH|DELETE) (\S+) HTTP/1\.[01]\r\n", data):
             with self._lock:
                 self.requests[path.decode(errors="replace").split("?", 1)[0]] += 1
 
@@ -252,13 +254,41 @@ class TestNetwork:
         host = self.hosts[name]
         if platform and "platform" not in host.cut:
             port = str(self.proxy.port)
-            self._iptables(host, "-A", "OUTPUT", "-d", self.gateway_address, "-p", "tcp", "--dport", port, "-j", "DROP")
-            self._iptables(host, "-A", "INPUT", "-s", self.gateway_address, "-p", "tcp", "--sport", port, "-j", "DROP")
+            self._iptables(
+                host, "-A", "OUTPUT", "-d", self.gateway_address, "-p", "tcp", "--dport", port, "-j", "DROP"
+            )
+            self._iptables(
+                host, "-A", "INPUT", "-s", self.gateway_address, "-p", "tcp", "--sport", port, "-j", "DROP"
+            )
             host.cut.add("platform")
         if gateway and "gateway" not in host.cut:
             for port in map(str, host.inference_ports):
-                self._iptables(host, "-A", "INPUT", "-s", self.gateway_address, "-p", "tcp", "--dport", port, "-j", "DROP")
-                self._iptables(host, "-A", "OUTPUT", "-d", self.gateway_address, "-p", "tcp", "--sport", port, "-j", "DROP")
+                self._iptables(
+                    host,
+                    "-A",
+                    "INPUT",
+                    "-s",
+                    self.gateway_address,
+                    "-p",
+                    "tcp",
+                    "--dport",
+                    port,
+                    "-j",
+                    "DROP",
+                )
+                self._iptables(
+                    host,
+                    "-A",
+                    "OUTPUT",
+                    "-d",
+                    self.gateway_address,
+                    "-p",
+                    "tcp",
+                    "--sport",
+                    port,
+                    "-j",
+                    "DROP",
+                )
             host.cut.add("gateway")
 
     def heal(self, name: str) -> None:
