@@ -20,6 +20,7 @@ from apps.fleet.models import (
     DesiredInstanceState,
     Device,
     ExecutorKind,
+    GatewayReachability,
     Host,
     InstanceState,
     TritonInstance,
@@ -309,3 +310,28 @@ def sync_devices(host_id: int, inventory: npu_smi.NpuInventory) -> None:
     gone = [device.pk for key, device in existing.items() if key not in reported]
     if gone:
         Device.objects.filter(pk__in=gone).delete()
+
+
+def record_gateway_reachability(gateway: str, unreachable: dict[str, str]) -> None:
+    """What one gateway cannot reach now: ``unreachable`` maps an instance's key (the gateway's server name)
+    to the reason its health checks give (a connection timeout, a refusal). Rows of instances it reaches again
+    go; the others keep the time they were first seen; every row of this gateway is marked seen now."""
+    now = timezone.now()
+    ids = dict(TritonInstance.objects.filter(api_key__in=list(unreachable)).values_list("api_key", "pk"))
+    wanted = {ids[key]: reason[:200] for key, reason in unreachable.items() if key in ids}
+    with transaction.atomic():
+        rows = GatewayReachability.objects.filter(gateway=gateway)
+        rows.exclude(instance_id__in=list(wanted)).delete()
+        known = set(rows.values_list("instance_id", flat=True))
+        for instance_id, reason in wanted.items():
+            if instance_id in known:
+                rows.filter(instance_id=instance_id).update(reason=reason, seen_at=now)
+            else:
+                GatewayReachability.objects.create(
+                    gateway=gateway, instance_id=instance_id, reason=reason, since=now, seen_at=now
+                )
+
+
+def forget_gateway_reachability(gateway: str) -> None:
+    """A gateway that stops reports nothing any more."""
+    GatewayReachability.objects.filter(gateway=gateway).delete()

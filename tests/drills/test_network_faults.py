@@ -6,10 +6,13 @@ See ``docs/operators/network-faults.md`` for what the platform does in each case
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
 
+from apps.alerts import services as alert_services
+from apps.alerts.models import Alert, AlertKind, AlertRule
 from apps.deployments import healing
 from apps.deployments.models import Deployment, DeploymentInstance, PlacementState
 from apps.registry.models import RegisteredModel
@@ -142,3 +145,68 @@ def test_host_cut_from_platform_serves_until_replaced_then_unloads_what_moved_on
     assert reserved_drift() == {}
     # Out of the gateway's rotation (kept in maintenance or removed).
     assert server_status(gateway, f"d{deployment_id}", hosts[cut][1].api_key) in ("MAINT", "absent")
+
+
+def test_host_cut_from_gateway_leaves_rotation_is_shown_unreachable_and_one_replica_models_answer_503(
+    owner_client, owner, team, pool_of_net_hosts, network, make_scaler_version, start_gateway, make_token
+):
+    hosts = pool_of_net_hosts(["host-a", "host-b"])
+    ids = deploy_models(owner_client, owner, team, make_scaler_version, {"pair": 2, "solo": 1})
+    assert len(counted_on(ids["pair"])) == 2  # one replica per host
+    (cut,) = counted_on(ids["solo"])
+    key = hosts[cut][1].api_key
+    gateway = start_gateway()
+    _, secret = make_token(name="load")
+    for slug in ("pair", "solo"):
+        wait_for(lambda s=slug: gateway.infer(f"vision__{s}", secret)[0] == 200, 15, f"{slug} to answer")
+    rule = AlertRule.objects.create(team=team, kind=AlertKind.HOST_OFFLINE, name="hosts")
+    beat = Beat()
+
+    with Load(gateway, "vision__pair", secret, threads=2, rate=40, max_seconds=120) as load:
+        load.wait_for_requests(40)
+        clock = Stopwatch()
+        network.partition(cut, platform=False, gateway=True)
+        # HAProxy's health checks (GATEWAY_CHECK_INTERVAL_MS, fall 2) take the host out of rotation.
+        wait_for(
+            lambda: server_status(gateway, f"d{ids['pair']}", key).startswith("DOWN"), 15, "the host DOWN"
+        )
+        detect_s = clock.lap()
+        detected_at = time.monotonic()
+        # The operator sees it: the API, the host page, the host-offline alert (the agent is still heard).
+        entries = wait_for(
+            lambda: owner_client.get(f"/api/v1/hosts/{cut}/").json()["gateway_unreachable"], 15,
+            "the gateway to report the host unreachable",
+        )  # fmt: skip
+        reported_s = clock.lap()
+        assert entries[0]["instance"] == hosts[cut][1].name and "L4TOUT" in entries[0]["reason"], entries
+        assert owner_client.get(f"/api/v1/hosts/{cut}/").json()["status"] == "online"
+        load.wait_for_requests(200, timeout=60)
+        alert_services.evaluate_rules()
+        alert = Alert.objects.get(rule=rule, subject=f"host-gateway:{hosts[cut][1].host_id}")
+        assert f"Host {cut} is unreachable from gateway" in alert.summary
+        # The platform does not re-place: the host is heard, the gateway alone cannot reach it.
+        beat.tick()
+        assert DeploymentInstance.objects.filter(deployment_id=ids["solo"], retiring_reason="").count() == 1
+        # The model whose one replica is there answers 503, saying why.
+        status, body = gateway.infer("vision__solo", secret)
+        assert status == 503 and "reachable from the gateway" in body["error"], (status, body)
+
+        network.heal(cut)
+        wait_for(
+            lambda: server_status(gateway, f"d{ids['pair']}", key) == "UP", 15, "the host back in rotation"
+        )
+        wait_for(
+            lambda: not owner_client.get(f"/api/v1/hosts/{cut}/").json()["gateway_unreachable"], 15, "clear"
+        )
+        converge_s = clock.lap()
+        wait_for(lambda: gateway.infer("vision__solo", secret)[0] == 200, 15, "solo to answer again")
+        load.wait_for_requests(40)
+
+    failed_after = [t for t in load.failed_sent_at if t > detected_at]
+    row = record_figures(
+        "gateway-host partition", sent=load.total, failed=load.total - load.statuses[200], detect_s=detect_s,
+        converge_s=converge_s, reported_s=reported_s, failed_after_detection=len(failed_after),
+        duplicate_placements=duplicate_placements(), rows_lost=beat.counts["reserved_repaired"],
+    )  # fmt: skip
+    assert failed_after == [], load.failures[-5:]
+    assert row["duplicate_placements"] == 0 and row["rows_lost"] == 0

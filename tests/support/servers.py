@@ -394,6 +394,7 @@ class Load:
         self.deadline = time.monotonic() + max_seconds
         self.statuses: Counter = Counter()
         self.failures: list[str] = []
+        self.failed_sent_at: list[float] = []  # when each failed request was sent (time.monotonic())
         self.outputs: Counter = Counter()
         self.closed_by_gateway = 0  # answers that came with "Connection: close" (none expected)
         self._stop = threading.Event()
@@ -427,6 +428,7 @@ class Load:
             next_at = max(next_at + self.interval, time.monotonic() - self.interval)
             if (pause := next_at - time.monotonic()) > 0:
                 self._stop.wait(pause)
+            sent_at = time.monotonic()
             try:
                 connection.request("POST", path, body=INFER_BODY, headers=headers)
                 response = connection.getresponse()
@@ -446,6 +448,7 @@ class Load:
                 self.statuses[status] += 1
                 if status != 200:
                     self.failures.append(f"{status}: {raw[:200]!r}")
+                    self.failed_sent_at.append(sent_at)
                 else:
                     self.outputs[json.loads(raw)["outputs"][0]["data"][0]] += 1
         connection.close()
