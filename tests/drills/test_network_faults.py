@@ -210,3 +210,63 @@ def test_host_cut_from_gateway_leaves_rotation_is_shown_unreachable_and_one_repl
     )  # fmt: skip
     assert failed_after == [], load.failures[-5:]
     assert row["duplicate_placements"] == 0 and row["rows_lost"] == 0
+
+
+def test_slow_lossy_link_deploys_complete_without_poll_storm_or_host_flapping(
+    owner_client, owner, team, pool_of_net_hosts, network, make_scaler_version, start_gateway, make_token,
+    settings,
+):  # fmt: skip
+    """200 ms each way on every chunk between agents and platform and 5 % of new connections reset: deploys
+    still complete, polls keep their pace, and no host is taken for lost (``GRACE_S``; heartbeats every
+    0.5 s, each call retried with backoff)."""
+    settings.AGENT_LONG_POLL_MAX_WAITERS = 8  # the live server holds polls, as a production web process does
+    hosts = pool_of_net_hosts(["host-a", "host-b"])
+    first = deploy_models(owner_client, owner, team, make_scaler_version, {"steady": 2})
+    gateway = start_gateway()
+    _, secret = make_token(name="load")
+    wait_for(lambda: gateway.infer("vision__steady", secret)[0] == 200, 15, "the model to answer")
+    beat = Beat()
+    network.proxy.set(delay_s=0.2, drop_rate=0.05)
+    polls_before = network.proxy.count("/desired-state")
+
+    with Load(gateway, "vision__steady", secret, threads=2, rate=20, max_seconds=150) as load:
+        clock = Stopwatch()
+        slugs = [f"slow-{n}" for n in range(4)]
+        ids = {}
+        for slug in slugs:
+            model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)
+            make_scaler_version(model, 2.0)
+            ids[slug] = request_pool_deployment(owner_client, team.slug, slug, 1)
+
+        def all_serving() -> bool:
+            return Deployment.objects.filter(pk__in=ids.values(), state="SERVING").count() == len(ids)
+
+        wait_for(beat.until(all_serving), 120, f"deploys over the slow link\n{hosts['host-a'][0].output()}")
+        converge_s = clock.lap()
+        # Keep ticking a while longer: a heartbeat lost on the link must not make a host lost.
+        deadline = time.monotonic() + 3 * GRACE_S
+        while time.monotonic() < deadline:
+            beat.tick()
+            time.sleep(0.25)
+        load.wait_for_requests(40)
+        elapsed = clock.lap()
+
+    polls = network.proxy.count("/desired-state") - polls_before
+    retired = DeploymentInstance.objects.exclude(retiring_reason="").count()
+    row = record_figures(
+        "slow lossy agent link", sent=load.total, failed=load.total - load.statuses[200], detect_s=None,
+        converge_s=converge_s, duplicate_placements=duplicate_placements(), rows_lost=0,
+        hosts_flapped=retired, polls_per_host_s=round(polls / len(hosts) / elapsed, 2),
+        connections_dropped=network.proxy.dropped,
+    )  # fmt: skip
+    assert load.failures == [], load.failures[:5]
+    assert network.proxy.dropped >= 2  # the link did lose calls
+    assert retired == 0, list(DeploymentInstance.objects.values_list("retiring_reason", flat=True))
+    assert beat.counts["retired"] == 0 and row["duplicate_placements"] == 0
+    assert (
+        not Deployment.objects.filter(pk__in=[*ids.values(), *first.values()])
+        .exclude(state="SERVING")
+        .exists()
+    )
+    # Polls keep their pace: at most a few a second per host (a storm would be tens).
+    assert row["polls_per_host_s"] <= 4, (polls, network.proxy.requests)

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import re
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -36,6 +36,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 PREFIX = "gd"
+RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() sends a reset
 
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -102,8 +103,8 @@ def remove_leftovers() -> list[str]:
 
 class FaultProxy:
     """A threaded TCP proxy between agents and the platform: ``delay_s`` before each chunk it forwards (each
-    way), ``drop_rate`` of new connections closed at once (the client sees a reset), ``refuse`` closes them
-    all. Counts connections and the HTTP request lines that pass, by path, so a test sees a poll storm."""
+    way); ``drop_rate`` of new connections, and of requests on open ones, lost with a reset (nothing of them
+    forwarded). Counts connections and the HTTP request lines that pass, by path, so a test sees a poll storm."""
 
     def __init__(self, bind: str, target: tuple[str, int]) -> None:
         self.target = target
@@ -113,7 +114,7 @@ class FaultProxy:
         self.dropped = 0
         self.requests: Counter = Counter()
         self._lock = threading.Lock()
-        self._random = random.Random(34)
+        self._draws = 0
         self._listener = socket.create_server((bind, 0), backlog=256)
         self.address = f"{bind}:{self._listener.getsockname()[1]}"
         self.port = self._listener.getsockname()[1]
@@ -137,11 +138,9 @@ class FaultProxy:
                 return
             with self._lock:
                 self.connections += 1
-                drop = self._random.random() < self.drop_rate
-                self.dropped += drop
-            if drop:
-                # A lost connection, as a flaky link shows it: reset, nothing forwarded.
-                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            if self._lose():
+                # A connection lost as it opens, as a flaky link shows it: reset, nothing forwarded.
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RESET)
                 client.close()
                 continue
             try:
@@ -158,8 +157,11 @@ class FaultProxy:
     def _pipe(self, source: socket.socket, sink: socket.socket, upstream: bool) -> None:
         try:
             while data := source.recv(65536):
-                if upstream:
-                    self._note_requests(data)
+                if upstream and self._note_requests(data) and self._lose():
+                    # The connection dies with this request unsent, as on a flaky link: a reset.
+                    for sock in (source, sink):
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RESET)
+                    return
                 if self.delay_s:
                     time.sleep(self.delay_s)
                 sink.sendall(data)
@@ -173,10 +175,21 @@ class FaultProxy:
             with self._lock:
                 self._sockets.difference_update((source, sink))
 
-    def _note_requests(self, data: bytes) -> None:
-        for path in re.findall(rb"(?:^|\r\n)(?:GET|POST|PUT|PATCH|DELETE) (\S+) HTTP/1\.[01]\r\n", data):
-            with self._lock:
+    def _lose(self) -> bool:
+        """Whether this connection or request is lost: exactly ``drop_rate`` of them, evenly spread (a test
+        sees the same losses on every run)."""
+        with self._lock:
+            self._draws += 1
+            lost = self._draws * self.drop_rate >= self.dropped + 1
+            self.dropped += lost
+        return lost
+
+    def _note_requests(self, data: bytes) -> int:
+        paths = re.findall(rb"(?:^|\r\n)(?:GET|POST|PUT|PATCH|DELETE) (\S+) HTTP/1\.[01]\r\n", data)
+        with self._lock:
+            for path in paths:
                 self.requests[path.decode(errors="replace").split("?", 1)[0]] += 1
+        return len(paths)
 
     def close(self) -> None:
         self._closed.set()
