@@ -199,6 +199,10 @@ class Host(models.Model):
     facts = models.JSONField(default=dict, blank=True, help_text="CPU count, memory, OS, agent version.")
     npu_driver_version = models.CharField(max_length=50, blank=True)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    # Since when the platform has heard this host without a break (a gap of more than half the scheduler's
+    # grace starts a new run): how the scheduler tells a host that went silent from a platform that was not
+    # listening (``apps.deployments.scheduler.listening_since``). Empty: since before anyone counted.
+    heard_since = models.DateTimeField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     credential_hash = models.CharField(max_length=64, blank=True, db_index=True, editable=False)
     join_token_hash = models.CharField(max_length=64, blank=True, db_index=True, editable=False)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from datetime import timedelta
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import F
@@ -30,6 +32,11 @@ from apps.fleet.models import (
 from backend_ge import npu_smi
 
 log = logging.getLogger(__name__)
+
+
+def heard_break() -> timedelta:
+    """Silence longer than this (half the scheduler's grace) breaks a host's run of heard heartbeats."""
+    return timedelta(seconds=settings.SCHEDULER_HOST_GRACE_S / 2)
 
 
 class JoinRefused(Exception):
@@ -222,7 +229,12 @@ def record_heartbeat(
             inventory = npu_smi.read_inventory()
         except npu_smi.NpuSmiError as exc:
             log.warning("npu-smi failed: %s", exc)
-    fields: dict = {"last_heartbeat_at": timezone.now()}
+    now = timezone.now()
+    fields: dict = {"last_heartbeat_at": now}
+    # A heartbeat after a break (the host was silent, or the platform was not listening: restarted, its
+    # database down) starts a new run of heard heartbeats.
+    if host.last_heartbeat_at is None or now - host.last_heartbeat_at > heard_break():
+        fields["heard_since"] = now
     if facts != host.facts:
         fields["facts"] = facts
     if inventory is not None and inventory.driver_version != host.npu_driver_version:

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -15,7 +19,7 @@ from apps.deployments import healing
 from apps.fleet.models import InstanceState, Pool, TritonInstance
 from tests.conftest import wait_for
 from tests.support import netns
-from tests.support.servers import Agent, agent_env
+from tests.support.servers import ROOT, Agent, agent_env
 
 # The drills' own short settings: a host unheard of for GRACE_S s is lost; agents heartbeat well inside it.
 GRACE_S = 3
@@ -87,6 +91,7 @@ def pool_of_net_hosts(start_net_agent, settings):
 @pytest.fixture(autouse=True)
 def _no_rate_limit(db, team):
     team.quota_requests_per_second = 1_000_000
+    team.quota_instances = 100  # replicas of the 20-model drill
     team.save()
 
 
@@ -118,3 +123,62 @@ def record_figures(name: str, **figures) -> dict:
         with open(path, "a") as out:
             out.write(json.dumps(row) + "\n")
     return row
+
+
+class PlatformWeb:
+    """The platform's web process as production runs it (gunicorn, gthread, ``serving_platform.gunicorn_hooks``)
+    on the test database, on one loopback port kept across restarts: the agents reach it through the fault
+    proxy. For the drills that restart the platform under agents (the live server cannot be restarted)."""
+
+    def __init__(self, log_path: Path, settings) -> None:
+        from backend_ge.runtime import free_port
+        from tests.conftest import subprocess_database_url
+
+        self.port = free_port()
+        self.log_path = log_path
+        self.env = {
+            **os.environ, "DATABASE_URL": subprocess_database_url(), "DEBUG": "1", "ALLOWED_HOSTS": "*",
+            "ARTIFACT_ROOT": str(settings.ARTIFACT_ROOT), "GATEWAY_DIR": str(settings.GATEWAY_DIR),
+            "WEB_THREADS": "24", "AGENT_LONG_POLL_MAX_WAITERS": "8",
+        }  # fmt: skip
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> PlatformWeb:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child writes to it
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gunicorn", "serving_platform.wsgi", "--config",
+             "python:serving_platform.gunicorn_hooks", "--bind", f"127.0.0.1:{self.port}", "--workers", "1",
+             "--threads", "24", "--worker-class", "gthread", "--timeout", "120"],
+            cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        log.close()
+        wait_for(self._answers, 30, f"the platform's web process to answer\n{self.output()}")
+        return self
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                sock.sendall(b"GET /agent/v1/desired-state HTTP/1.0\r\nHost: x\r\n\r\n")
+                return sock.recv(12).startswith(b"HTTP/1.")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group (master and workers): a crash, not a graceful stop."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+
+@pytest.fixture
+def platform_web(network, tmp_path, settings, start_gateway):
+    """The platform's web process in a subprocess, with the fault proxy pointed at it (before any agent joins).
+    The module's gateway is started first so its directory (where the web process pokes it) is known."""
+    web = PlatformWeb(tmp_path / "web.log", settings)
+    web.start()
+    network.proxy.target = ("127.0.0.1", web.port)
+    yield web
+    web.kill()

@@ -7,18 +7,17 @@ See ``docs/operators/network-faults.md`` for what the platform does in each case
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 import pytest
 
 from apps.alerts import services as alert_services
 from apps.alerts.models import Alert, AlertKind, AlertRule
-from apps.deployments import healing
 from apps.deployments.models import Deployment, DeploymentInstance, PlacementState
 from apps.registry.models import RegisteredModel
 from tests.conftest import wait_for
 from tests.drills.conftest import GRACE_S, Stopwatch, record_figures
-from tests.support.servers import Load, request_pool_deployment, requires_haproxy, server_status, wait_serving
+from tests.drills.helpers import Beat, counted_on, deploy_models, duplicate_placements
+from tests.support.servers import Load, request_pool_deployment, requires_haproxy, server_status
 
 pytestmark = [
     pytest.mark.triton,
@@ -26,56 +25,6 @@ pytestmark = [
     requires_haproxy,
     pytest.mark.django_db(transaction=True),
 ]
-
-
-class Beat:
-    """The scheduler's beat, ticked by the test; counts what it did (a reserved figure it had to repair is a
-    writer that forgot it: 0 expected)."""
-
-    def __init__(self) -> None:
-        self.counts: Counter = Counter()
-
-    def tick(self) -> None:
-        self.counts.update(healing.tick())
-
-    def until(self, predicate):
-        def run():
-            self.tick()
-            return predicate()
-
-        return run
-
-
-def counted_on(deployment_id: int) -> dict[str, str]:
-    """host name -> placement state, for the replicas that count (not retired, not unloaded)."""
-    rows = DeploymentInstance.objects.filter(deployment_id=deployment_id, retiring_reason="").exclude(
-        state=PlacementState.UNLOADED
-    )
-    return {p.instance.host.name: p.state for p in rows.select_related("instance__host")}
-
-
-def duplicate_placements() -> int:
-    """Replicas counted twice: a deployment with more counted replicas than it asks for, or two live rows of
-    one deployment on one instance."""
-    extra = 0
-    for deployment in Deployment.objects.all():
-        live = DeploymentInstance.objects.filter(deployment=deployment).exclude(state=PlacementState.UNLOADED)
-        counted = live.filter(retiring_reason="").count()
-        per_instance = Counter(live.values_list("instance_id", flat=True))
-        extra += max(0, counted - deployment.replicas) + sum(n - 1 for n in per_instance.values() if n > 1)
-    return extra
-
-
-def deploy_models(client, owner, team, make_scaler_version, replicas: dict[str, int]) -> dict[str, int]:
-    """A scaler model per slug, deployed to pool ``cpu`` with that many replicas, SERVING: {slug: id}."""
-    ids = {}
-    for slug, count in replicas.items():
-        model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)
-        make_scaler_version(model, 2.0)
-        ids[slug] = request_pool_deployment(client, team.slug, slug, count)
-    for pk in ids.values():
-        wait_serving(pk)
-    return ids
 
 
 def test_host_cut_from_platform_serves_until_replaced_then_unloads_what_moved_on_heal(
