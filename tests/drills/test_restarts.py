@@ -134,6 +134,6 @@ def test_postgres_restarted_mid_deploy_leaves_nothing_deploying_or_lost(
         )  # fmt: skip
         restart_s = round(time.monotonic() - started, 2)
         row = settle_and_measure(
-            "postgres restart mid-deploy", hosts, ids, beat, load, clock, detect_s=restart_s
+            "postgres restart mid-deploy", hosts, ids, beat, load, clock, postgres_restart_s=restart_s
         )
     assert_nothing_stuck_lost_or_doubled(row, ids, load)
