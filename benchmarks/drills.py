@@ -72,7 +72,9 @@ class PrivatePostgres:
             shutil.chown(base, self.user)
 
     def _run(self, *args: str) -> None:
-        subprocess.run(args, check=True, capture_output=True, timeout=120, user=self.user)
+        done = subprocess.run(args, capture_output=True, text=True, timeout=120, user=self.user)
+        if done.returncode != 0:
+            sys.exit(f"{' '.join(args[:2])} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
 
     def start(self) -> PrivatePostgres:
         self._run(
@@ -129,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     base = Path(tempfile.mkdtemp(prefix="drills-"))
     figures = base / "figures.jsonl"
-    postgres = PrivatePostgres(base).start()
+    # The server's directory where the postgres user can reach it (a TMPDIR may be private to root).
+    postgres = PrivatePostgres(Path(tempfile.mkdtemp(prefix="drills-pg-", dir="/tmp"))).start()
     started = time.monotonic()
     try:
         code = run_drills(args, postgres, figures)
@@ -141,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"drills": rows}, indent=2) + "\n")
     shutil.rmtree(base, ignore_errors=True)
+    shutil.rmtree(postgres.data.parent, ignore_errors=True)
     return code
 
 
