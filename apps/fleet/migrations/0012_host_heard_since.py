@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('fleet', '0011_gateway_reachability'),
+        ("fleet", "0011_gateway_reachability"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='host',
-            name='heard_since',
+            model_name="host",
+            name="heard_since",
             field=models.DateTimeField(blank=True, editable=False, null=True),
         ),
     ]
