@@ -117,6 +117,7 @@ class HostDetailView(LoginRequiredMixin, TemplateView):
             instances=with_capacity(self.request.user, instances),
             pool=host.pool,
             drain=drain_progress(self.request.user, host),
+            gateway_unreachable=host.unreachable_from_gateways(),
             can_operate=host.can_be_operated_by(self.request.user),
             is_staff=is_platform_staff(self.request.user),
             platform_url=self.request.build_absolute_uri("/").rstrip("/"),

@@ -19,7 +19,14 @@ from apps.alerts.models import AlertKind, AlertRule
 from apps.conversions.models import ConversionJob, JobState
 from apps.core.periods import MINUTE
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
-from apps.fleet.models import OFFLINE_AFTER, DesiredInstanceState, Host, InstanceState, TritonInstance
+from apps.fleet.models import (
+    OFFLINE_AFTER,
+    DesiredInstanceState,
+    GatewayReachability,
+    Host,
+    InstanceState,
+    TritonInstance,
+)
 from apps.monitoring.models import DeviceMetrics, ModelMetrics
 from apps.registry.models import VersionState
 
@@ -312,6 +319,29 @@ def check_host_offline(rules: list[AlertRule], context: Context) -> Findings:
                 value=age,
                 summary=f"Host {host.name} is offline ({seen})",
                 labels={"host": host.name},
+            )
+    # A host the platform hears but a gateway cannot reach is offline for the clients: the same alert, with
+    # its own subject (it clears when the gateway reaches the host again, whatever the heartbeat does).
+    cut = (
+        GatewayReachability.current()
+        .filter(instance__host__in=wanted)
+        .exclude(instance__host__in=list(offline))
+        .select_related("instance__host")
+    )
+    cut_hosts: dict[int, GatewayReachability] = {}
+    for row in cut:
+        cut_hosts.setdefault(row.instance.host_id, row)
+    for rule in rules:
+        for host_id in hosts_by_team.get(rule.team_id, ()):
+            row = cut_hosts.get(host_id)
+            if row is None:
+                continue
+            host = row.instance.host
+            findings[rule.pk][f"host-gateway:{host.pk}"] = Finding(
+                subject=f"host-gateway:{host.pk}",
+                value=(context.now - row.since).total_seconds(),
+                summary=f"Host {host.name} is unreachable from gateway {row.gateway} ({row.reason})",
+                labels={"host": host.name, "gateway": row.gateway},
             )
     return findings
 

@@ -198,6 +198,11 @@ class HostSerializer(serializers.ModelSerializer):
         read_only=True, help_text="joined, awaiting join, revoked or no credential (the agent's identity)."
     )
     device_count = serializers.SerializerMethodField()
+    gateway_unreachable = serializers.SerializerMethodField(
+        help_text="Instances of this host a running gateway's health checks cannot reach (a partition between "
+        "gateway and host while the agent may still be heard): gateway, instance, reason, since. The gateway "
+        "has taken them out of rotation; replicas are not moved for it (drain the host to move them)."
+    )
     instances = InstanceSummarySerializer(many=True, read_only=True)
     pool = serializers.CharField(source="pool.name", read_only=True, allow_null=True, default=None)
 
@@ -215,6 +220,7 @@ class HostSerializer(serializers.ModelSerializer):
             "last_heartbeat_at",
             "heartbeat_age_seconds",
             "identity",
+            "gateway_unreachable",
             "joined_at",
             "revoked_at",
             "npu_driver_version",
@@ -233,6 +239,9 @@ class HostSerializer(serializers.ModelSerializer):
             "joined_at",
             "revoked_at",
         ]
+
+    def get_gateway_unreachable(self, host: Host) -> list[dict]:
+        return [{**entry, "since": entry["since"].isoformat()} for entry in host.unreachable_from_gateways()]
 
     def get_device_count(self, host: Host) -> int:
         return len(host.devices.all())

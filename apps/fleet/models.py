@@ -12,6 +12,7 @@ import re
 import secrets
 from datetime import timedelta
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import RegexValidator
 from django.db import models
@@ -198,6 +199,10 @@ class Host(models.Model):
     facts = models.JSONField(default=dict, blank=True, help_text="CPU count, memory, OS, agent version.")
     npu_driver_version = models.CharField(max_length=50, blank=True)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    # Since when the platform has heard this host without a break (a gap of more than half the scheduler's
+    # grace starts a new run): how the scheduler tells a host that went silent from a platform that was not
+    # listening (``apps.deployments.scheduler.listening_since``). Empty: since before anyone counted.
+    heard_since = models.DateTimeField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     credential_hash = models.CharField(max_length=64, blank=True, db_index=True, editable=False)
     join_token_hash = models.CharField(max_length=64, blank=True, db_index=True, editable=False)
@@ -257,6 +262,15 @@ class Host(models.Model):
             and self.last_heartbeat_at is not None
             and (now or timezone.now()) - self.last_heartbeat_at <= grace
         )
+
+    def unreachable_from_gateways(self) -> list[dict]:
+        """What the running gateways cannot reach on this host (``GatewayReachability``): one entry per gateway
+        and instance, with the reason and since when. Empty: every gateway reaches it (or none runs)."""
+        rows = GatewayReachability.current().filter(instance__host=self).select_related("instance")
+        return [
+            {"gateway": r.gateway, "instance": r.instance.name, "reason": r.reason, "since": r.since}
+            for r in rows
+        ]
 
     def heartbeat_age_seconds(self) -> float | None:
         if self.last_heartbeat_at is None:
@@ -440,3 +454,38 @@ class TritonInstance(models.Model):
 
     def metrics_url(self) -> str:
         return f"http://{self.host.address}:{self.metrics_port}/metrics"
+
+
+class GatewayReachability(models.Model):
+    """An instance a running gateway cannot reach: its health checks fail at the connection (a timeout or a
+    refusal, not an answer saying the model is not ready) while the platform may still hear the host's agent.
+    One row per gateway process and instance, written by the gateway after each sync
+    (``apps.fleet.services.record_gateway_reachability``); rows whose gateway has not reported within
+    ``GATEWAY_ROUTES_STALE_S`` are ignored. The platform does not move replicas for it (see
+    ``docs/operators/network-faults.md``): the gateway takes the instance out of rotation, operators see it
+    on the host (page, API) and in the host-offline alert."""
+
+    gateway = models.CharField(max_length=200)
+    instance = models.ForeignKey(
+        TritonInstance, on_delete=models.CASCADE, related_name="gateway_reachability"
+    )
+    reason = models.CharField(max_length=200)
+    since = models.DateTimeField()
+    seen_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["gateway", "instance"], name="one_reachability_per_gateway_instance"
+            )
+        ]
+        ordering = ["instance_id", "gateway"]
+
+    def __str__(self) -> str:
+        return f"{self.instance} unreachable from gateway {self.gateway}: {self.reason}"
+
+    @classmethod
+    def current(cls):
+        """The rows of gateways that reported recently (a stopped gateway's rows age out)."""
+        since = timezone.now() - timedelta(seconds=settings.GATEWAY_ROUTES_STALE_S)
+        return cls.objects.filter(seen_at__gte=since)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from datetime import timedelta
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import F
@@ -20,6 +22,7 @@ from apps.fleet.models import (
     DesiredInstanceState,
     Device,
     ExecutorKind,
+    GatewayReachability,
     Host,
     InstanceState,
     TritonInstance,
@@ -29,6 +32,11 @@ from apps.fleet.models import (
 from backend_ge import npu_smi
 
 log = logging.getLogger(__name__)
+
+
+def heard_break() -> timedelta:
+    """Silence longer than this (half the scheduler's grace) breaks a host's run of heard heartbeats."""
+    return timedelta(seconds=settings.SCHEDULER_HOST_GRACE_S / 2)
 
 
 class JoinRefused(Exception):
@@ -221,7 +229,12 @@ def record_heartbeat(
             inventory = npu_smi.read_inventory()
         except npu_smi.NpuSmiError as exc:
             log.warning("npu-smi failed: %s", exc)
-    fields: dict = {"last_heartbeat_at": timezone.now()}
+    now = timezone.now()
+    fields: dict = {"last_heartbeat_at": now}
+    # A heartbeat after a break (the host was silent, or the platform was not listening: restarted, its
+    # database down) starts a new run of heard heartbeats.
+    if host.last_heartbeat_at is None or now - host.last_heartbeat_at > heard_break():
+        fields["heard_since"] = now
     if facts != host.facts:
         fields["facts"] = facts
     if inventory is not None and inventory.driver_version != host.npu_driver_version:
@@ -309,3 +322,28 @@ def sync_devices(host_id: int, inventory: npu_smi.NpuInventory) -> None:
     gone = [device.pk for key, device in existing.items() if key not in reported]
     if gone:
         Device.objects.filter(pk__in=gone).delete()
+
+
+def record_gateway_reachability(gateway: str, unreachable: dict[str, str]) -> None:
+    """What one gateway cannot reach now: ``unreachable`` maps an instance's key (the gateway's server name)
+    to the reason its health checks give (a connection timeout, a refusal). Rows of instances it reaches again
+    go; the others keep the time they were first seen; every row of this gateway is marked seen now."""
+    now = timezone.now()
+    ids = dict(TritonInstance.objects.filter(api_key__in=list(unreachable)).values_list("api_key", "pk"))
+    wanted = {ids[key]: reason[:200] for key, reason in unreachable.items() if key in ids}
+    with transaction.atomic():
+        rows = GatewayReachability.objects.filter(gateway=gateway)
+        rows.exclude(instance_id__in=list(wanted)).delete()
+        known = set(rows.values_list("instance_id", flat=True))
+        for instance_id, reason in wanted.items():
+            if instance_id in known:
+                rows.filter(instance_id=instance_id).update(reason=reason, seen_at=now)
+            else:
+                GatewayReachability.objects.create(
+                    gateway=gateway, instance_id=instance_id, reason=reason, since=now, seen_at=now
+                )
+
+
+def forget_gateway_reachability(gateway: str) -> None:
+    """A gateway that stops reports nothing any more."""
+    GatewayReachability.objects.filter(gateway=gateway).delete()

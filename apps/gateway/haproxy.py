@@ -351,7 +351,7 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         # model (yet: restarted, reloading) go to another placement; none of them ran the request.
         "    retry-on conn-failure empty-response junk-response 404 503",
         "    http-error status 503 content-type application/json string "
-        """'{"error":"no instance of this model is ready; retry shortly"}'""",
+        """'{"error":"no instance of this model is ready and reachable from the gateway; retry shortly"}'""",
         "    http-error status 504 content-type application/json string "
         """'{"error":"the model did not answer in time"}'""",
         "    http-error status 502 content-type application/json string "

@@ -181,6 +181,32 @@ def in_flight(stat_csv: str) -> dict[str, int] | None:
     return out
 
 
+# Health-check results that mean the instance's address could not be reached at all (no answer, a refusal,
+# a broken connection), as opposed to an answer saying the model is not ready (L7STS) - HAProxy's names.
+UNREACHABLE_CHECKS = {"L4TOUT": "connection timed out", "L4CON": "connection refused or failed",
+                      "L6TOUT": "timed out", "L6RSP": "invalid answer", "L7TOUT": "no answer in time",
+                      "L7RSP": "invalid answer", "SOCKERR": "socket error"}  # fmt: skip
+
+
+def unreachable_servers(stat_csv: str) -> dict[str, str]:
+    """``show stat`` CSV -> server name: why HAProxy's health checks cannot reach it, for the servers DOWN
+    after a connection-level failure (in any backend; maintenance is not a failure)."""
+    lines = stat_csv.splitlines()
+    if not lines or not lines[0].startswith("# "):
+        return {}
+    header = lines[0][2:].split(",")
+    name, status, check = header.index("svname"), header.index("status"), header.index("check_status")
+    out = {}
+    for line in lines[1:]:
+        fields = line.split(",")
+        if len(fields) <= max(name, status, check) or not fields[status].startswith("DOWN"):
+            continue
+        code = fields[check].removeprefix("* ").strip()
+        if code in UNREACHABLE_CHECKS:
+            out[fields[name]] = f"health check failed: {UNREACHABLE_CHECKS[code]} ({code})"
+    return out
+
+
 def runtime_commands(
     old: GatewayState, old_slots: Slots, new: GatewayState, new_slots: Slots, o: Options
 ) -> list[str]:

@@ -28,12 +28,13 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from apps.deployments import draining, routing
+from apps.fleet import services as fleet
 from apps.gateway import grpc_frontend
 from apps.gateway.autoscaling import poll_wakeups
 from apps.gateway.haproxy import GatewayError, GatewayState, Options, Slots, write_files
 from apps.gateway.metrics import record_worker_started
 from apps.gateway.process import HAProxyProcess
-from apps.gateway.runtime import Plan, in_flight, runtime_plan
+from apps.gateway.runtime import Plan, in_flight, runtime_plan, unreachable_servers
 from apps.gateway.state import Tracked, desired_state, options
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,9 @@ class Gateway:
         self.name = f"{socket.gethostname()} {self.o.bind}"
         self.reported: dict[int, tuple[int, int]] | None = None
         self.reported_at = 0.0
+        # Instances its health checks cannot reach (key -> reason), as last reported, and when.
+        self.unreachable: dict[str, str] | None = None
+        self.unreachable_at = 0.0
 
     def _assign(self, state: GatewayState, previous: Slots, unavailable: set[str]) -> Slots:
         return previous.assign(state.backends, unavailable, settings.GATEWAY_SLOT_CHUNK)
@@ -118,6 +122,7 @@ class Gateway:
         outcome = self._apply(state)
         self._remember_vacated(before)
         self.report_routes()
+        self.report_reachability()
         # After a reload an old worker may still hold requests this one cannot see: no confirmation until it
         # has finished them and exited (or GATEWAY_DRAIN_TIMEOUT_S hands the replicas to their agents).
         if tracked.to_confirm and outcome != "reloaded" and not self.process.retiring_workers():
@@ -139,6 +144,20 @@ class Gateway:
             return
         routing.record_gateway_routes(self.name, routes)
         self.reported, self.reported_at = routes, time.monotonic()
+
+    def report_reachability(self) -> None:
+        """Tell the platform which instances HAProxy's health checks cannot reach (a partition between this
+        gateway and a host the platform may still hear): on a change, and as a heartbeat like the routes."""
+        if self.applied is None:
+            return
+        unreachable = unreachable_servers(self.process.admin.ask("show stat -1 4 -1"))
+        due = time.monotonic() - self.unreachable_at >= settings.GATEWAY_ROUTES_STALE_S / 3
+        if unreachable == self.unreachable and not due:
+            return
+        if unreachable != self.unreachable:
+            log.info("instances unreachable from this gateway: %s", len(unreachable))
+        fleet.record_gateway_reachability(self.name, unreachable)
+        self.unreachable, self.unreachable_at = unreachable, time.monotonic()
 
     def _draining_slots(self) -> set[str]:
         """The slots with a server still draining, in the HTTP backend or its gRPC twin."""
@@ -247,6 +266,12 @@ class Gateway:
             except Exception:  # the database is gone too: the row ages out after GATEWAY_ROUTES_STALE_S
                 log.warning("could not remove this gateway's routes from the platform", exc_info=True)
             self.reported = None
+        if self.unreachable is not None:
+            try:
+                fleet.forget_gateway_reachability(self.name)
+            except Exception:  # the rows age out after GATEWAY_ROUTES_STALE_S
+                log.warning("could not remove this gateway's reachability from the platform", exc_info=True)
+            self.unreachable = None
 
 
 def run_gateway(stop, interval: float | None = None) -> None:

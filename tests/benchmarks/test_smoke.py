@@ -29,6 +29,12 @@ requires_haproxy = pytest.mark.skipif(
     shutil.which("haproxy") is None, reason="haproxy is not installed (apt install haproxy)"
 )
 
+# The network drills make network namespaces and iptables rules (tests/support/netns.py).
+requires_netns = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("iptables") is None or shutil.which("ip") is None,
+    reason="the network drills need root, ip and iptables (network namespaces)",
+)
+
 
 def postgres_database(name: str) -> str:
     """A database ``name`` on the PostgreSQL server the suite uses (DATABASE_URL), else on the one CI names."""
@@ -222,6 +228,15 @@ SMOKES = [
         ],
         marks=[pytest.mark.triton, pytest.mark.servers, requires_haproxy],
         id="density",
+    ),
+    pytest.param(
+        "drills.py",
+        [
+            r"^postgres restart mid-deploy +\d+ +0 +- +[\d.]+ +0 +0$",
+            r"^drills run: 1 in \d+ s; pytest exit 0",
+        ],
+        marks=[pytest.mark.triton, pytest.mark.servers, requires_haproxy, requires_netns],
+        id="drills",
     ),
     pytest.param(
         "rollout_drill.py",

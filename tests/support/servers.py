@@ -70,7 +70,10 @@ class Agent:
     free ports): it joins with the host's one-time token and then knows only the platform's URL and its own
     credential - no DATABASE_URL, no broker URL, no Django."""
 
-    def __init__(self, name: str, env: dict, log_path: Path, platform: str, labels: dict | None = None):
+    def __init__(self, name: str, env: dict, log_path: Path, platform: str, labels: dict | None = None,
+                 address: str = "127.0.0.1", wrap: list[str] | None = None):  # fmt: skip
+        """``address``: the host's own (its tritonserver binds there); ``wrap``: what the command runs under
+        (``ip netns exec <namespace>`` for a host in its own namespace, ``tests/support/netns.py``)."""
         from apps.fleet import services
 
         self.name = name
@@ -78,7 +81,8 @@ class Agent:
         self.log_path = log_path
         self.var_dir = Path(env["VAR_DIR"])
         self.credential_file = self.var_dir / "host-credential"
-        self.host, token = services.create_host(actor=None, name=name, address="127.0.0.1", labels=labels)
+        self.address = address
+        self.host, token = services.create_host(actor=None, name=name, address=address, labels=labels)
         services.create_instance(
             actor=None,
             host=self.host,
@@ -89,13 +93,13 @@ class Agent:
         )
         self.log = open(log_path, "ab")  # noqa: SIM115 - the child writes to it until stop()
         self.process = subprocess.Popen(
-            agent_command(platform, token, self.credential_file),
+            [*(wrap or []), *agent_command(platform, token, self.credential_file)],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
 
     @property
     def url(self) -> str:
-        return f"127.0.0.1:{self.ports[0]}"
+        return f"{self.address}:{self.ports[0]}"
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
@@ -404,6 +408,7 @@ class Load:
         self.deadline = time.monotonic() + max_seconds
         self.statuses: Counter = Counter()
         self.failures: list[str] = []
+        self.failed_sent_at: list[float] = []  # when each failed request was sent (time.monotonic())
         self.outputs: Counter = Counter()
         self.closed_by_gateway = 0  # answers that came with "Connection: close" (none expected)
         self._stop = threading.Event()
@@ -437,6 +442,7 @@ class Load:
             next_at = max(next_at + self.interval, time.monotonic() - self.interval)
             if (pause := next_at - time.monotonic()) > 0:
                 self._stop.wait(pause)
+            sent_at = time.monotonic()
             try:
                 connection.request("POST", path, body=INFER_BODY, headers=headers)
                 response = connection.getresponse()
@@ -456,6 +462,7 @@ class Load:
                 self.statuses[status] += 1
                 if status != 200:
                     self.failures.append(f"{status}: {raw[:200]!r}")
+                    self.failed_sent_at.append(sent_at)
                 else:
                     self.outputs[json.loads(raw)["outputs"][0]["data"][0]] += 1
         connection.close()

@@ -6,62 +6,123 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('fleet', '0004_name_help_without_queue'),
-        ('teams', '0006_team_quota_model_instances'),
+        ("fleet", "0004_name_help_without_queue"),
+        ("teams", "0006_team_quota_model_instances"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='host',
-            name='cordoned_at',
-            field=models.DateTimeField(blank=True, help_text='Set: no new replicas here.', null=True),
+            model_name="host",
+            name="cordoned_at",
+            field=models.DateTimeField(blank=True, help_text="Set: no new replicas here.", null=True),
         ),
         migrations.AddField(
-            model_name='host',
-            name='draining_at',
-            field=models.DateTimeField(blank=True, help_text='Set: its replicas move elsewhere, one at a time.', null=True),
+            model_name="host",
+            name="draining_at",
+            field=models.DateTimeField(
+                blank=True, help_text="Set: its replicas move elsewhere, one at a time.", null=True
+            ),
         ),
         migrations.AddField(
-            model_name='host',
-            name='port_range_first',
+            model_name="host",
+            name="port_range_first",
             field=models.PositiveIntegerField(blank=True, editable=False, null=True),
         ),
         migrations.AddField(
-            model_name='host',
-            name='port_range_last',
+            model_name="host",
+            name="port_range_last",
             field=models.PositiveIntegerField(blank=True, editable=False, null=True),
         ),
         migrations.AddField(
-            model_name='tritoninstance',
-            name='capacity_mb',
-            field=models.PositiveIntegerField(blank=True, help_text="Memory its models may use (NPU: HBM minus the reserve). Empty: its pool's CPU budget.", null=True),
+            model_name="tritoninstance",
+            name="capacity_mb",
+            field=models.PositiveIntegerField(
+                blank=True,
+                help_text="Memory its models may use (NPU: HBM minus the reserve). Empty: its pool's CPU budget.",
+                null=True,
+            ),
         ),
         migrations.AddField(
-            model_name='tritoninstance',
-            name='from_template',
+            model_name="tritoninstance",
+            name="from_template",
             field=models.BooleanField(default=False, editable=False),
         ),
         migrations.CreateModel(
-            name='Pool',
+            name="Pool",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=63, unique=True, validators=[django.core.validators.RegexValidator('^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$', "Use lowercase letters, digits and hyphens (it names the instances' users and directories).")])),
-                ('executor', models.CharField(choices=[('cpu', 'CPU (onnxruntime)'), ('npu', 'NPU (pyACL)')], default='cpu', max_length=10)),
-                ('devices_per_instance', models.PositiveSmallIntegerField(default=1, help_text='NPU pools: chips per instance (1: one instance per NPU).')),
-                ('memory_budget_mb', models.PositiveIntegerField(default=4096, help_text="CPU pools: the memory one instance's models may use.")),
-                ('hbm_reserve_mb', models.PositiveIntegerField(default=1024, help_text='NPU pools: HBM per chip kept free for the runtime.')),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('team', models.ForeignKey(blank=True, help_text='Empty: shared by all teams. Set: dedicated to this team.', null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='pools', to='teams.team')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "name",
+                    models.CharField(
+                        max_length=63,
+                        unique=True,
+                        validators=[
+                            django.core.validators.RegexValidator(
+                                "^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$",
+                                "Use lowercase letters, digits and hyphens (it names the instances' users and directories).",
+                            )
+                        ],
+                    ),
+                ),
+                (
+                    "executor",
+                    models.CharField(
+                        choices=[("cpu", "CPU (onnxruntime)"), ("npu", "NPU (pyACL)")],
+                        default="cpu",
+                        max_length=10,
+                    ),
+                ),
+                (
+                    "devices_per_instance",
+                    models.PositiveSmallIntegerField(
+                        default=1, help_text="NPU pools: chips per instance (1: one instance per NPU)."
+                    ),
+                ),
+                (
+                    "memory_budget_mb",
+                    models.PositiveIntegerField(
+                        default=4096, help_text="CPU pools: the memory one instance's models may use."
+                    ),
+                ),
+                (
+                    "hbm_reserve_mb",
+                    models.PositiveIntegerField(
+                        default=1024, help_text="NPU pools: HBM per chip kept free for the runtime."
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "team",
+                    models.ForeignKey(
+                        blank=True,
+                        help_text="Empty: shared by all teams. Set: dedicated to this team.",
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="pools",
+                        to="teams.team",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.AddField(
-            model_name='host',
-            name='pool',
-            field=models.ForeignKey(blank=True, editable=False, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='hosts', to='fleet.pool'),
+            model_name="host",
+            name="pool",
+            field=models.ForeignKey(
+                blank=True,
+                editable=False,
+                null=True,
+                on_delete=django.db.models.deletion.SET_NULL,
+                related_name="hosts",
+                to="fleet.pool",
+            ),
         ),
     ]

@@ -4,20 +4,23 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('registry', '0004_version_archive_note_tags'),
+        ("registry", "0004_version_archive_note_tags"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='modelversion',
-            name='footprint_mb',
-            field=models.PositiveIntegerField(blank=True, help_text='Memory one loaded copy uses, as an agent measured it when it first loaded it.', null=True),
+            model_name="modelversion",
+            name="footprint_mb",
+            field=models.PositiveIntegerField(
+                blank=True,
+                help_text="Memory one loaded copy uses, as an agent measured it when it first loaded it.",
+                null=True,
+            ),
         ),
         migrations.AddField(
-            model_name='modelversion',
-            name='footprint_measured_at',
+            model_name="modelversion",
+            name="footprint_measured_at",
             field=models.DateTimeField(blank=True, null=True),
         ),
     ]
