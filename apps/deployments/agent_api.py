@@ -22,7 +22,7 @@ from django.db.models import Q
 from django.http import FileResponse, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET, require_POST
 
-from apps.deployments import ensembles, healing, reports
+from apps.deployments import autoscaling, ensembles, healing, reports
 from apps.deployments.models import (
     Deployment,
     DeploymentInstance,
@@ -247,6 +247,8 @@ def placement_report(request, placement_id: int):
         )
         if accepted and report.footprint_mb is not None:
             reports.footprint_measured(version.pk, report.footprint_mb)
+        if accepted and report.timings and "cold" in (deployment.scaling_memory or {}):
+            autoscaling.note_loaded(deployment.pk, report.timings)
     elif result == PlacementResult.FAILED:
         accepted = reports.placement_failed(
             placement.pk, generation, err, version=version, still_serving=still, message=message

@@ -91,6 +91,9 @@ class Deployment(models.Model):
     last_cold_start_ms = models.PositiveIntegerField(
         null=True, blank=True, help_text="How long the gateway held the request that woke it last."
     )
+    last_cold_start = models.JSONField(
+        default=dict, blank=True, help_text="Where the last cold start's time went, hop by hop (ms)."
+    )
     scaling_memory = models.JSONField(default=dict, blank=True, help_text="The autoscaler's last figures.")
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
