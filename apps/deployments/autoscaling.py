@@ -332,15 +332,18 @@ def wake(deployment_id: int, now: float | None = None, held_at_ms: int | None = 
     return True
 
 
-def note_loaded(deployment_id: int, timings: dict[str, int], now: float | None = None) -> None:
-    """An agent reported a version loaded, with its steps' times: part of a cold start being timed, if any."""
+def note_loaded(
+    deployment_id: int, timings: dict[str, int], arrived_at: float, now: float | None = None
+) -> None:
+    """An agent's report that a version loaded, with its steps' times, arrived at ``arrived_at`` and was
+    recorded: part of a cold start being timed, if any."""
     now = time.time() if now is None else now
     with transaction.atomic():
         deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
         marks = (deployment.scaling_memory or {}).get("cold") if deployment is not None else None
         if not isinstance(marks, dict) or "reported_at" in marks:
             return  # not woken (a deploy, a scale-up), or another replica reported first
-        marks.update(reported_at=round(now * 1000), timings=dict(timings))
+        marks.update(arrived_at=round(arrived_at * 1000), reported_at=round(now * 1000), timings=dict(timings))
         deployment.save(update_fields=["scaling_memory"])
 
 

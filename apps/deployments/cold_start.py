@@ -6,13 +6,15 @@ gateway records the release (``apps.deployments.autoscaling.record_cold_start``)
 * the gateway's Lua action writes when it began holding the request (``held_at``, epoch ms) with its wake-up
   signal, and how long it held it (``held_ms``) once the request went on;
 * the platform notes when it saw the signal and placed the replica (``wake``: ``signal_at``, ``placed_at``)
-  and when the agent's report that the version loaded arrived (``reported_at``);
+  and when the agent's report that the version loaded arrived and was recorded (``arrived_at``,
+  ``reported_at``);
 * the agent reports its own steps (``hostagent.protocol.LOAD_TIMINGS``): queued, files, Triton's load, the
   footprint and smoke inference, and the total from having the decision to sending the report;
 * the gateway notes when it put the deployment's first server into rotation (``routed_at``).
 
 The agent's steps are durations on its own clock: when it received the decision is the report's arrival less
-its total, never a comparison of two machines' clocks. Pure functions; the figures are stored by
+its total (the report's transit is taken as nil), never a comparison of two machines' clocks. The "reported"
+hop is the agent's time outside its steps (its "started" report) plus the platform's recording of the report. Pure functions; the figures are stored by
 ``autoscaling`` with the deployment's cold-start figure.
 """
 
@@ -48,17 +50,18 @@ def breakdown(marks: dict, held_ms: int, routed_at_ms: float | None = None) -> d
     held_at = marks.get("held_at")
     released_at = held_at + held_ms if held_at is not None else None
     timings = marks.get("timings") or {}
-    reported_at = marks.get("reported_at")
-    received_at = (
-        reported_at - timings["total_ms"] if reported_at is not None and "total_ms" in timings else None
-    )
-    agent_steps = sum(timings.get(step, 0) for step in AGENT_STEPS)
+    arrived_at, reported_at = marks.get("arrived_at"), marks.get("reported_at")
+    total = timings.get("total_ms")
+    received_at = arrived_at - total if arrived_at is not None and total is not None else None
+    agent_rest = total - sum(timings.get(step, 0) for step in AGENT_STEPS) if total is not None else None
     hops = {
         "signal_ms": _between(marks.get("signal_at"), held_at),
         "placed_ms": _between(marks.get("placed_at"), marks.get("signal_at")),
         "received_ms": _between(received_at, marks.get("placed_at")),
         **{step: timings.get(step) for step in AGENT_STEPS},
-        "reported_ms": _between(reported_at, received_at + agent_steps if received_at is not None else None),
+        "reported_ms": _between(reported_at + agent_rest, arrived_at)
+        if None not in (reported_at, agent_rest, arrived_at)
+        else None,
         "routed_ms": _between(routed_at_ms, reported_at),
         "released_ms": _between(released_at, routed_at_ms if routed_at_ms else None),
         "held_ms": max(0, int(held_ms)),
