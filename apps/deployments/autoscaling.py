@@ -343,7 +343,9 @@ def note_loaded(
         marks = (deployment.scaling_memory or {}).get("cold") if deployment is not None else None
         if not isinstance(marks, dict) or "reported_at" in marks:
             return  # not woken (a deploy, a scale-up), or another replica reported first
-        marks.update(arrived_at=round(arrived_at * 1000), reported_at=round(now * 1000), timings=dict(timings))
+        marks.update(
+            arrived_at=round(arrived_at * 1000), reported_at=round(now * 1000), timings=dict(timings)
+        )
         deployment.save(update_fields=["scaling_memory"])
 
 

@@ -47,8 +47,9 @@ def test_a_hop_whose_ends_are_unknown_is_left_out():
 
 @pytest.mark.django_db
 def test_a_wake_up_is_timed_from_the_held_request_to_its_release_and_stored_on_the_deployment(
-    owner, scheduled
-):  # noqa: F811
+    owner,
+    scheduled,  # noqa: F811 - the fixture
+):
     deployment = scheduled
     autoscaling.configure(actor=owner, deployment=deployment, values={"min_replicas": 0, "max_replicas": 1})
     autoscaling.sleep(actor=owner, deployment=Deployment.objects.get(pk=deployment.pk))
