@@ -548,10 +548,9 @@ def main() -> int:
         wait(answered_once, 120, "the gateway to route (and wake) the first model")
         memory.peak_mib = idle_mib
         run = stream(gateway_port, token, slugs, "density", args, memory)
-        colds = [
-            e.details.get("held_ms", 0)
-            for e in DeploymentEvent.objects.filter(kind="cold_start", deployment__team=team)
-        ]
+        cold_events = list(DeploymentEvent.objects.filter(kind="cold_start", deployment__team=team))
+        colds = [e.details.get("held_ms", 0) for e in cold_events]
+        breakdowns = [e.details.get("hops") or {} for e in cold_events]
         figures["scale_to_zero"] = {
             "answered": run["answered"],
             "failed": run["failed"],
@@ -617,6 +616,7 @@ def main() -> int:
     print(f"cold start (held at the gateway, {s2z['activations']} activations, {s2z['evictions']} evictions): "
           f"p50 {s2z['cold_start_p50_ms']} ms  p99 {s2z['cold_start_p99_ms']} ms; "
           f"Triton's own load time {direct_load_ms:.0f} ms")  # fmt: skip
+    hops = print_hops(breakdowns, "  ")
     print(f"warm share: {s2z['warm_share'] * 100:.1f} % of answered requests; latency p50 {s2z['latency_p50_ms']} ms "
           f"p99 {s2z['latency_p99_ms']} ms")  # fmt: skip
     print(f"peak memory above idle: {s2z['peak_memory_mib']} MiB against a budget of {budget_mib} MiB "
@@ -638,6 +638,7 @@ def main() -> int:
         "warm_share": s2z["warm_share"],
         "peak_memory_mib": s2z["peak_memory_mib"],
         "budget_mib": budget_mib,
+        "hops": hops,
         **({"pinned": figures["pinned"]} if "pinned" in figures else {}),
     }
     if args.json:
