@@ -71,6 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--direct-loads", type=int, default=3, help="loads timed on the separate tritonserver"
     )
     parser.add_argument("--json", default="", help="write the figures to this file")
+    parser.add_argument(
+        "--single", action="store_true",
+        help="one scale-to-zero MLP (the seed's) woken --wakeups times: each put to sleep, then called once",
+    )  # fmt: skip
+    parser.add_argument("--wakeups", type=int, default=20, help="--single: wake-ups timed")
     parser.add_argument("--database-url", default="", help="default: a scratch SQLite file")
     parser.add_argument(
         "--timeout", type=float, default=1800, help="the stream stops after this many seconds"
@@ -78,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # Smoke: 4 models in room for 2, a 1 s idle period - wakes, evictions, drains and the pinned run, briefly.
     return smoke.parse_args(
         parser, argv, models=4, hosts=2, resident=2, requests=12, rate=6, concurrency=4, idle_period=1,
-        timeout=240, direct_loads=1,
+        timeout=240, direct_loads=1, wakeups=3,
     )  # fmt: skip
 
 
@@ -221,8 +226,224 @@ def stream(port: int, token: str, slugs: list[str], team: str, args, memory: Mem
     return results
 
 
+# --- --single: one model's cold start, hop by hop -------------------------------------------------------------
+
+MLP_BODY = json.dumps(
+    {"inputs": [{"name": "input", "shape": [1, 256], "datatype": "FP32", "data": [0.5] * 256}]}
+).encode()
+# Triton 2.51's log: `I0213 10:11:12.345678 123 model_lifecycle.cc:472] "loading: team__model:1"`, then
+# `... successfully loaded 'team__model'`: Triton's own load time of each load of the model.
+_LOG_TIME = r"^[IWE]\d{4} (\d\d):(\d\d):(\d\d\.\d+) "
+
+
+def triton_loads_ms(log_text: str, name: str) -> list[float]:
+    """Every load of ``name`` in a tritonserver log: ``loading:`` -> ``successfully loaded``, in ms."""
+    loads, started = [], None
+    for line in log_text.splitlines():
+        match = re.match(_LOG_TIME, line)
+        if match is None:
+            continue
+        at = int(match.group(1)) * 3600 + int(match.group(2)) * 60 + float(match.group(3))
+        if f"loading: {name}:" in line:
+            started = at
+        elif f"successfully loaded '{name}'" in line and started is not None:
+            loads.append(((at - started) % 86400) * 1000)
+            started = None
+    return loads
+
+
+def single_mlp_version(team, owner, scratch: Path):
+    from apps.registry.models import ModelVersion, RegisteredModel, SourceFormat, VersionState
+    from backend_ge.convert import prepare_onnx
+    from backend_ge.examples import build_mlp
+
+    model = RegisteredModel.objects.create(team=team, name="mlp", slug="mlp", created_by=owner)
+    version = ModelVersion.objects.create(
+        model=model, number=1, state=VersionState.CONVERTING, source_format=SourceFormat.ONNX
+    )
+    source = scratch / "mlp.onnx"
+    source.write_bytes(build_mlp().SerializeToString())
+    prepared = prepare_onnx(source, version.servable_dir() / "1", name=model.triton_model_name())
+    version.signature = prepared.signature.to_dict()
+    version.config_text = (version.servable_dir() / "config.pbtxt").read_text()
+    version.state = VersionState.READY
+    version.save()
+    return version
+
+
+def print_hops(breakdowns: list[dict], indent: str = "") -> dict:
+    """p50/p99 of each hop of the cold starts' breakdowns (``apps.deployments.cold_start``); the figures."""
+    try:
+        from apps.deployments.cold_start import HOPS
+    except ImportError:  # a platform without the breakdown
+        return {}
+    out = {}
+    for hop, label in HOPS:
+        values = [b[hop] for b in breakdowns if isinstance(b.get(hop), int | float)]
+        if values:
+            out[hop] = {"p50": round(percentile(values, 0.5), 1), "p99": round(percentile(values, 0.99), 1)}
+            print(
+                f"{indent}{label:<44} p50 {out[hop]['p50']:>7} ms  p99 {out[hop]['p99']:>7} ms  ({len(values)})"
+            )
+    return out
+
+
+def single(args: argparse.Namespace) -> int:
+    """``--single``: the seed's MLP deployed with scale to zero on one CPU instance, put to sleep and called
+    ``--wakeups`` times. Prints the first answer's latency (the client's clock) beside Triton's own load time of
+    the same loads (its log), and each hop's p50/p99."""
+    scratch = setup_environment(args, "density-single")
+    from django.contrib.auth import get_user_model
+
+    from apps.deployments import autoscaling, services
+    from apps.deployments.models import Deployment, DeploymentState, PlacementState
+    from apps.fleet import services as fleet
+    from apps.fleet.models import Host, InstanceState, Pool, TritonInstance
+    from apps.teams import services as teams
+
+    owner = get_user_model().objects.create_user("single", password="single-password")
+    team = teams.create_team(actor=owner, name="Single", slug="single")
+    team.quota_requests_per_second = 1_000_000
+    team.save()
+    pool = Pool.objects.create(name="cpu", memory_budget_mb=4096)
+    version = single_mlp_version(team, owner, scratch)
+    name = version.model.triton_model_name()
+    fleet_root = scratch / "fleet"
+    bench = Processes(scratch)
+    latencies, breakdowns, loads = [], [], []
+    try:
+        web_port = bench.web()
+        host, join = fleet.create_host(actor=None, name="single-0", address="127.0.0.1")
+        Host.objects.filter(pk=host.pk).update(pool=pool)
+        fleet.create_instance(actor=None, host=host, name="cpu-0", http_port=free_port(), grpc_port=free_port(),
+                              metrics_port=free_port())  # fmt: skip
+        bench.agent(0, web_port, join, fleet_root)
+        wait(lambda: TritonInstance.objects.filter(host__pool=pool, state=InstanceState.READY).exists(), 240,
+             "the instance")  # fmt: skip
+        d = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
+        wait(
+            lambda: Deployment.objects.filter(pk=d.pk, state=DeploymentState.SERVING).exists(), 120, "SERVING"
+        )
+        # A long idle period: the wake-ups and sleeps are this script's, not the autoscaler's (not run here).
+        policy = {"min_replicas": 0, "max_replicas": 1, "scale_down_window_s": 0, "idle_period_s": 3600}
+        autoscaling.configure(actor=owner, deployment=d, values=policy)
+        bench.gateway()
+        _, token = teams.create_token(actor=owner, team=team, name="single")
+        port = int(os.environ["GATEWAY_BIND"].rsplit(":", 1)[1])
+
+        def call() -> tuple[int, float]:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            sent = time.perf_counter()
+            try:
+                connection.request("POST", f"/v2/models/{name}/infer", body=MLP_BODY, headers={
+                    "Content-Type": "application/json", "Authorization": f"Bearer {token}"})  # fmt: skip
+                response = connection.getresponse()
+                response.read()
+                return response.status, (time.perf_counter() - sent) * 1000
+            except OSError:
+                return 0, 0.0
+            finally:
+                connection.close()
+
+        wait(lambda: call()[0] == 200, 120, "the gateway to route the model")
+        log_path = next(fleet_root.glob("**/tritonserver.log"))
+        for _ in range(args.wakeups):
+            autoscaling.sleep(actor=owner, deployment=Deployment.objects.get(pk=d.pk))
+            wait(lambda: not d.placements.exclude(state=PlacementState.UNLOADED).exists(), 60, "the unload")
+            recorded = d.events.filter(kind="cold_start").count()
+            loads_before = len(triton_loads_ms(log_path.read_text(errors="replace"), name))
+            status, ms = call()
+            if status != 200:
+                raise SystemExit(f"a woken call answered {status}; see {scratch / 'logs'}")
+            latencies.append(ms)
+            # The gateway records the cold start when it next reads its maps (within a poll).
+            event = wait(lambda n=recorded: d.events.filter(kind="cold_start").order_by("pk")[n:].first(), 10,
+                         "the cold start's record")  # fmt: skip
+            breakdowns.append(event.details.get("hops") or {})
+            new = triton_loads_ms(log_path.read_text(errors="replace"), name)[loads_before:]
+            loads.extend(new[-1:])
+    finally:
+        bench.stop()
+    cold_p50, load_p50 = percentile(latencies, 0.5), percentile(loads, 0.5)
+    print(
+        f"\nSingle cold start: the seed's MLP ({name}), {len(latencies)} wake-ups, each put to sleep then called once"
+    )
+    print(f"first answer (client)  p50 {cold_p50:.0f} ms  p99 {percentile(latencies, 0.99):.0f} ms")
+    print(
+        f"Triton's own load      p50 {load_p50:.0f} ms  p99 {percentile(loads, 0.99):.0f} ms  (same loads, its log)"
+    )
+    print(f"platform's share       p50 {cold_p50 - load_p50:.0f} ms  (target: first answer <= load + 300 ms)")
+    hops = print_hops(breakdowns, "  ")
+    result = {
+        "wakeups": len(latencies),
+        "cold_start_p50_ms": round(cold_p50, 1),
+        "cold_start_p99_ms": round(percentile(latencies, 0.99), 1),
+        "triton_load_p50_ms": round(load_p50, 1),
+        "triton_load_p99_ms": round(percentile(loads, 0.99), 1),
+        "hops": hops,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result))
+    return 0
+
+
+class Processes:
+    """The servers a run starts (web, agents, gateway), each in a session of its own, logged under
+    ``<scratch>/logs``; ``stop`` ends them."""
+
+    def __init__(self, scratch: Path) -> None:
+        self.env = dict(os.environ)
+        self.logs = scratch / "logs"
+        self.logs.mkdir(exist_ok=True)
+        self.scratch = scratch
+        self.children: list[subprocess.Popen] = []
+
+    def spawn(self, name: str, argv: list[str], extra: dict | None = None, drop: tuple = ()) -> None:
+        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - the child writes to it
+        env = {k: v for k, v in {**self.env, **(extra or {})}.items() if k not in drop}
+        self.children.append(subprocess.Popen(
+            [sys.executable, *argv], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        ))  # fmt: skip
+
+    def web(self) -> int:
+        port = free_port()
+        self.spawn("web", ["manage.py", "runserver", f"127.0.0.1:{port}", "--noreload"])
+        wait(lambda: port_open(port), 60, "the web server")
+        return port
+
+    def agent(self, index: int, web_port: int, join: str, fleet_root: Path) -> None:
+        var = self.scratch / f"agent-{index}"
+        var.mkdir()
+        extra = {
+            "VAR_DIR": str(var),
+            "ARTIFACT_ROOT": str(var / "none"),
+            "FLEET_ROOT": str(fleet_root / str(index)),
+        }
+        self.spawn(f"agent-{index}", ["-m", "hostagent", "--platform", f"http://127.0.0.1:{web_port}",
+                                      "--join-token", join, "--credential-file", str(var / "credential")],
+                   extra, drop=("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"))  # fmt: skip
+
+    def gateway(self) -> None:
+        self.spawn("gateway", ["manage.py", "gateway"])
+
+    def stop(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.terminate()
+        for child in self.children:
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
 def main() -> int:
     args = parse_args()
+    if args.single:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        return single(args)
     # A stopped run stops its servers (the ``finally`` below), as deploy.py does.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.resident % args.hosts:
@@ -238,7 +459,6 @@ def main() -> int:
     from apps.gateway import autoscaling as gateway_autoscaling
     from apps.teams import services as teams
 
-    env = dict(os.environ)
     owner = get_user_model().objects.create_user("density", password="density-password")
     team = teams.create_team(actor=owner, name="Density", slug="density")
     team.quota_requests_per_second = 1_000_000
@@ -253,19 +473,9 @@ def main() -> int:
         version.save(update_fields=["footprint_mb"])
     direct_load_ms = direct_load_seconds(versions[0], scratch, args.direct_loads) * 1000
 
-    web_port = free_port()
-    processes: list[subprocess.Popen] = []
-    logs = scratch / "logs"
-    logs.mkdir()
+    bench = Processes(scratch)
+    env = bench.env
     fleet_root = scratch / "fleet"
-
-    def spawn(name: str, argv: list[str], extra: dict | None = None, drop: tuple = ()) -> None:
-        log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - the child writes to it
-        child_env = {k: v for k, v in {**env, **(extra or {})}.items() if k not in drop}
-        processes.append(subprocess.Popen(
-            [sys.executable, *argv], cwd=ROOT, env=child_env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        ))  # fmt: skip
 
     beat_stop = threading.Event()
 
@@ -287,21 +497,14 @@ def main() -> int:
     memory = Memory(fleet_root)
     figures: dict = {}
     try:
-        spawn("web", ["manage.py", "runserver", f"127.0.0.1:{web_port}", "--noreload"])
-        wait(lambda: port_open(web_port), 60, "the web server")
+        web_port = bench.web()
         for index in range(args.hosts):
             host, join = fleet.create_host(actor=None, name=f"density-{index}", address="127.0.0.1")
             Host.objects.filter(pk=host.pk).update(pool=pool)
             ports = free_port(), free_port(), free_port()
             fleet.create_instance(actor=None, host=host, name="cpu-0", http_port=ports[0], grpc_port=ports[1],
                                   metrics_port=ports[2])  # fmt: skip
-            agent_var = scratch / f"agent-{index}"
-            agent_var.mkdir()
-            agent_env = {"VAR_DIR": str(agent_var), "ARTIFACT_ROOT": str(agent_var / "none"),
-                         "FLEET_ROOT": str(fleet_root / str(index))}  # fmt: skip
-            spawn(f"agent-{index}", ["-m", "hostagent", "--platform", f"http://127.0.0.1:{web_port}",
-                                     "--join-token", join, "--credential-file", str(agent_var / "credential")],
-                  agent_env, drop=("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"))  # fmt: skip
+            bench.agent(index, web_port, join, fleet_root)
         wait(
             lambda: TritonInstance.objects.filter(host__pool=pool, state=InstanceState.READY).count() == args.hosts,
             240,
@@ -327,7 +530,7 @@ def main() -> int:
             autoscaling.configure(actor=owner, deployment=d, values=policy)
             deployments.append(autoscaling.sleep(actor=owner, deployment=d))
         deploy_s = time.monotonic() - started
-        spawn("gateway", ["manage.py", "gateway"])
+        bench.gateway()
         _, token = teams.create_token(actor=owner, team=team, name="density")
         gateway_port = int(env["GATEWAY_BIND"].rsplit(":", 1)[1])
         beat_thread.start()
@@ -345,10 +548,9 @@ def main() -> int:
         wait(answered_once, 120, "the gateway to route (and wake) the first model")
         memory.peak_mib = idle_mib
         run = stream(gateway_port, token, slugs, "density", args, memory)
-        colds = [
-            e.details.get("held_ms", 0)
-            for e in DeploymentEvent.objects.filter(kind="cold_start", deployment__team=team)
-        ]
+        cold_events = list(DeploymentEvent.objects.filter(kind="cold_start", deployment__team=team))
+        colds = [e.details.get("held_ms", 0) for e in cold_events]
+        breakdowns = [e.details.get("hops") or {} for e in cold_events]
         figures["scale_to_zero"] = {
             "answered": run["answered"],
             "failed": run["failed"],
@@ -394,14 +596,7 @@ def main() -> int:
     finally:
         beat_stop.set()
         memory.stop()
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in processes:
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        bench.stop()
 
     budget_mib = budget_per_instance * args.hosts
     s2z = figures["scale_to_zero"]
@@ -421,6 +616,7 @@ def main() -> int:
     print(f"cold start (held at the gateway, {s2z['activations']} activations, {s2z['evictions']} evictions): "
           f"p50 {s2z['cold_start_p50_ms']} ms  p99 {s2z['cold_start_p99_ms']} ms; "
           f"Triton's own load time {direct_load_ms:.0f} ms")  # fmt: skip
+    hops = print_hops(breakdowns, "  ")
     print(f"warm share: {s2z['warm_share'] * 100:.1f} % of answered requests; latency p50 {s2z['latency_p50_ms']} ms "
           f"p99 {s2z['latency_p99_ms']} ms")  # fmt: skip
     print(f"peak memory above idle: {s2z['peak_memory_mib']} MiB against a budget of {budget_mib} MiB "
@@ -442,6 +638,7 @@ def main() -> int:
         "warm_share": s2z["warm_share"],
         "peak_memory_mib": s2z["peak_memory_mib"],
         "budget_mib": budget_mib,
+        "hops": hops,
         **({"pinned": figures["pinned"]} if "pinned" in figures else {}),
     }
     if args.json:

@@ -351,6 +351,20 @@ class DesiredState:
     placements: dict[int, PlacementSpec] = field(default_factory=dict)
     versions: dict[int, VersionSpec] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # placement -> (generation, monotonic time this agent first had that decision): a load's queued time.
+    seen: dict[int, tuple[int, float]] = field(default_factory=dict)
+
+    def seen_at(self, placement_id: int, generation: int) -> float | None:
+        with self.lock:
+            seen = self.seen.get(placement_id)
+        return seen[1] if seen is not None and seen[0] == generation else None
+
+    def _note_seen(self) -> None:
+        now = time.monotonic()
+        self.seen = {
+            pk: self.seen[pk] if self.seen.get(pk, (None,))[0] == p.generation else (p.generation, now)
+            for pk, p in self.placements.items()
+        }
 
     def replace(self, raw: dict) -> None:
         versions = {
@@ -387,6 +401,7 @@ class DesiredState:
                 ):
                     fresh[pk] = local
             self.placements = fresh
+            self._note_seen()
 
     def update_placement(self, entry: dict | None, placement_id: int) -> None:
         with self.lock:

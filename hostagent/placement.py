@@ -197,6 +197,7 @@ def _apply_locked(
         return
     if _waits_for_steps(agent, proc, placement, target):
         return
+    began = time.monotonic()
     if not agent.reports.placement_started(placement.pk, generation):
         return
     served = current if current and server.is_model_ready(name, str(current.number)) else None
@@ -207,8 +208,9 @@ def _apply_locked(
         and placement.canary_version_id == target.pk
         and server.is_model_ready(name, str(target.number))
     )
+    timings: dict[str, int] = {}
     try:
-        measured = switch_version(agent, proc, name, served, target, tested=tested)
+        measured = switch_version(agent, proc, name, served, target, tested=tested, timings=timings)
     except (TritonError, RepositoryError, SmokeTestError, OSError) as exc:
         message = public_error(exc)
         # Report what Triton really serves after the failure, not what it served before. Re-applying the
@@ -226,13 +228,22 @@ def _apply_locked(
         )
         return
     _forget_failed_loads(agent, name)
+    if timings:
+        seen = agent.desired.seen_at(placement.pk, generation) or began
+        timings["queued_ms"] = _ms(began - seen)
+        timings["total_ms"] = _ms(time.monotonic() - seen)
     agent.reports.placement_loaded(
         placement.pk,
         generation,
         target,
         message=f"{placement.instance} serves {target}",
         footprint_mb=measured,
+        timings=timings or None,
     )
+
+
+def _ms(seconds: float) -> int:
+    return max(0, round(seconds * 1000))
 
 
 def steps_not_ready(server: TritonServer, version: VersionSpec) -> list[str]:
@@ -423,23 +434,32 @@ def switch_version(
     target: VersionSpec,
     *,
     tested: bool = False,
+    timings: dict[str, int] | None = None,
 ) -> int | None:
     """Candidate load + smoke test, then old+new, then new only. Leaves the old version serving on failure.
     Returns the target's footprint when it was measured (it loaded alone: a first deploy or a candidate).
 
     A first deploy (nothing served under ``name`` yet) has no traffic to protect: it loads under the served name
-    directly and is smoke-tested there, which halves the cost of deploying many models.
+    directly and is smoke-tested there, which halves the cost of deploying many models. Its steps' times go
+    into ``timings`` (``hostagent.protocol.LOAD_TIMINGS``): a scale-to-zero wake-up is such a load.
     """
     server = proc.server
     measured = None
+    timings = {} if timings is None else timings
     if current is None:
         try:
+            mark_s = time.monotonic()
             _materialize(agent, proc, name, [target])
+            files_s = time.monotonic()
             meter, mark = _meter(agent, proc, name), proc.loads.mark()
             _load(proc, name)
             _wait_model_ready(server, name, target.number)
+            loaded_s = time.monotonic()
             measured = meter.finish(proc.loads.alone_since(mark)) if meter else None
             smoke_test(server, name, target)
+            timings["files_ms"] = _ms(files_s - mark_s)
+            timings["load_ms"] = _ms(loaded_s - files_s)
+            timings["smoke_ms"] = _ms(time.monotonic() - loaded_s)
         except BaseException:
             try:
                 server.unload_model(name)

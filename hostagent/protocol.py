@@ -348,6 +348,9 @@ class PlacementReport:
     # With a first ``loaded``: the memory the version took when it loaded (CPU: the stub's PSS plus
     # Triton's growth; NPU: HBM used after minus before), for the scheduler's capacity accounting.
     footprint_mb: int | None = None
+    # With a ``loaded`` that loaded the version: where the agent's time went (``LOAD_TIMINGS``, ms), so the
+    # platform can break a cold start down hop by hop. Optional: an agent that sends none is still understood.
+    timings: dict[str, int] | None = None
 
     def body(self) -> dict:
         """The JSON body the agent sends (checked again by ``check_placement_report`` on the platform)."""
@@ -365,6 +368,8 @@ class PlacementReport:
             body["reloading"] = self.reloading
         if self.footprint_mb is not None:
             body["footprint_mb"] = self.footprint_mb
+        if self.timings:
+            body["timings"] = dict(self.timings)
         return body
 
 
@@ -379,7 +384,13 @@ PLACEMENT_REPORT_FIELDS = {
     "kind",
     "reloading",
     "footprint_mb",
+    "timings",
 }
+# An agent's load, step by step (ms): from the moment it had the decision (its desired state held it) to
+# starting it, the version's files written into the instance's repository (downloaded first if not cached),
+# Triton's load until the version is ready, the smoke inference, and the whole until the report was sent.
+LOAD_TIMINGS = ("queued_ms", "files_ms", "load_ms", "smoke_ms", "total_ms")
+MAX_TIMING_MS = 86_400_000
 MAX_FOOTPRINT_MB = 1024 * 1024  # 1 TiB: more than any device holds
 
 
@@ -412,8 +423,22 @@ def check_placement_report(body) -> PlacementReport:
         footprint_mb=None
         if body.get("footprint_mb") is None
         else _int(body["footprint_mb"], "footprint_mb", 1, MAX_FOOTPRINT_MB),
+        timings=check_timings(body.get("timings")),
         **ids,
     )
+
+
+def check_timings(raw) -> dict[str, int] | None:
+    """A load's timings: an object of ``LOAD_TIMINGS`` keys to whole milliseconds (any subset), or null."""
+    if raw is None:
+        return None
+    raw = _object(raw, "timings")
+    unknown = sorted(set(raw) - set(LOAD_TIMINGS))
+    if unknown:
+        raise ProtocolError(
+            f"unknown timing(s) {', '.join(map(repr, unknown))}; 'timings' may hold {', '.join(LOAD_TIMINGS)}."
+        )
+    return {key: _int(value, f"timings.{key}", 0, MAX_TIMING_MS) for key, value in raw.items()}
 
 
 # -- platform -> agent -------------------------------------------------------------------------------------

@@ -53,6 +53,7 @@ class Reports:
         message: str = "",
         canary: VersionSpec | None = None,
         footprint_mb: int | None = None,
+        timings: dict[str, int] | None = None,
     ) -> bool:
         report = PlacementReport(
             generation,
@@ -62,6 +63,7 @@ class Reports:
             kind=kind,
             message=message,
             footprint_mb=footprint_mb,
+            timings=timings,
         )
         return self._send(placement_id, report)
 

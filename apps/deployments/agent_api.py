@@ -16,13 +16,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 from django.db.models import Q
 from django.http import FileResponse, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET, require_POST
 
-from apps.deployments import ensembles, healing, reports
+from apps.deployments import autoscaling, ensembles, healing, reports
 from apps.deployments.models import (
     Deployment,
     DeploymentInstance,
@@ -222,6 +223,7 @@ def _public(text: str) -> str:
 def placement_report(request, placement_id: int):
     """Hand the agent's result to ``apps.deployments.reports``; answers whether it was accepted (a report
     for an older generation is not: a newer decision was made) and the placement as it is now."""
+    arrived = time.time()  # a cold start's breakdown: when the agent's report reached the platform
     placement = (
         DeploymentInstance.objects.filter(pk=placement_id, instance__host=request.host)
         .select_related("deployment__model")
@@ -247,6 +249,8 @@ def placement_report(request, placement_id: int):
         )
         if accepted and report.footprint_mb is not None:
             reports.footprint_measured(version.pk, report.footprint_mb)
+        if accepted and report.timings and "cold" in (deployment.scaling_memory or {}):
+            autoscaling.note_loaded(deployment.pk, report.timings, arrived_at=arrived)
     elif result == PlacementResult.FAILED:
         accepted = reports.placement_failed(
             placement.pk, generation, err, version=version, still_serving=still, message=message

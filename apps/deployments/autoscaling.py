@@ -34,7 +34,7 @@ from django.db import transaction
 from django.db.models import Q
 
 from apps.audit.services import record
-from apps.deployments import scheduler
+from apps.deployments import cold_start, scheduler
 from apps.deployments.models import (
     ACTIVE_STATES,
     Deployment,
@@ -243,6 +243,8 @@ def _apply(deployment: Deployment, observation: Observation) -> str:
     saved = decision.memory.dump()
     saved["figures"] = {**figures, "at": observation.at, "replicas": current}
     saved["sampled"] = deployment.scaling_memory.get("sampled")
+    if "cold" in deployment.scaling_memory:  # a cold start still being timed (``wake``)
+        saved["cold"] = deployment.scaling_memory["cold"]
     deployment.scaling_memory = saved
     fields = ["scaling_memory"]
     outcome = "unchanged"
@@ -295,9 +297,10 @@ def _sample(deployment: Deployment, at: float) -> None:
     deployment.scaling_memory["sampled"] = now
 
 
-def wake(deployment_id: int, now: float | None = None) -> bool:
-    """A request for a sleeping deployment is held at the gateway: place its replicas now. Returns whether
-    it was asleep (a second signal for the same wake-up changes nothing)."""
+def wake(deployment_id: int, now: float | None = None, held_at_ms: int | None = None) -> bool:
+    """A request for a sleeping deployment is held at the gateway (since ``held_at_ms``, epoch): place its
+    replicas now. Returns whether it was asleep (a second signal for the same wake-up changes nothing). The
+    cold start's first marks are kept in the scaling memory (``cold``) until the gateway records it."""
     now = time.time() if now is None else now
     with transaction.atomic():
         deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
@@ -320,22 +323,51 @@ def wake(deployment_id: int, now: float | None = None) -> bool:
             details={"to": wanted},
         )
         placed = scheduler.place_replicas(deployment, make_room=make_room)
+        marks = {"signal_at": round(now * 1000), "placed_at": round(time.time() * 1000)}
+        if held_at_ms is not None:
+            marks["held_at"] = held_at_ms
+        deployment.scaling_memory["cold"] = marks
+        deployment.save(update_fields=["scaling_memory"])
         transaction.on_commit(lambda: scheduler.enqueue(placed))
     return True
 
 
-def record_cold_start(deployment_id: int, held_ms: int) -> None:
-    """The gateway held the request that woke the deployment this long (its extra latency)."""
+def note_loaded(
+    deployment_id: int, timings: dict[str, int], arrived_at: float, now: float | None = None
+) -> None:
+    """An agent's report that a version loaded, with its steps' times, arrived at ``arrived_at`` and was
+    recorded: part of a cold start being timed, if any."""
+    now = time.time() if now is None else now
+    with transaction.atomic():
+        deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
+        marks = (deployment.scaling_memory or {}).get("cold") if deployment is not None else None
+        if not isinstance(marks, dict) or "reported_at" in marks:
+            return  # not woken (a deploy, a scale-up), or another replica reported first
+        marks.update(
+            arrived_at=round(arrived_at * 1000), reported_at=round(now * 1000), timings=dict(timings)
+        )
+        deployment.save(update_fields=["scaling_memory"])
+
+
+def record_cold_start(deployment_id: int, held_ms: int, routed_at_ms: float | None = None) -> None:
+    """The gateway held the request that woke the deployment this long (its extra latency); it routed the
+    deployment's first server at ``routed_at_ms`` (epoch, when known). Stores the breakdown
+    (``apps.deployments.cold_start``) beside the figure and on the event."""
     with transaction.atomic():
         deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
         if deployment is None:
             return
+        marks = deployment.scaling_memory.pop("cold", None)
+        hops = cold_start.breakdown(marks if isinstance(marks, dict) else {}, held_ms, routed_at_ms)
         deployment.last_cold_start_ms = max(0, int(held_ms))
-        deployment.save(update_fields=["last_cold_start_ms", "updated_at"])
+        deployment.last_cold_start = hops
+        deployment.save(
+            update_fields=["last_cold_start_ms", "last_cold_start", "scaling_memory", "updated_at"]
+        )
         deployment.events.create(
             kind="cold_start",
             message=f"the first request waited {held_ms / 1000:.1f} s at the gateway while a replica loaded",
-            details={"held_ms": held_ms},
+            details={"held_ms": held_ms, "hops": hops},
         )
 
 

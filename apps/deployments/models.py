@@ -9,6 +9,7 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from apps.deployments.cold_start import HOPS
 from apps.teams.models import TeamScopedQuerySet
 from hostagent import protocol
 
@@ -91,6 +92,9 @@ class Deployment(models.Model):
     last_cold_start_ms = models.PositiveIntegerField(
         null=True, blank=True, help_text="How long the gateway held the request that woke it last."
     )
+    last_cold_start = models.JSONField(
+        default=dict, blank=True, help_text="Where the last cold start's time went, hop by hop (ms)."
+    )
     scaling_memory = models.JSONField(default=dict, blank=True, help_text="The autoscaler's last figures.")
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
@@ -121,6 +125,11 @@ class Deployment(models.Model):
 
     def autoscaled(self) -> bool:
         return self.min_replicas is not None and not self.pinned
+
+    def cold_start_hops(self) -> list[tuple[str, int]]:
+        """The last cold start's breakdown as (what the hop is, ms), in order (``apps.deployments.cold_start``)."""
+        hops = self.last_cold_start or {}
+        return [(label, hops[key]) for key, label in HOPS if isinstance(hops.get(key), int)]
 
     def residency(self) -> str:
         """Whether its model is in memory now: "asleep" (scaled to zero; the next request wakes it),

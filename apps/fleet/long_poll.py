@@ -9,6 +9,12 @@ writer of ``desired_generation`` is covered without a trigger or a NOTIFY next t
 opens its connection for each sweep and closes it after: a process holds no idle connection for it, and a
 database restart costs one failed sweep.
 
+A change made on this machine does not wait for the next sweep: ``notify_hosts`` (after its commit) sends a
+datagram to every watcher's socket under ``<VAR_DIR>/long-poll/`` (``poke_watchers``), which sweeps at once -
+a scale-to-zero wake-up's placement reaches the agent's open poll in milliseconds, not up to 200 ms later. A
+watcher whose socket cannot be made (another machine, a path too long for a socket) still sweeps on its
+interval, as does every watcher for changes made elsewhere.
+
 A held poll pins a web server thread, so one process holds at most ``AGENT_LONG_POLL_MAX_WAITERS``; beyond
 that a poll is answered at once (the agent polls again after its interval, as a short poll). A process that is
 shutting down answers every held poll at once (``release_all``, from the gunicorn hooks in
@@ -17,10 +23,13 @@ shutting down answers every held poll at once (``release_all``, from the gunicor
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
+import socket
 import threading
-import time
+from pathlib import Path
 from urllib.parse import parse_qs
 
 from django.conf import settings
@@ -118,15 +127,23 @@ class GenerationWatcher:
         return len(waiters)
 
     def _run(self) -> None:
-        while True:
-            self._has_waiters.wait()
-            time.sleep(self.interval)
-            with self._lock:
-                waiters = list(self._waiters)
-                if not waiters:
-                    self._has_waiters.clear()
-                    continue
-            self.sweep(waiters)
+        poke = _poke_socket()
+        try:
+            while True:
+                self._has_waiters.wait()
+                _wait_for_poke(poke, self.interval)
+                self._sweep_waiting()
+        finally:
+            if poke is not None:
+                _close_poke_socket(poke)
+
+    def _sweep_waiting(self) -> None:
+        with self._lock:
+            waiters = list(self._waiters)
+            if not waiters:
+                self._has_waiters.clear()
+                return
+        self.sweep(waiters)
 
     def sweep(self, waiters: list[_Waiter]) -> None:
         """One query for every waiting host; wakes the waiters whose answer is no longer a 304."""
@@ -157,6 +174,71 @@ def generations(credential_hashes: set[str]) -> dict[str, int]:
         )
         found.update(rows)
     return found
+
+
+def poke_directory() -> Path:
+    return Path(settings.VAR_DIR) / "long-poll"
+
+
+def _poke_socket() -> socket.socket | None:
+    """This process's watcher socket (``<pid>.sock``), or None when it cannot be made (then: sweeps only)."""
+    directory = poke_directory()
+    path = directory / f"{os.getpid()}.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        sock.bind(str(path))
+    except OSError as exc:
+        log.info(
+            "long poll: no poke socket (%s); sweeping every %s ms", exc, settings.AGENT_LONG_POLL_WATCH_MS
+        )
+        sock.close()
+        return None
+    return sock
+
+
+def _close_poke_socket(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError, TypeError):
+        Path(sock.getsockname()).unlink(missing_ok=True)
+    sock.close()
+
+
+def _wait_for_poke(sock: socket.socket | None, interval: float) -> None:
+    """Until a poke arrives or ``interval`` passed; several pokes at once are one sweep."""
+    if sock is None:
+        threading.Event().wait(interval)
+        return
+    sock.settimeout(interval)
+    try:
+        sock.recv(16)
+        sock.setblocking(False)
+        while True:
+            sock.recv(16)
+    except (TimeoutError, BlockingIOError, InterruptedError):
+        pass
+
+
+def poke_watchers() -> int:
+    """Ask every watcher on this machine to sweep now (best effort); returns how many were reached. A socket
+    nobody listens on any more (its process ended) is removed."""
+    directory = poke_directory()
+    reached = 0
+    try:
+        paths = list(directory.glob("*.sock"))
+    except OSError:
+        return 0
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.setblocking(False)
+        for path in paths:
+            try:
+                sock.sendto(b"1", str(path))
+                reached += 1
+            except ConnectionRefusedError:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass  # its queue is full: a sweep is coming anyway
+    return reached
 
 
 _watcher: GenerationWatcher | None = None

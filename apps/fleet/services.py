@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from apps.audit.services import record
 from apps.fleet import pools
+from apps.fleet.long_poll import poke_watchers
 from apps.fleet.models import (
     CREDENTIAL_SCHEME,
     JOIN_TOKEN_SCHEME,
@@ -126,6 +127,8 @@ def notify_hosts(host_ids: Iterable[int]) -> None:
     ids = set(host_ids)
     if ids:
         Host.objects.filter(pk__in=ids).update(desired_generation=F("desired_generation") + 1)
+        # Their held polls answer after the commit, not at the watchers' next sweep.
+        transaction.on_commit(poke_watchers)
 
 
 def _check_ports_free(host: Host, ports: list[int], exclude_pk=None) -> None:

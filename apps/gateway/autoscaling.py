@@ -6,10 +6,12 @@
   counts), from HAProxy's Prometheus exporter (the ``slots.map`` beside it says which slot is whose). The
   count and the average time make the decision's load an average over the evaluation interval
   (``apps.deployments.scaling_policy.window_in_flight``), not the snapshot alone.
-* ``poll_wakeups``: ``wake.lua`` writes ``<d12> <epoch>`` into ``wakeups.map`` while it holds a request for a
-  sleeping deployment, and ``<d12> <ms>`` into ``coldstart.map`` once the request went on. The gateway
-  command reads both between syncs (every ``GATEWAY_WAKE_POLL_MS``), removes what it read and hands it to
-  ``apps.deployments.autoscaling``.
+* ``poll_wakeups``: ``wake.lua`` writes ``<d12> <epoch ms>`` into ``wakeups.map`` while it holds a request
+  for a sleeping deployment (when it began holding it), and ``<d12> <ms>`` into ``coldstart.map`` once the
+  request went on. The gateway command reads both at once when the Lua action connects to its wake socket,
+  and between syncs every ``GATEWAY_WAKE_POLL_MS`` in any case; it removes what it read and hands it to
+  ``apps.deployments.autoscaling``, with when it put each deployment's first server in rotation (the cold
+  start's breakdown, ``apps.deployments.cold_start``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import urllib.request
 
 from django.conf import settings
 
-from apps.deployments import autoscaling
+from apps.deployments import autoscaling, cold_start
 from apps.gateway.haproxy import AdminSocket, Options
 from apps.gateway.metrics import read_slot_owners
 
@@ -101,17 +103,21 @@ def parse_map(text: str) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in rows if m}
 
 
-def poll_wakeups(admin: AdminSocket, o: Options) -> int:
-    """Wake the deployments whose requests are held, record finished cold starts. Returns the wake-ups."""
+def poll_wakeups(
+    admin: AdminSocket, o: Options, routed_at: dict[int, float] | None = None, names=("wakeups", "coldstart")
+) -> int:
+    """Wake the deployments whose requests are held, record finished cold starts (``routed_at``: deployment
+    id -> epoch ms its first server entered the rotation). Returns the wake-ups."""
     woken = 0
-    for name in ("wakeups", "coldstart"):
+    for name in names:
         path = o.map_file(name)
         entries = parse_map(admin.ask(f"show map {path}"))
         for key, value in entries.items():
             admin.ask(f"del map {path} {key}")
             deployment_id = int(key[1:])
             if name == "wakeups":
-                woken += autoscaling.wake(deployment_id)
+                woken += autoscaling.wake(deployment_id, held_at_ms=cold_start.held_at_ms(value))
             else:
-                autoscaling.record_cold_start(deployment_id, value)
+                routed = (routed_at or {}).get(deployment_id)
+                autoscaling.record_cold_start(deployment_id, value, routed)
     return woken

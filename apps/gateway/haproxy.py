@@ -323,6 +323,7 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         f"    presetenv TGP_WAKEUPS_MAP {o.map_file('wakeups')}",
         f"    presetenv TGP_COLDSTART_MAP {o.map_file('coldstart')}",
         f"    presetenv TGP_WAKEFAIL_MAP {o.map_file('wakefail')}",
+        f"    presetenv TGP_WAKE_SOCKET unix@{o.wake_socket}",
         f"    lua-load '{WAKE_LUA_FILE}'",
         f"    presetenv TGP_INDEX_MAP {o.map_file('index')}",
         f"    lua-load '{INDEX_LUA_FILE}'",

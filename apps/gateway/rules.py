@@ -36,6 +36,11 @@ class Options:
         return self.directory / "admin.sock"
 
     @property
+    def wake_socket(self) -> Path:
+        """Where the gateway command listens for wake.lua's signals (a stream socket: Lua has no datagrams)."""
+        return self.directory / "wake.sock"
+
+    @property
     def config_file(self) -> Path:
         return self.directory / "haproxy.cfg"
 

@@ -19,6 +19,7 @@ of them holds a request.
 from __future__ import annotations
 
 import logging
+import selectors
 import shutil
 import socket
 import time
@@ -95,6 +96,9 @@ class Gateway:
         # Instances its health checks cannot reach (key -> reason), as last reported, and when.
         self.unreachable: dict[str, str] | None = None
         self.unreachable_at = 0.0
+        # Deployment id -> epoch ms a sync put its first server in rotation (a cold start's "routed" mark).
+        self.routed_at: dict[int, float] = {}
+        self._in_rotation: set[int] = set()
 
     def _assign(self, state: GatewayState, previous: Slots, unavailable: set[str]) -> Slots:
         return previous.assign(state.backends, unavailable, settings.GATEWAY_SLOT_CHUNK)
@@ -121,6 +125,7 @@ class Gateway:
         before = self.slots
         outcome = self._apply(state)
         self._remember_vacated(before)
+        self._note_rotation()
         self.report_routes()
         self.report_reachability()
         # After a reload an old worker may still hold requests this one cannot see: no confirmation until it
@@ -132,6 +137,16 @@ class Gateway:
             }
             draining.placements_drained(drained, "no request in flight at the gateway")
         return outcome
+
+    def _note_rotation(self) -> None:
+        if self.applied is None:
+            return
+        now_ms = time.time() * 1000
+        serving = {pk for pk, (_, servers) in self.applied.routed().items() if servers}
+        for pk in serving - self._in_rotation:
+            self.routed_at[pk] = now_ms
+        self._in_rotation = serving
+        self.routed_at = {pk: at for pk, at in self.routed_at.items() if pk in serving}
 
     def report_routes(self) -> None:
         """Tell the platform what HAProxy now routes (a deployment is SERVING once it is callable): on a
@@ -274,19 +289,47 @@ class Gateway:
             self.unreachable = None
 
 
+def _drain_datagrams(sock: socket.socket) -> None:
+    try:
+        while True:  # several pokes at once are one sync
+            sock.recv(64)
+    except (BlockingIOError, InterruptedError):
+        pass
+
+
+def _accept_all(listener: socket.socket) -> None:
+    """wake.lua's connections say only "read the wake-ups now" (the map holds what): accepted and closed."""
+    try:
+        while True:
+            connection, _ = listener.accept()
+            connection.close()
+    except (BlockingIOError, InterruptedError):
+        pass
+
+
 def run_gateway(stop, interval: float | None = None) -> None:
     """The gateway command's loop: start HAProxy, then sync on every poke or interval until ``stop`` is set."""
     interval = settings.GATEWAY_SYNC_INTERVAL_MS / 1000 if interval is None else interval
     gateway = Gateway()
     gateway.o.make_directory()
-    poke_path = poke_socket_path()
+    poke_path, wake_path = poke_socket_path(), gateway.o.wake_socket
     poke_path.unlink(missing_ok=True)
-    # Between syncs the loop wakes every GATEWAY_WAKE_POLL_MS to read the wake-ups of held requests (a
-    # sleeping model's first request waits for them), and syncs on a poke or once the interval has passed.
+    wake_path.unlink(missing_ok=True)
+    # Between syncs the loop reads the wake-ups of held requests (a sleeping model's first request waits for
+    # them) as soon as wake.lua connects to the wake socket, and every GATEWAY_WAKE_POLL_MS in any case; it
+    # syncs on a poke or once the interval has passed.
     step = min(interval, settings.GATEWAY_WAKE_POLL_MS / 1000)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as poke:
+    with (
+        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as poke,
+        socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake,
+        selectors.DefaultSelector() as selector,
+    ):
         poke.bind(str(poke_path))
-        poke.settimeout(step)
+        wake.bind(str(wake_path))
+        wake.listen(64)
+        for sock, name in ((poke, "poke"), (wake, "wake")):
+            sock.setblocking(False)
+            selector.register(sock, selectors.EVENT_READ, name)
         try:
             gateway.start()
             gateway.report_routes()
@@ -294,20 +337,16 @@ def run_gateway(stop, interval: float | None = None) -> None:
             next_sync = time.monotonic() + interval
             while not stop.is_set():
                 poked = False
-                try:
-                    poke.recv(64)
-                    poked = True
-                    while True:  # several pokes at once are one sync
-                        poke.setblocking(False)
-                        poke.recv(64)
-                except (TimeoutError, BlockingIOError, InterruptedError):
-                    pass
-                finally:
-                    poke.settimeout(step)
+                for key, _ in selector.select(timeout=step):
+                    if key.data == "poke":
+                        _drain_datagrams(poke)
+                        poked = True
+                    else:
+                        _accept_all(wake)
                 if stop.is_set():
                     break
                 try:
-                    poll_wakeups(gateway.process.admin, gateway.o)
+                    poll_wakeups(gateway.process.admin, gateway.o, gateway.routed_at)
                 except Exception:
                     log.exception("reading the gateway's wake-ups failed")
                 if not poked and time.monotonic() < next_sync:
@@ -326,3 +365,4 @@ def run_gateway(stop, interval: float | None = None) -> None:
         finally:
             gateway.stop()
             poke_path.unlink(missing_ok=True)
+            wake_path.unlink(missing_ok=True)

@@ -19,7 +19,7 @@ from apps.teams.models import ApiToken, Team
 
 # A deployment's fields the gateway does not route by: the autoscaler saves its figures every few seconds for
 # each deployment, which is no reason for a sync.
-UNROUTED_FIELDS = frozenset({"scaling_memory", "updated_at", "last_cold_start_ms"})
+UNROUTED_FIELDS = frozenset({"scaling_memory", "updated_at", "last_cold_start_ms", "last_cold_start"})
 
 
 @receiver(post_save, sender=AuditEvent, dispatch_uid="gateway-audit")

@@ -3,9 +3,10 @@
 --
 -- The action `hold_asleep` runs for models whose deployment may sleep (sleepy.map gives their deployment
 -- key, e.g. d12, in txn.sleepy). While the deployment's backend slot (txn.backend) has no usable server
--- (the nbsrv fetch: servers up and in rotation) it signals the platform - an entry <key> in wakeups.map,
--- which the gateway command reads every few hundred ms and answers by placing a replica - and sleeps in
--- short steps (core.msleep yields: no thread is blocked, and sleeping does not count against Lua's
+-- (the nbsrv fetch: servers up and in rotation) it signals the platform - an entry <key> <epoch ms it
+-- began holding> in wakeups.map, and a connection to the gateway command's wake socket (TGP_WAKE_SOCKET)
+-- that makes it read the map at once instead of at its next poll (GATEWAY_WAKE_POLL_MS; the map alone
+-- still wakes it if the socket is not there) - and sleeps in short steps (core.msleep yields: no thread is blocked, and sleeping does not count against Lua's
 -- execution timeout). Once a server is usable the request goes on, and how long it was held is written to
 -- coldstart.map (<key> <ms>) for the deployment's page. Past the activation timeout it sets txn.wake_failed
 -- and the config answers 503 with Retry-After (gRPC: UNAVAILABLE). The signal is repeated every second: a gateway restart or a
@@ -19,14 +20,29 @@ local COLDSTART = os.getenv("TGP_COLDSTART_MAP")
 Map.new(WAKEUPS, Map._str)
 Map.new(COLDSTART, Map._str)
 local FAILURES = Map.new(os.getenv("TGP_WAKEFAIL_MAP"), Map._str)
+local WAKE_SOCKET = os.getenv("TGP_WAKE_SOCKET")
 
 -- The platform writes only [A-Za-z0-9 .,:;()_/-] into a reason before encoding it: decoded, it is JSON-safe.
 local function decoded(value)
     return (value:gsub("%%(%x%x)", function(hex) return string.char(tonumber(hex, 16)) end))
 end
 
-local STEP_MS = 50
+-- A held request goes on at most this long after its server entered the rotation.
+local STEP_MS = 10
 local SIGNAL_EVERY_MS = 1000
+
+-- Best effort: the entry in wakeups.map is the signal; this only says "read it now".
+local function signal_now(key)
+    if WAKE_SOCKET == nil or WAKE_SOCKET == "unix@" then
+        return
+    end
+    local socket = core.tcp()
+    socket:settimeout(1)
+    if socket:connect(WAKE_SOCKET) then
+        socket:send(key .. "\n")
+    end
+    socket:close()
+end
 
 local function elapsed_ms(start)
     local now = core.now()
@@ -76,7 +92,8 @@ local function hold(txn, timeout_ms, prefix)
             return
         end
         if waited - signalled >= SIGNAL_EVERY_MS then
-            core.set_map(WAKEUPS, key, tostring(start.sec))
+            core.set_map(WAKEUPS, key, tostring(start.sec * 1000 + start.usec // 1000))
+            signal_now(key)
             signalled = waited
         end
         core.msleep(STEP_MS)

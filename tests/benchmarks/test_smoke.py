@@ -239,6 +239,18 @@ SMOKES = [
         id="drills",
     ),
     pytest.param(
+        "density.py --single",
+        [
+            rf"^first answer \(client\)  p50 {NUMBER} ms  p99 {NUMBER} ms",
+            rf"^Triton's own load      p50 {NUMBER} ms  p99 {NUMBER} ms",
+            rf"^  agent: Triton's load +p50 +{NUMBER} ms",
+            rf"^  in rotation -> held request released +p50 +{NUMBER} ms",
+            r'"cold_start_p50_ms": .*"triton_load_p50_ms"',
+        ],
+        marks=[pytest.mark.triton, pytest.mark.servers, requires_haproxy],
+        id="density-single",
+    ),
+    pytest.param(
         "rollout_drill.py",
         [
             r"bad canary v2: ROLLED_BACK",

@@ -129,6 +129,15 @@ def test_the_agent_checks_a_report_before_it_sends_it(monkeypatch):
         ({"generation": 1, "result": "started", "version": "1"}, "'version' must be an integer"),
         ({"generation": 1, "result": "started", "path": "/etc"}, "unknown field(s) 'path'"),
         ({"generation": 1, "result": "waiting", "message": 5}, "'message' must be a string"),
+        (
+            {"generation": 1, "result": "loaded", "version": 1, "timings": {"load_ms": -1}},
+            "'timings.load_ms' must be an integer from 0",
+        ),
+        (
+            {"generation": 1, "result": "loaded", "version": 1, "timings": {"shell": 1}},
+            "unknown timing(s) 'shell'",
+        ),
+        ({"generation": 1, "result": "loaded", "version": 1, "timings": [1]}, "'timings' must be"),
     ],
 )
 def test_a_placement_report_that_does_not_fit_is_refused_naming_the_field(body, message):
@@ -141,3 +150,19 @@ def test_an_instance_report_with_a_field_the_protocol_lacks_is_refused():
     with pytest.raises(ProtocolError, match="unknown field"):
         protocol.check_instance_report({"state": "READY", "api_key": "mine now"})
     assert protocol.check_instance_report({"state": "READY", "pid": None}) == {"state": "READY", "pid": None}
+
+
+def test_a_loaded_report_carries_the_agents_timings_and_one_without_them_is_still_understood():
+    timed = protocol.PlacementReport(
+        3,
+        protocol.PlacementResult.LOADED,
+        version=7,
+        timings={"files_ms": 4, "load_ms": 250, "total_ms": 300},
+    )
+    assert protocol.check_placement_report(timed.body()).timings == {
+        "files_ms": 4,
+        "load_ms": 250,
+        "total_ms": 300,
+    }
+    older = {"generation": 3, "result": "loaded", "version": 7}
+    assert protocol.check_placement_report(older).timings is None
