@@ -1,36 +1,73 @@
-# Two images from one file:
-#   platform   (default target): web, worker, beat, gateway - Django, Celery, HAProxy, the front end's npm packages.
-#   host-agent (--target host-agent, on a CANN base image): `python -m hostagent` with backend_ge and their few
-#              dependencies only - no Django, no Node.js, no HAProxy, no platform secret.
+# Two images from one file (`make images` builds both with podman; `docker build` works the same):
+#   platform   (default target): web, worker, beat, gateway - Django, Celery, HAProxy and the collected static
+#              files (the front end's npm packages are fetched in a build stage only: no Node.js in the image).
+#   host-agent (--target host-agent, on a CANN base image on NPU hosts): `python -m hostagent` with backend_ge and
+#              their few dependencies only - no Django, no Node.js, no HAProxy, no platform secret.
+# Both bases need python3 (3.11) with its venv module; where no registry answers, `make images` bootstraps one
+# from Debian's packages (deploy/images.py). Python dependencies are installed before the sources are copied, so
+# a rebuild from a newer commit reuses those layers. Where the package registries are reached through a proxy
+# with its own certificate authority, `make images` passes the build machine's CA bundle as the build secret
+# `ca` (never a layer of the image): pip and npm trust it while they download.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 ARG AGENT_BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM ${AGENT_BASE_IMAGE} AS host-agent
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 FLEET_ROOT=/fleet
-WORKDIR /src
-COPY agent/pyproject.toml ./
-COPY backend_ge backend_ge
-COPY hostagent hostagent
-RUN pip install --no-cache-dir . && rm -rf /src
+ENV PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH FLEET_ROOT=/fleet
+COPY agent/pyproject.toml /src/pyproject.toml
+RUN --mount=type=secret,id=ca if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi \
+    && python3 -m venv /opt/venv \
+    && python3 -c "import tomllib; print('\n'.join(tomllib.load(open('/src/pyproject.toml', 'rb'))['project']['dependencies']))" > /src/requirements.txt \
+    && pip install --no-cache-dir --disable-pip-version-check -r /src/requirements.txt
+COPY backend_ge /src/backend_ge
+COPY hostagent /src/hostagent
+RUN --mount=type=secret,id=ca if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi \
+    && pip install --no-cache-dir --disable-pip-version-check --no-deps /src && rm -rf /src
 WORKDIR /
-# Runs as root: it gives every Triton instance an unprivileged user of its own (see the README's sandbox).
+# The agent runs as root with six capabilities (compose: cap_drop ALL + cap_add; Kubernetes: the DaemonSet's
+# securityContext): it gives every Triton instance and its Python stubs an unprivileged user of their own
+# (backend_ge/sandbox.py), which needs useradd and setresuid. Without --platform (or PLATFORM_URL) or a
+# credential it exits at once, saying which is missing.
 ENTRYPOINT ["python", "-m", "hostagent"]
 
-FROM ${BASE_IMAGE} AS platform
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 VAR_DIR=/app/var
-RUN apt-get update && apt-get install -y --no-install-recommends nodejs npm haproxy && rm -rf /var/lib/apt/lists/*
+FROM ${BASE_IMAGE} AS platform-build
+ENV PATH=/opt/venv/bin:$PATH
+RUN apt-get update && apt-get install -y --no-install-recommends npm && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
+RUN --mount=type=secret,id=ca if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi \
+    && python3 -m venv /opt/venv \
+    && python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/requirements.txt \
+    && pip install --no-cache-dir --disable-pip-version-check -r /tmp/requirements.txt
+COPY frontend/package.json frontend/package-lock.json frontend/
+RUN --mount=type=secret,id=ca if [ -s /run/secrets/ca ]; then export NPM_CONFIG_CAFILE=/run/secrets/ca; fi \
+    && cd frontend && npm ci --no-audit --no-fund --loglevel=error && rm -rf /root/.npm
 COPY serving_platform serving_platform
 COPY apps apps
 COPY backend_ge backend_ge
 COPY hostagent hostagent
 COPY frontend frontend
+COPY manage.py ./
+RUN DEBUG=1 STATIC_MANIFEST=1 SECRET_KEY=collectstatic-only VAR_DIR=/app/var python manage.py collectstatic --noinput -v 0
+
+FROM ${BASE_IMAGE} AS platform
+ENV PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH PYTHONPATH=/app VAR_DIR=/app/var
+RUN apt-get update && apt-get install -y --no-install-recommends haproxy \
+    && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin \
+    && useradd --create-home --uid 1000 platform
+COPY --from=platform-build /opt/venv /opt/venv
+WORKDIR /app
+COPY serving_platform serving_platform
+COPY apps apps
+COPY backend_ge backend_ge
+COPY hostagent hostagent
+COPY tgp tgp
+COPY frontend/*.py frontend/
+COPY frontend/templates frontend/templates
+COPY frontend/templatetags frontend/templatetags
+COPY frontend/static frontend/static
 COPY manage.py Procfile ./
-RUN pip install --no-cache-dir . \
-    && cd frontend && npm ci --no-audit --no-fund --loglevel=error
-RUN DEBUG=1 SECRET_KEY=collectstatic-only python manage.py collectstatic --noinput
-RUN useradd --create-home --uid 1000 platform && mkdir -p /app/var/gateway && chown -R platform /app/var
+COPY --from=platform-build /app/var/staticfiles /app/var/staticfiles
+RUN mkdir -p /app/var/gateway /app/var/celery /artifacts && chown -R platform /app/var /artifacts
 USER platform
 EXPOSE 8000
 # Threads, not only processes: an agent's long poll holds one thread for up to 30 s (WEB_THREADS, read by the

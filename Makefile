@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PYTHON ?= python3
 export DEBUG ?= 1
 
-.PHONY: run test test-fast install migrate demo lint deploy-check npu-check clean haproxy chromium docs
+.PHONY: run test test-fast install migrate demo lint deploy-check npu-check clean haproxy chromium docs images podman stack-check
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -103,3 +103,16 @@ clean:
 .PHONY: k8s-check
 k8s-check: $(VENV)/.installed
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) deploy/kubernetes/play_check.py $(K8S_CHECK_ARGS)
+
+## podman, runc and mmdebstrap (the images, the stack check): installed here when we are root on Debian.
+podman:
+	@command -v podman >/dev/null && command -v runc >/dev/null && command -v mmdebstrap >/dev/null && \
+		command -v podman-compose >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc mmdebstrap \
+		podman-compose >/dev/null; } || \
+		{ echo "podman is missing: install podman, runc, mmdebstrap and podman-compose (Debian/Ubuntu: apt-get install ...)"; exit 1; }
+
+## The platform image and the host-agent image (Dockerfile) with podman; the base is bootstrapped from Debian's
+## packages where no registry answers. Prints both sizes.
+images: podman
+	$(PYTHON) deploy/images.py $(IMAGES_ARGS)

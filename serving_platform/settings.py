@@ -214,13 +214,19 @@ STATIC_URL = "/static/"
 STATIC_ROOT = VAR_DIR / "staticfiles"
 STATIC_ROOT.mkdir(exist_ok=True)
 _NODE_MODULES = BASE_DIR / "frontend" / "node_modules"
-STATICFILES_DIRS = [
-    ("vendor/htmx", _NODE_MODULES / "htmx.org" / "dist"),
-    ("vendor/pico", _NODE_MODULES / "@picocss" / "pico" / "css"),
-    ("vendor/swagger-ui", _NODE_MODULES / "swagger-ui-dist"),
-    ("vendor/uplot", _NODE_MODULES / "uplot" / "dist"),
-]
 STATIC_MANIFEST = env_bool("STATIC_MANIFEST", not DEBUG)
+# The platform image holds the collected copy (STATIC_ROOT) and no node_modules: the finders' sources are needed
+# only where files are collected or served from the checkout.
+STATICFILES_DIRS = (
+    [
+        ("vendor/htmx", _NODE_MODULES / "htmx.org" / "dist"),
+        ("vendor/pico", _NODE_MODULES / "@picocss" / "pico" / "css"),
+        ("vendor/swagger-ui", _NODE_MODULES / "swagger-ui-dist"),
+        ("vendor/uplot", _NODE_MODULES / "uplot" / "dist"),
+    ]
+    if _NODE_MODULES.is_dir() or not STATIC_MANIFEST
+    else []
+)
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {
