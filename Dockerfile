@@ -5,19 +5,28 @@
 #              their few dependencies only - no Django, no Node.js, no HAProxy, no platform secret.
 # Both bases need python3 (3.11) with its venv module; where no registry answers, `make images` bootstraps one
 # from Debian's packages (deploy/images.py). Python dependencies are installed before the sources are copied, so
-# a rebuild from a newer commit reuses those layers. Where the package registries are reached through a proxy
+# a rebuild from a newer commit reuses those layers (the `requirements` stage). Where the package registries are reached through a proxy
 # with its own certificate authority, `make images` passes the build machine's CA bundle as the build secret
 # `ca` (never a layer of the image): pip and npm trust it while they download.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 ARG AGENT_BASE_IMAGE=python:3.11-slim-bookworm
 
+# The pinned dependencies of both distributions, as files: a change elsewhere in pyproject.toml (a dev tool)
+# leaves the layers that install them cached.
+FROM ${BASE_IMAGE} AS requirements
+COPY pyproject.toml /src/pyproject.toml
+COPY agent/pyproject.toml /src/agent/pyproject.toml
+RUN cd /src && for f in pyproject.toml agent/pyproject.toml; do \
+      python3 -c "import sys, tomllib; print('\n'.join(tomllib.load(open(sys.argv[1], 'rb'))['project']['dependencies']))" "$f" \
+        > "$(dirname "$f")/requirements.txt"; done
+
 FROM ${AGENT_BASE_IMAGE} AS host-agent
 ENV PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH FLEET_ROOT=/fleet
-COPY agent/pyproject.toml /src/pyproject.toml
+COPY --from=requirements /src/agent/requirements.txt /src/requirements.txt
 RUN --mount=type=secret,id=ca if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi \
     && python3 -m venv /opt/venv \
-    && python3 -c "import tomllib; print('\n'.join(tomllib.load(open('/src/pyproject.toml', 'rb'))['project']['dependencies']))" > /src/requirements.txt \
     && pip install --no-cache-dir --disable-pip-version-check -r /src/requirements.txt
+COPY agent/pyproject.toml /src/pyproject.toml
 COPY backend_ge /src/backend_ge
 COPY hostagent /src/hostagent
 RUN --mount=type=secret,id=ca if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi \
@@ -33,10 +42,9 @@ FROM ${BASE_IMAGE} AS platform-build
 ENV PATH=/opt/venv/bin:$PATH
 RUN apt-get update && apt-get install -y --no-install-recommends npm && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
-COPY pyproject.toml ./
+COPY --from=requirements /src/requirements.txt /tmp/requirements.txt
 RUN --mount=type=secret,id=ca if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi \
     && python3 -m venv /opt/venv \
-    && python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/requirements.txt \
     && pip install --no-cache-dir --disable-pip-version-check -r /tmp/requirements.txt
 COPY frontend/package.json frontend/package-lock.json frontend/
 RUN --mount=type=secret,id=ca if [ -s /run/secrets/ca ]; then export NPM_CONFIG_CAFILE=/run/secrets/ca; fi \

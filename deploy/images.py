@@ -174,14 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         built = []
-        if args.only in (None, "platform"):
-            base = resolve_base(os.environ.get("BASE_IMAGE") or None, args.rebuild_base)
-            seconds = build("platform", PLATFORM_IMAGE, {"BASE_IMAGE": base})
-            built.append((PLATFORM_IMAGE, seconds))
-        if args.only in (None, "host-agent"):
-            base = resolve_base(os.environ.get("AGENT_BASE_IMAGE") or None, args.rebuild_base)
-            seconds = build("host-agent", AGENT_IMAGE, {"AGENT_BASE_IMAGE": base})
-            built.append((AGENT_IMAGE, seconds))
+        # Both stages' bases, whichever image is built: the requirements stage is on BASE_IMAGE.
+        bases = {"BASE_IMAGE": resolve_base(os.environ.get("BASE_IMAGE") or None, args.rebuild_base)}
+        bases["AGENT_BASE_IMAGE"] = resolve_base(os.environ.get("AGENT_BASE_IMAGE") or None, False)
+        for target, tag in (("platform", PLATFORM_IMAGE), ("host-agent", AGENT_IMAGE)):
+            if args.only in (None, target):
+                built.append((tag, build(target, tag, bases)))
         for image, _ in built:
             extra = lean_check(image)
             if extra:
