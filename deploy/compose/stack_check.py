@@ -66,6 +66,8 @@ PLATFORM = ("web", "agent-api", "worker", "beat", "gateway")
 HOST = "stack-node"
 TEAM = "stack"
 HTTPS = {"X-Forwarded-Proto": "https"}  # what the operator's TLS endpoint in front of web sets
+# CHOWN 0, DAC_READ_SEARCH 2, FOWNER 3, KILL 5, SETGID 6, SETUID 7: compose's cap_add for the agent, as CapEff.
+AGENT_CAPABILITIES = sum(1 << bit for bit in (0, 2, 3, 5, 6, 7))
 FIXTURE_MIGRATION = '''"""A fixture of ``make stack-check``'s upgrade: a newer commit that adds a migration."""
 from django.db import migrations
 
@@ -241,8 +243,10 @@ class Api:
 def tgp_client(stack: Stack, token: str):
     from tgp.client import Client, UploadJournal
 
-    def behind_tls(request) -> None:
+    def behind_tls(request) -> None:  # the operator's TLS endpoint: https outside, plain HTTP to web
         request.headers.update(HTTPS)
+        if request.url.scheme == "https":  # the URLs the API answers with are the https ones users see
+            request.url = request.url.copy_with(scheme="http")
 
     client = Client(stack.web, token, TEAM, timeout=300, journal=UploadJournal(stack.workdir / "uploads.json"))
     client.http.event_hooks["request"].append(behind_tls)
@@ -552,7 +556,11 @@ def run(keep: bool, outage_seconds: float) -> dict:
         stack.up("host-agent")
         wait_healthy(stack, ("host-agent",))
         stack.write(AGENT_JOIN_TOKEN="")  # joined: the credential is in the fleet volume now
-        say("host agent joined")
+        caps = podman("exec", stack.container("host-agent"), "grep", "CapEff", "/proc/1/status").stdout.split()[-1]
+        if int(caps, 16) != AGENT_CAPABILITIES:
+            raise CheckFailed(f"the host agent runs with capabilities {caps}, not {AGENT_CAPABILITIES:016x}")
+        figures["agent_capabilities"] = caps
+        say(f"host agent joined; its capabilities: {caps} (CHOWN DAC_READ_SEARCH FOWNER KILL SETGID SETUID)")
 
         paths = write_models(workdir)
         client = tgp_client(stack, token)
@@ -605,8 +613,8 @@ def run(keep: bool, outage_seconds: float) -> dict:
             raise CheckFailed(f"{load.failed} of {load.sent} requests failed while the control plane was down")
         # They pick up where they were: the agent reports again, and a change made now is carried out.
         host_row = wait_for(
-            lambda: (row := staff.request("GET", f"/api/v1/hosts/{host['id']}/"))["status"] == "alive" and row,
-            120, "the host to be alive again",
+            lambda: (row := staff.request("GET", f"/api/v1/hosts/{HOST}/"))["status"] == "online" and row,
+            120, "the host to be online again",
         )  # fmt: skip
         resnet = client.deployment_of("resnet50")
         api = Api(stack.web, token)
@@ -615,7 +623,7 @@ def run(keep: bool, outage_seconds: float) -> dict:
                           headers={"Authorization": f"Bearer {token}"}).json()["models"]]  # fmt: skip
         wait_for(lambda: triton_name("resnet50") not in listed(), 180, "ResNet-50's undeploy to reach the gateway")
         figures["after_outage"] = {"host_status": host_row["status"], "undeployed_after_restart": True}
-        say("after the outage: the host is alive and an undeploy made then reached the gateway")
+        say("after the outage: the host is online and an undeploy made then reached the gateway")
 
         commit = build_upgrade(workdir)
         stack.collect_logs()
@@ -682,6 +690,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckFailed, render.MissingVariable) as exc:
         print(f"stack-check: FAILED: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:  # a client error (tgp, requests): the step that failed is in the traceback above
+        print(f"stack-check: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+        raise
     figures["seconds"] = round(time.monotonic() - started)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
