@@ -1,9 +1,10 @@
 """The host agent's side of the agent API: the platform URL and this host's credential are all it holds.
 
 ``PlatformClient`` makes the calls (join, heartbeat, desired state with ``If-None-Match``, instance and
-placement reports, artifact downloads), every one with the agent protocol's ``X-Agent-Protocol`` header and
-each message checked against ``hostagent.protocol`` both ways: what
-the agent sends before it goes, what the platform answers before the agent acts on it. ``DesiredState`` is
+placement reports, artifact downloads), each with the agent protocol's version (``X-Agent-Protocol``) and
+each message checked against ``hostagent.protocol`` both ways: what the agent sends before it goes, what the
+platform answers before the agent acts on it. A 426 (a version the platform does not serve) is
+``ProtocolRefused``, never retried. ``DesiredState`` is
 the last answer as plain objects whose attributes read like the platform's rows, so ``hostagent.placement``
 says what it does without knowing where the answer came from. Nothing here touches a database or a broker.
 """

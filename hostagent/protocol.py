@@ -19,7 +19,8 @@ platform -> agent: ``GET desired-state`` -> ``{"host", "generation", "instances"
 Every request carries ``X-Agent-Protocol: <AGENT_PROTOCOL_VERSION>`` (``check_agent_protocol``): the platform
 serves agents that speak ``MIN_AGENT_PROTOCOL_VERSION`` to ``AGENT_PROTOCOL_VERSION`` and refuses the others
 with a 426 naming both sides' versions. Raise ``AGENT_PROTOCOL_VERSION`` with every change an agent of the
-previous version would misread; raise ``MIN_AGENT_PROTOCOL_VERSION`` when the platform stops serving it.
+previous version would misread, keeping ``MIN_AGENT_PROTOCOL_VERSION`` at that previous version so agents keep
+working while the platform is upgraded first; raise the minimum only in a later release that says so.
 
 No Django here: the agent runs without it.
 """
