@@ -5,7 +5,9 @@ The first start exchanges the one-time join token staff got when they added the 
 ``ROOT/host-credential``); later starts read it from there. Then it supervises the host's Triton + GE
 instances until SIGTERM or SIGINT, which stop every instance gracefully (in-flight requests finish).
 Exit codes: 0 after a signal, 2 for a bad option, 1 when the agent cannot run (no credential, refused, a
-host that cannot run its instances).
+host that cannot run its instances), 3 when the platform does not serve this agent's protocol version
+(``EXIT_PROTOCOL_REFUSED``: restarting cannot help until the agent or the platform is upgraded; tell the
+service manager not to restart on it, e.g. systemd's ``RestartPreventExitStatus=3``).
 """
 
 from __future__ import annotations
@@ -22,12 +24,21 @@ from typing import TypeVar
 from backend_ge.runtime import TritonError
 from backend_ge.sandbox import SandboxError
 from hostagent import config as agent_config
-from hostagent.client import CredentialRefused, PlatformClient, PlatformError, join, load_credential
+from hostagent.client import (
+    CredentialRefused,
+    PlatformClient,
+    PlatformError,
+    ProtocolRefused,
+    join,
+    load_credential,
+)
 from hostagent.supervisor import HostAgent
 
 log = logging.getLogger("hostagent")
 
 T = TypeVar("T")
+
+EXIT_PROTOCOL_REFUSED = 3
 
 
 class AgentFailed(RuntimeError):
@@ -40,7 +51,7 @@ def _retry(wait: float, call: Callable[[], T]) -> T:
     while True:
         try:
             return call()
-        except CredentialRefused:
+        except (CredentialRefused, ProtocolRefused):
             raise
         except PlatformError as exc:
             if time.monotonic() >= deadline or "HTTP 4" in str(exc):
@@ -52,6 +63,8 @@ def _retry(wait: float, call: Callable[[], T]) -> T:
 def _join(config: agent_config.AgentConfig, token: str) -> None:
     try:
         answer = _retry(config.wait, lambda: join(config.platform, token, config.credential_file))
+    except ProtocolRefused:
+        raise
     except PlatformError as exc:
         raise AgentFailed(str(exc)) from None
     print(f"joined {config.platform} as host {answer['host']}; credential kept in {config.credential_file}")
@@ -62,7 +75,7 @@ def _hello(config: agent_config.AgentConfig) -> tuple[PlatformClient, dict]:
     client = PlatformClient(config.platform, load_credential(config.credential_file))
     try:
         return client, _retry(config.wait, lambda: client.heartbeat({}))
-    except CredentialRefused:
+    except (CredentialRefused, ProtocolRefused):
         raise
     except PlatformError as exc:
         raise AgentFailed(str(exc)) from None
@@ -103,6 +116,9 @@ def run(config: agent_config.AgentConfig, stop: threading.Event) -> None:
         # The runtime tree or an instance's unprivileged user is not usable: say what, and stop.
         agent.stop()
         raise AgentFailed(f"host agent for {hello['host']} cannot run its Triton instances: {exc}") from None
+    except ProtocolRefused:
+        agent.stop()
+        raise
     except PlatformError as exc:
         agent.stop()
         raise AgentFailed(f"host agent for {hello['host']}: {exc}") from None
@@ -137,4 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AgentFailed as exc:
         print(f"python -m hostagent: {exc}", file=sys.stderr)
         return 1
+    except ProtocolRefused as exc:
+        log.error("%s; exiting with code %d", exc, EXIT_PROTOCOL_REFUSED)
+        return EXIT_PROTOCOL_REFUSED
     return 0

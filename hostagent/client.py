@@ -1,8 +1,10 @@
 """The host agent's side of the agent API: the platform URL and this host's credential are all it holds.
 
 ``PlatformClient`` makes the calls (join, heartbeat, desired state with ``If-None-Match``, instance and
-placement reports, artifact downloads), each message checked against ``hostagent.protocol`` both ways: what
-the agent sends before it goes, what the platform answers before the agent acts on it. ``DesiredState`` is
+placement reports, artifact downloads), each with the agent protocol's version (``X-Agent-Protocol``) and
+each message checked against ``hostagent.protocol`` both ways: what the agent sends before it goes, what the
+platform answers before the agent acts on it. A 426 (a version the platform does not serve) is
+``ProtocolRefused``, never retried. ``DesiredState`` is
 the last answer as plain objects whose attributes read like the platform's rows, so ``hostagent.placement``
 says what it does without knowing where the answer came from. Nothing here touches a database or a broker.
 """
@@ -44,6 +46,18 @@ class CredentialRefused(PlatformError):
     """401: the host was revoked (or the credential is wrong). The agent takes no more work."""
 
 
+class ProtocolRefused(PlatformError):
+    """426: the platform does not serve this agent's protocol version; the message names both versions and
+    which side to upgrade. Retrying cannot help: the agent or the platform must be upgraded."""
+
+
+def _refused_protocol(platform: str, response: requests.Response) -> ProtocolRefused:
+    return ProtocolRefused(
+        f"{platform} refused this host agent, which speaks agent protocol {protocol.AGENT_PROTOCOL_VERSION} "
+        f"(HTTP 426): {_reason(response)}"
+    )
+
+
 def _reason(response: requests.Response) -> str:
     try:
         return str(response.json()["message"])
@@ -55,10 +69,15 @@ def join(platform: str, token: str, credential_file: Path, timeout: float = 30) 
     """Exchange a join token for the host's credential and keep it in ``credential_file`` (mode 0600)."""
     try:
         response = requests.post(
-            f"{platform.rstrip('/')}{API_PREFIX}/join", json={"join_token": token}, timeout=timeout
+            f"{platform.rstrip('/')}{API_PREFIX}/join",
+            json={"join_token": token},
+            headers=protocol.agent_protocol_headers(),
+            timeout=timeout,
         )
     except requests.RequestException as exc:
         raise PlatformError(f"the platform at {platform} did not answer: {exc}") from None
+    if response.status_code == 426:
+        raise _refused_protocol(platform, response)
     if response.status_code != 201:
         raise PlatformError(f"joining {platform} failed (HTTP {response.status_code}): {_reason(response)}")
     answer = _checked(protocol.check_join_answer, response)
@@ -93,7 +112,7 @@ def load_credential(path: Path) -> str:
 
 class PlatformClient:
     """Calls of one host's agent. Transient failures (connection errors, 5xx) are retried a few times with
-    backoff; a 401 raises ``CredentialRefused`` at once."""
+    backoff; a 401 raises ``CredentialRefused`` at once, a 426 ``ProtocolRefused``."""
 
     def __init__(self, platform: str, credential: str, *, timeout: float = 30, retries: int = 3) -> None:
         self.base = platform.rstrip("/") + API_PREFIX
@@ -109,6 +128,7 @@ class PlatformClient:
         if session is None:
             session = self._local.session = requests.Session()
             session.headers["Authorization"] = f"Bearer {self._credential}"
+            session.headers.update(protocol.agent_protocol_headers())
         return session
 
     def call(self, method: str, path: str, *, ok=(200,), **kwargs) -> requests.Response:
@@ -124,6 +144,8 @@ class PlatformClient:
                     raise CredentialRefused(
                         f"{self.platform} refused this host's credential: {_reason(response)}"
                     )
+                if response.status_code == 426:
+                    raise _refused_protocol(self.platform, response)
                 if response.status_code in ok:
                     return response
                 if response.status_code < 500:
@@ -203,7 +225,7 @@ class PlatformClient:
                     response = self.call(
                         "GET", f"/versions/{version.pk}/files/{relative.as_posix()}", stream=True, timeout=60
                     )
-                except CredentialRefused:
+                except (CredentialRefused, ProtocolRefused):
                     raise
                 except PlatformError as exc:
                     raise ArtifactDownloadError(f"{version}: download of {relative} failed: {exc}") from None

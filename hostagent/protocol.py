@@ -16,12 +16,19 @@ Messages, agent -> platform:
 
 platform -> agent: ``GET desired-state`` -> ``{"host", "generation", "instances", "placements", "versions"}``.
 
+Every request carries ``X-Agent-Protocol: <AGENT_PROTOCOL_VERSION>`` (``check_agent_protocol``): the platform
+serves agents that speak ``MIN_AGENT_PROTOCOL_VERSION`` to ``AGENT_PROTOCOL_VERSION`` and refuses the others
+with a 426 naming both sides' versions. Raise ``AGENT_PROTOCOL_VERSION`` with every change an agent of the
+previous version would misread, keeping ``MIN_AGENT_PROTOCOL_VERSION`` at that previous version so agents keep
+working while the platform is upgraded first; raise the minimum only in a later release that says so.
+
 No Django here: the agent runs without it.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -44,6 +51,70 @@ MAX_CHIPS = 64
 
 class ProtocolError(ValueError):
     """A message does not fit the protocol; the text says which field and what it must be."""
+
+
+# -- the protocol's version ----------------------------------------------------------------------------------
+# The version this code speaks, and the oldest agent the platform built from it still serves. Agents released
+# before the header send none: they count as version 0, which this platform does not serve (their desired
+# state and reports predate fields it relies on, and an answer they misread is worse than a clear refusal).
+AGENT_PROTOCOL_VERSION = 1
+MIN_AGENT_PROTOCOL_VERSION = 1
+AGENT_PROTOCOL_HEADER = "X-Agent-Protocol"
+AGENT_PROTOCOL_WSGI_KEY = "HTTP_X_AGENT_PROTOCOL"
+_PROTOCOL_DIGITS = re.compile(r"[0-9]{1,4}")  # not \d: that also matches other scripts' digits
+
+
+def agent_protocol_headers() -> dict[str, str]:
+    """The header the agent sends on every request."""
+    return {AGENT_PROTOCOL_HEADER: str(AGENT_PROTOCOL_VERSION)}
+
+
+def accepted_agent_protocols() -> str:
+    return f"{MIN_AGENT_PROTOCOL_VERSION}-{AGENT_PROTOCOL_VERSION}"
+
+
+class AgentProtocolRefused(ProtocolError):
+    """An agent speaks a protocol version the platform does not serve (``spoken``: 0 for no header)."""
+
+    def __init__(self, spoken: int) -> None:
+        self.spoken = spoken
+        action = (
+            "upgrade the platform first, then the agents"
+            if spoken > AGENT_PROTOCOL_VERSION
+            else "upgrade the host agent"
+        )
+        said = (
+            f"agent protocol {spoken}" if spoken else f"agent protocol 0 (no {AGENT_PROTOCOL_HEADER} header)"
+        )
+        super().__init__(
+            f"this agent speaks {said}; the platform speaks {AGENT_PROTOCOL_VERSION} "
+            f"(accepts {accepted_agent_protocols()}): {action}"
+        )
+
+
+def parse_agent_protocol(raw: str | None) -> int:
+    """The version an ``X-Agent-Protocol`` header names (none: 0). Anything but 1-4 ASCII digits is refused."""
+    if raw is None:
+        return 0
+    if not isinstance(raw, str) or not _PROTOCOL_DIGITS.fullmatch(raw):
+        raise ProtocolError(
+            f"'{AGENT_PROTOCOL_HEADER}' must be the agent's protocol version, a whole number of at most 4 "
+            f"digits; the platform speaks {AGENT_PROTOCOL_VERSION} (accepts {accepted_agent_protocols()})."
+        )
+    return int(raw)
+
+
+def check_agent_protocol(raw: str | None) -> int:
+    """The agent's protocol version from its header, if the platform serves it; else ``ProtocolError`` (a
+    malformed header) or ``AgentProtocolRefused`` (a version out of range, naming both)."""
+    spoken = parse_agent_protocol(raw)
+    if not serves_agent_protocol(spoken):
+        raise AgentProtocolRefused(spoken)
+    return spoken
+
+
+def serves_agent_protocol(spoken: int) -> bool:
+    return MIN_AGENT_PROTOCOL_VERSION <= spoken <= AGENT_PROTOCOL_VERSION
 
 
 class InstanceState(StrEnum):

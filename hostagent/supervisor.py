@@ -25,7 +25,14 @@ from backend_ge import sandbox
 from backend_ge.errors import public_error
 from backend_ge.runtime import TritonError, TritonRuntime, TritonServer, assemble_runtime, server_environment
 from hostagent import placement
-from hostagent.client import CredentialRefused, DesiredState, InstanceSpec, PlatformClient, PlatformError
+from hostagent.client import (
+    CredentialRefused,
+    DesiredState,
+    InstanceSpec,
+    PlatformClient,
+    PlatformError,
+    ProtocolRefused,
+)
 from hostagent.config import AgentConfig
 from hostagent.host_facts import host_facts, npu_inventory
 from hostagent.instances import InstanceProcess, RestartPolicy
@@ -189,7 +196,7 @@ class HostAgent:
                 break
             try:
                 self.reconcile()
-            except CredentialRefused as exc:
+            except (CredentialRefused, ProtocolRefused) as exc:
                 self._refused(exc)
             except Exception:
                 log.exception("reconcile failed")
@@ -198,7 +205,7 @@ class HostAgent:
         while not self._stop.wait(self.heartbeat_every):
             try:
                 self.heartbeat()
-            except CredentialRefused as exc:
+            except (CredentialRefused, ProtocolRefused) as exc:
                 self._refused(exc)
             except Exception as exc:
                 log.warning("heartbeat failed: %s", exc)
@@ -216,6 +223,11 @@ class HostAgent:
             except CredentialRefused as exc:
                 self._refused(exc)
                 changed, failures = False, 0
+            except ProtocolRefused as exc:
+                # Only an upgrade (or a platform rolled back) ends it: ask again every 30 s, not every poll.
+                self._refused(exc)
+                failures = 5
+                continue
             except Exception as exc:
                 log.warning("desired state not fetched: %s", exc)
                 changed, failures = False, min(failures + 1, 5)
@@ -228,8 +240,14 @@ class HostAgent:
                 self._stop.wait(max(0.0, self.poll_every - (time.monotonic() - started)))
 
     def _refused(self, exc: Exception) -> None:
+        """The platform refused this agent: its credential (revoked) or its agent protocol (the platform was
+        upgraded past it). It takes no more work; running servers keep serving what they have, and a
+        desired state fetched again (a new credential, a platform that serves it again) ends it."""
         if not self.revoked.is_set():
-            log.error("%s; this agent takes no more work until it joins again with a new join token", exc)
+            if isinstance(exc, ProtocolRefused):
+                log.error("%s; this agent takes no more work until it is upgraded", exc)
+            else:
+                log.error("%s; this agent takes no more work until it joins again with a new join token", exc)
         self.revoked.set()
 
     def fetch_desired_state(self, force: bool = False, wait: float = 0) -> bool:
@@ -427,7 +445,7 @@ class HostAgent:
                     setattr(proc, key, fields[key])
         try:
             self.client.report_instance(instance_id, fields)
-        except CredentialRefused as exc:
+        except (CredentialRefused, ProtocolRefused) as exc:
             self._refused(exc)
         except PlatformError as exc:
             log.warning("instance %s: state %s not reported: %s", instance_id, fields.get("state"), exc)

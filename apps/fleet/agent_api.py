@@ -10,6 +10,11 @@ This module has the fleet's part: join, register/heartbeat (facts + NPU inventor
 state reports. The desired state, placement reports and artifacts are ``apps.deployments.agent_api`` (it
 builds on this module's ``host_only``). Every body is checked against an allow-list; another host's objects
 are 404.
+
+Every call names the agent protocol it speaks (``X-Agent-Protocol``, ``hostagent.protocol``): ``speaks_protocol``
+is the one check, run by ``host_only`` after the credential (a stranger learns nothing) and by ``join``. A
+version the platform does not serve is a 426 naming both versions; a malformed header is a 400. The fast path
+(``apps.fleet.agent_fastpath``) answers only agents this check would pass and leaves the rest to it.
 """
 
 from __future__ import annotations
@@ -46,8 +51,45 @@ def unauthorized() -> JsonResponse:
     )
 
 
+def protocol_refusal(request, host=None) -> JsonResponse | None:
+    """None when the caller speaks an agent protocol this platform serves, else the answer that refuses it.
+    With ``host``, the version the host spoke is kept on its row (written only when it changed), so the hosts
+    pages show which agents still need an upgrade."""
+    raw = request.META.get(protocol.AGENT_PROTOCOL_WSGI_KEY)
+    try:
+        spoken = protocol.parse_agent_protocol(raw)
+    except protocol.ProtocolError as exc:
+        return error(400, "invalid", str(exc))
+    if host is not None:
+        services.record_agent_protocol(host, spoken)
+    if protocol.serves_agent_protocol(spoken):
+        return None
+    return JsonResponse(
+        {
+            "error": "agent_protocol",
+            "message": str(protocol.AgentProtocolRefused(spoken)),
+            "agent_protocol": spoken,
+            "platform_protocol": protocol.AGENT_PROTOCOL_VERSION,
+            "accepted": [protocol.MIN_AGENT_PROTOCOL_VERSION, protocol.AGENT_PROTOCOL_VERSION],
+        },
+        status=426,
+    )
+
+
+def speaks_protocol(view):
+    """Only an agent speaking a served protocol version passes (``join``: before it has a credential)."""
+
+    @wraps(view)
+    def wrapped(request, *args, **kwargs):
+        refusal = protocol_refusal(request)
+        return view(request, *args, **kwargs) if refusal is None else refusal
+
+    return wrapped
+
+
 def host_only(view):
-    """Only a joined, unrevoked host's credential passes; ``request.host`` is that host."""
+    """Only a joined, unrevoked host's credential passes, speaking a served agent protocol; ``request.host``
+    is that host."""
 
     @csrf_exempt
     @wraps(view)
@@ -56,6 +98,9 @@ def host_only(view):
         host = services.host_for_credential(raw.strip()) if keyword.lower() == "bearer" else None
         if host is None:
             return unauthorized()
+        refusal = protocol_refusal(request, host)
+        if refusal is not None:
+            return refusal
         request.host = host
         try:
             return view(request, *args, **kwargs)
@@ -83,6 +128,7 @@ def read_json(request) -> dict:
 
 @require_POST
 @csrf_exempt
+@speaks_protocol
 def join(request):
     """Exchange a one-time join token for the host's credential (shown in this answer only)."""
     try:

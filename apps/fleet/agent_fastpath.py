@@ -11,7 +11,8 @@ connections: a process with hundreds of threads for held polls opens that many P
 most.
 
 It answers only the one case that needs nothing but the host's generation - a valid, unrevoked credential
-whose ETag is current; everything else (a change, a wrong or revoked credential, a bad ``wait``, any other
+whose ETag is current, from an agent speaking a served agent protocol; everything else (a change, a wrong or
+revoked credential, a bad ``wait``, an agent protocol the platform refuses or a malformed one, any other
 path) goes to the Django view, which applies every rule. Same answer as the view: a 304 with the ETag.
 """
 
@@ -26,6 +27,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from apps.fleet import long_poll
 from apps.fleet.models import CREDENTIAL_SCHEME, Host, hash_host_secret
+from hostagent import protocol
 
 PATH = "/agent/v1/desired-state"
 _PREFIX = f"bearer {CREDENTIAL_SCHEME}_"
@@ -40,6 +42,15 @@ def _current_etag(credential_hash: str) -> str | None:
         )
         row = cursor.fetchone()
     return f'"{row[0]}"' if row else None
+
+
+def _served(header: str | None) -> bool:
+    """The agent speaks a protocol version the platform serves (the view refuses the others, and says why)."""
+    try:
+        protocol.check_agent_protocol(header)
+    except protocol.ProtocolError:
+        return False
+    return True
 
 
 class DatabaseSlots:
@@ -167,6 +178,7 @@ class AgentPollFastPath:
             and environ.get("PATH_INFO") == PATH
             and environ.get("REQUEST_METHOD") == "GET"
             and authorization[: len(_PREFIX)].lower() == _PREFIX
+            and _served(environ.get(protocol.AGENT_PROTOCOL_WSGI_KEY))
         ):
             try:
                 wait = long_poll.parse_wait(environ.get("QUERY_STRING", ""))

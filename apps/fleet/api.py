@@ -205,6 +205,18 @@ class HostSerializer(serializers.ModelSerializer):
     )
     instances = InstanceSummarySerializer(many=True, read_only=True)
     pool = serializers.CharField(source="pool.name", read_only=True, allow_null=True, default=None)
+    agent_protocol = serializers.IntegerField(
+        read_only=True,
+        allow_null=True,
+        help_text="The agent protocol version the host's agent last spoke (0: an agent from before the "
+        "X-Agent-Protocol header); null until its agent calls.",
+    )
+    agent_protocol_served = serializers.BooleanField(
+        read_only=True,
+        allow_null=True,
+        help_text="Whether this platform serves that version; false: the agent is refused until it is upgraded "
+        "(or, for a newer agent, the platform).",
+    )
 
     class Meta:
         model = Host
@@ -224,6 +236,8 @@ class HostSerializer(serializers.ModelSerializer):
             "joined_at",
             "revoked_at",
             "npu_driver_version",
+            "agent_protocol",
+            "agent_protocol_served",
             "facts",
             "device_count",
             "instances",

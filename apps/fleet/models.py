@@ -198,6 +198,9 @@ class Host(models.Model):
     labels = models.JSONField(default=dict, blank=True)
     facts = models.JSONField(default=dict, blank=True, help_text="CPU count, memory, OS, agent version.")
     npu_driver_version = models.CharField(max_length=50, blank=True)
+    # The agent protocol its agent last spoke (``X-Agent-Protocol``; 0: an agent from before the header),
+    # served or refused. Empty: no agent has called since the platform started recording it.
+    agent_protocol = models.PositiveSmallIntegerField(null=True, blank=True, editable=False)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
     # Since when the platform has heard this host without a break (a gap of more than half the scheduler's
     # grace starts a new run): how the scheduler tells a host that went silent from a platform that was not
@@ -246,6 +249,21 @@ class Host(models.Model):
     @property
     def status(self) -> str:
         return "online" if self.is_online() else "offline"
+
+    @property
+    def agent_protocol_served(self) -> bool | None:
+        """Whether this platform serves the agent protocol the host's agent last spoke (None: not known)."""
+        if self.agent_protocol is None:
+            return None
+        return protocol.serves_agent_protocol(self.agent_protocol)
+
+    @property
+    def agent_protocol_advice(self) -> str:
+        """What to do about an agent this platform refuses (empty while it is served, or not known)."""
+        if self.agent_protocol_served is not False:
+            return ""
+        side = "host agent" if self.agent_protocol < protocol.MIN_AGENT_PROTOCOL_VERSION else "platform"
+        return f"refused: upgrade the {side} (this platform accepts {protocol.accepted_agent_protocols()})"
 
     def can_be_operated_by(self, user) -> bool:
         """Who may start, stop and restart this host's instances: staff everywhere; on a host dedicated to

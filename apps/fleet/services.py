@@ -122,6 +122,14 @@ def host_for_credential(raw: str) -> Host | None:
     return next(iter(rows), None)
 
 
+def record_agent_protocol(host: Host, spoken: int) -> None:
+    """The agent protocol version the host's agent spoke on this call; written only when it changed (an
+    agent upgrade), so an agent's calls cost no write for it."""
+    if host.agent_protocol != spoken:
+        Host.objects.filter(pk=host.pk).update(agent_protocol=spoken)
+        host.agent_protocol = spoken
+
+
 def notify_hosts(host_ids: Iterable[int]) -> None:
     """What these hosts must do changed: their agents' next poll of the desired state gets the news."""
     ids = set(host_ids)

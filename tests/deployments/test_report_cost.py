@@ -83,10 +83,9 @@ def test_a_report_through_the_agent_api_reads_only_its_own_instances_placements(
     of the model on the host (a host serving one model on 30 instances sent 30 rows back per report)."""
     import json
 
-    from django.test import Client
-
     from apps.deployments import agent_api
     from apps.fleet.models import CREDENTIAL_SCHEME, hash_host_secret, new_host_secret
+    from tests.fleet.helpers import agent_client
 
     credential = new_host_secret(CREDENTIAL_SCHEME)
     shared_host.credential_hash = hash_host_secret(credential)
@@ -97,7 +96,7 @@ def test_a_report_through_the_agent_api_reads_only_its_own_instances_placements(
     monkeypatch.setattr(
         agent_api, "_live_placements", lambda *a, **kw: read.append(live_placements(*a, **kw)) or read[-1]
     )
-    agent = Client(HTTP_AUTHORIZATION=f"Bearer {credential}")
+    agent = agent_client(credential)
     for result in ("started", "loaded"):
         body = {"generation": placements[7].generation, "result": result, "version": version.pk}
         answer = agent.post(

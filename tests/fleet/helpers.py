@@ -6,8 +6,19 @@ from django.test import Client
 
 from apps.fleet import services
 from apps.fleet.models import Host, TritonInstance
+from hostagent import protocol
 
 DESIRED = "/agent/v1/desired-state"
+# The agent protocol header every agent sends, as a test client's or WSGI environ's key.
+AGENT_HEADERS = {protocol.AGENT_PROTOCOL_WSGI_KEY: str(protocol.AGENT_PROTOCOL_VERSION)}
+
+
+def agent_client(credential: str | None = None) -> Client:
+    """A test client that calls the agent API as an agent of this protocol version does (with the host's
+    credential, when given)."""
+    if credential is None:
+        return Client(**AGENT_HEADERS)
+    return Client(HTTP_AUTHORIZATION=f"Bearer {credential}", **AGENT_HEADERS)
 
 
 def joined(name: str, port: int = 18100) -> tuple[Host, str, TritonInstance]:
@@ -24,7 +35,7 @@ def joined(name: str, port: int = 18100) -> tuple[Host, str, TritonInstance]:
 def joined_client(name: str, port: int = 18100) -> tuple[Host, Client, TritonInstance]:
     """As ``joined``, with a test client that sends the host's credential."""
     host, credential, instance = joined(name, port)
-    return host, Client(HTTP_AUTHORIZATION=f"Bearer {credential}"), instance
+    return host, agent_client(credential), instance
 
 
 def etag_of(host: Host) -> str:

@@ -7,11 +7,14 @@ import pytest
 
 from apps.fleet import services
 from apps.fleet.agent_fastpath import PATH, AgentPollFastPath
+from hostagent.protocol import AGENT_PROTOCOL_VERSION, AGENT_PROTOCOL_WSGI_KEY
 
 pytestmark = pytest.mark.django_db
 
 
-def call(credential: str, etag: str, path: str = PATH) -> tuple[str, str]:
+def call(
+    credential: str, etag: str, path: str = PATH, agent_protocol: str | None = str(AGENT_PROTOCOL_VERSION)
+) -> tuple[str, str]:
     seen = {}
 
     def django(environ, start_response):
@@ -28,6 +31,8 @@ def call(credential: str, etag: str, path: str = PATH) -> tuple[str, str]:
         "HTTP_IF_NONE_MATCH": etag,
         "HTTP_AUTHORIZATION": f"Bearer {credential}",
     }
+    if agent_protocol is not None:
+        environ[AGENT_PROTOCOL_WSGI_KEY] = agent_protocol
     body = b"".join(app(environ, start_response))
     return seen["status"], body.decode()
 
@@ -43,6 +48,9 @@ def test_a_current_etag_gets_304_and_anything_else_goes_to_django(monkeypatch):
     assert call(credential, etag)[0] == "304 Not Modified"
     assert call(credential, '"0"')[1] == "django"  # changed: the view sends the new state
     assert call(credential, etag, path="/agent/v1/heartbeat")[1] == "django"
+    # An agent protocol the platform refuses, or a malformed header: the view answers 426 or 400.
+    for spoken in (None, "0", str(AGENT_PROTOCOL_VERSION + 1), "1 ", "x1", "٣", "9" * 50):
+        assert call(credential, etag, agent_protocol=spoken)[1] == "django", spoken
     assert call("hag_not-a-credential", etag)[1] == "django"  # the view answers 401
     services.notify_hosts([host.pk])
     assert call(credential, etag)[1] == "django"

@@ -15,7 +15,7 @@ from apps.fleet import services
 from apps.fleet.models import Host, TritonInstance, hash_host_secret
 from tests.conftest import client_for
 from tests.factories import UserFactory
-from tests.fleet.helpers import joined_client
+from tests.fleet.helpers import agent_client, joined_client
 
 pytestmark = pytest.mark.django_db
 
@@ -33,7 +33,7 @@ def test_staff_add_a_host_and_its_join_token_is_shown_once_and_stored_as_a_hash(
     host = Host.objects.get(name="npu-7")
     assert host.join_token_hash == hash_host_secret(token) and token not in str(host.__dict__)
     assert "join_token" not in staff_client.get("/api/v1/hosts/npu-7/").json()
-    joined_ = Client().post("/agent/v1/join", {"join_token": token}, content_type="application/json")
+    joined_ = agent_client().post("/agent/v1/join", {"join_token": token}, content_type="application/json")
     assert joined_.status_code == 201 and joined_.json()["host"] == "npu-7"
     credential = joined_.json()["credential"]
     assert credential.startswith("hag_")
@@ -41,7 +41,7 @@ def test_staff_add_a_host_and_its_join_token_is_shown_once_and_stored_as_a_hash(
     assert (
         host.credential_hash == hashlib.sha256(credential.encode()).hexdigest() and not host.join_token_hash
     )
-    again = Client().post("/agent/v1/join", {"join_token": token}, content_type="application/json")
+    again = agent_client().post("/agent/v1/join", {"join_token": token}, content_type="application/json")
     assert again.status_code == 401 and "new one" in again.json()["message"]
 
 
@@ -58,8 +58,8 @@ def test_a_revoked_host_gets_401_at_once_and_a_new_join_token_brings_it_back(sta
     assert refused.status_code == 401 and "revoked" in refused.json()["message"]
     assert agent.post("/agent/v1/heartbeat", {}, content_type="application/json").status_code == 401
     token = staff_client.post("/api/v1/hosts/edge-1/join-token/").json()["join_token"]
-    credential = Client().post("/agent/v1/join", {"join_token": token}, content_type="application/json")
-    fresh = Client(HTTP_AUTHORIZATION=f"Bearer {credential.json()['credential']}")
+    credential = agent_client().post("/agent/v1/join", {"join_token": token}, content_type="application/json")
+    fresh = agent_client(credential.json()["credential"])
     assert fresh.get("/agent/v1/desired-state").status_code == 200
     assert agent.get("/agent/v1/desired-state").status_code == 401  # the old credential stays dead
 

@@ -97,14 +97,13 @@ def test_public_error_leaves_a_clean_message_alone_and_logs_nothing(caplog):
 
 
 def test_an_instance_error_reported_by_the_agent_has_no_host_path(shared_instance):
-    from django.test import Client
-
     from apps.fleet import services
+    from tests.fleet.helpers import agent_client
 
     # Even an agent that sends the raw traceback (the agent itself sends public_error's summary) cannot
     # put a host path in front of tenants: the agent API summarizes it again.
     _, credential = services.join_host(services.issue_join_token(actor=None, host=shared_instance.host))
-    agent = Client(HTTP_AUTHORIZATION=f"Bearer {credential}")
+    agent = agent_client(credential)
     answer = agent.post(
         f"/agent/v1/instances/{shared_instance.pk}/state",
         {"state": InstanceState.STARTING, "last_error": TRACEBACK_ERROR},

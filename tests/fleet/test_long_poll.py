@@ -22,7 +22,8 @@ from apps.fleet import long_poll, services
 from apps.fleet.agent_fastpath import AgentPollFastPath, DatabaseSlots, database_slots
 from apps.fleet.models import Device, TritonInstance
 from hostagent.client import PlatformClient
-from tests.fleet.helpers import DESIRED, etag_of, joined
+from hostagent.protocol import agent_protocol_headers
+from tests.fleet.helpers import DESIRED, agent_client, etag_of, joined
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -53,7 +54,7 @@ def poll(url: str, credential: str, etag: str, wait: str | None) -> tuple[reques
     started = time.monotonic()
     response = requests.get(
         url + DESIRED,
-        headers={"Authorization": f"Bearer {credential}", "If-None-Match": etag},
+        headers={"Authorization": f"Bearer {credential}", "If-None-Match": etag, **agent_protocol_headers()},
         params={"wait": wait} if wait is not None else None,
         timeout=60,
     )
@@ -190,7 +191,7 @@ def beat(agent: Client, body: dict) -> list[str]:
 def test_an_unchanged_heartbeat_writes_only_the_hosts_last_seen_time():
     host, credential, instance = joined("hb-idle")
     other, _, foreign = joined("hb-other", port=18300)
-    agent = Client(HTTP_AUTHORIZATION=f"Bearer {credential}")
+    agent = agent_client(credential)
     chips = [CHIP, CHIP | {"npu_id": 1, "device_id": 1}]
     body = {"facts": {"cpus": 4}, "npu": {"driver_version": "23.0", "chips": chips},
             "instances": [{"id": instance.pk, "log_tail": "started"}, {"id": foreign.pk, "log_tail": "x"}]}  # fmt: skip

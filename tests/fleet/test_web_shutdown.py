@@ -17,6 +17,7 @@ import requests
 
 from apps.fleet.long_poll import GenerationWatcher
 from backend_ge.runtime import free_port
+from hostagent.protocol import agent_protocol_headers
 from tests.conftest import subprocess_database_url
 from tests.fleet.helpers import DESIRED, etag_of, joined
 
@@ -81,7 +82,11 @@ def test_a_stopping_gunicorn_answers_its_held_polls_and_exits_promptly(stop, tmp
         answers: list[int] = []
 
         def hold() -> None:
-            headers = {"Authorization": f"Bearer {credential}", "If-None-Match": etag}
+            headers = {
+                "Authorization": f"Bearer {credential}",
+                "If-None-Match": etag,
+                **agent_protocol_headers(),
+            }
             answers.append(
                 requests.get(url + DESIRED, headers=headers, params={"wait": "25"}, timeout=60).status_code
             )
