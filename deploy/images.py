@@ -51,13 +51,15 @@ def containers_conf() -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         "# Written by deploy/images.py for podman on this machine (see docs/operators/install.md).\n"
-        "[containers]\ndefault_ulimits = []\n\n[engine]\nruntime = \"runc\"\n"
+        '[containers]\ndefault_ulimits = []\n\n[engine]\nruntime = "runc"\n'
     )
     os.environ["CONTAINERS_CONF"] = str(path)
     return str(path)
 
 
-def podman(*args: str, check: bool = True, timeout: float = 3600, quiet: bool = True) -> subprocess.CompletedProcess:
+def podman(
+    *args: str, check: bool = True, timeout: float = 3600, quiet: bool = True
+) -> subprocess.CompletedProcess:
     containers_conf()
     command = ["podman", "--runtime", "runc", *args]
     if quiet:
@@ -121,8 +123,12 @@ def resolve_base(requested: str | None, rebuild_base: bool) -> str:
     if pulled.returncode == 0:
         return image
     if requested:
-        raise BuildFailed(f"base image {requested} is not here and cannot be pulled: {pulled.stderr.strip()[-500:]}")
-    say(f"{image} cannot be pulled ({pulled.stderr.strip().splitlines()[-1][:160] if pulled.stderr else 'no answer'})")
+        raise BuildFailed(
+            f"base image {requested} is not here and cannot be pulled: {pulled.stderr.strip()[-500:]}"
+        )
+    say(
+        f"{image} cannot be pulled ({pulled.stderr.strip().splitlines()[-1][:160] if pulled.stderr else 'no answer'})"
+    )
     return bootstrap_debian_base(rebuild_base)
 
 
@@ -136,7 +142,9 @@ def ca_bundle() -> str | None:
     return None
 
 
-def build(target: str, tag: str, build_args: dict[str, str], context: Path = ROOT) -> float:
+def build(
+    target: str, tag: str, build_args: dict[str, str], context: Path = ROOT, quiet: bool = False
+) -> float:
     started = time.monotonic()
     args = ["build", "--network", "host", "--target", target, "-t", tag, "-f", str(context / "Dockerfile")]
     bundle = ca_bundle()
@@ -145,7 +153,7 @@ def build(target: str, tag: str, build_args: dict[str, str], context: Path = ROO
     for key, value in build_args.items():
         args += ["--build-arg", f"{key}={value}"]
     say(f"building {tag} (target {target}, {', '.join(f'{k}={v}' for k, v in build_args.items())})")
-    podman(*args, str(context), quiet=False)
+    podman(*args, str(context), quiet=quiet)
     return time.monotonic() - started
 
 
@@ -158,7 +166,7 @@ def lean_check(image: str) -> list[str]:
     """What an image must not hold: compilers, the test suite, pip's or npm's caches."""
     script = (
         "for p in /usr/bin/gcc /usr/bin/cc /usr/bin/g++ /usr/bin/node /app/tests /root/.cache/pip /root/.npm "
-        "/home/platform/.cache /app/frontend/node_modules; do [ -e \"$p\" ] && echo \"$p\"; done; true"
+        '/home/platform/.cache /app/frontend/node_modules; do [ -e "$p" ] && echo "$p"; done; true'
     )
     out = podman("run", "--rm", "--network", "host", "--entrypoint", "/bin/sh", image, "-c", script).stdout
     return out.split()

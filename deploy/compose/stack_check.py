@@ -122,7 +122,18 @@ class Stack:
         self.workdir = workdir
         self.port = {
             name: free_port()
-            for name in ("pg", "redis", "web", "agent_api", "gw", "gw_grpc", "gw_stats", "t_http", "t_grpc", "t_metrics")
+            for name in (
+                "pg",
+                "redis",
+                "web",
+                "agent_api",
+                "gw",
+                "gw_grpc",
+                "gw_stats",
+                "t_http",
+                "t_grpc",
+                "t_metrics",
+            )
         }
         self.env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -162,9 +173,13 @@ class Stack:
 
     def compose(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         command = ["podman-compose", "-p", PROJECT, "-f", str(self.file), *args]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=self.env, cwd=self.workdir)
+        result = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env=self.env, cwd=self.workdir
+        )
         if result.returncode != 0:
-            raise CheckFailed(f"podman-compose {' '.join(args)}: {(result.stderr or result.stdout).strip()[-2000:]}")
+            raise CheckFailed(
+                f"podman-compose {' '.join(args)}: {(result.stderr or result.stdout).strip()[-2000:]}"
+            )
         return result
 
     def up(self, *services: str, recreate: bool = False) -> None:
@@ -182,9 +197,9 @@ class Stack:
         for name in names:
             if name.startswith(f"{PROJECT}_"):
                 logs = podman("logs", name, check=False)
-                self.logs[f"{name}#{podman('inspect', '--format', '{{.Id}}', name, check=False).stdout.strip()[:12]}"] = (
-                    logs.stdout + logs.stderr
-                )
+                self.logs[
+                    f"{name}#{podman('inspect', '--format', '{{.Id}}', name, check=False).stdout.strip()[:12]}"
+                ] = logs.stdout + logs.stderr
 
 
 def healthy(name: str) -> bool:
@@ -234,7 +249,9 @@ class Api:
         else:
             headers["X-CSRFToken"] = self.cookies.get("csrftoken", "")
             headers["Origin"] = f"https://127.0.0.1:{self.base.rsplit(':', 1)[1]}"
-        reply = requests.request(method, f"{self.base}{path}", headers=headers, cookies=self.cookies, timeout=120, **kwargs)
+        reply = requests.request(
+            method, f"{self.base}{path}", headers=headers, cookies=self.cookies, timeout=120, **kwargs
+        )
         if reply.status_code >= 400:
             raise CheckFailed(f"{method} {path}: HTTP {reply.status_code} {reply.text[:500]}")
         return reply.json() if reply.content else None
@@ -248,7 +265,9 @@ def tgp_client(stack: Stack, token: str):
         if request.url.scheme == "https":  # the URLs the API answers with are the https ones users see
             request.url = request.url.copy_with(scheme="http")
 
-    client = Client(stack.web, token, TEAM, timeout=300, journal=UploadJournal(stack.workdir / "uploads.json"))
+    client = Client(
+        stack.web, token, TEAM, timeout=300, journal=UploadJournal(stack.workdir / "uploads.json")
+    )
     client.http.event_hooks["request"].append(behind_tls)
     return client
 
@@ -271,7 +290,7 @@ def reference(path: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray
 
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(names, inputs)))
+    return dict(zip(names, session.run(names, inputs), strict=True))
 
 
 def signature(path: Path) -> tuple[str, list[int], str]:
@@ -341,7 +360,9 @@ def seed_example_3(stack: Stack, token: str, path: Path) -> dict:
 class Load:
     """Bounded gateway load on the MLP: a few client threads, each request checked against onnxruntime."""
 
-    def __init__(self, stack: Stack, token: str, path: Path, threads: int = 3, max_requests: int = 200_000) -> None:
+    def __init__(
+        self, stack: Stack, token: str, path: Path, threads: int = 3, max_requests: int = 200_000
+    ) -> None:
         name, dims, output = signature(path)
         self.x = np.random.default_rng(3).standard_normal((2, *dims)).astype(np.float32)
         self.expected = reference(path, {name: self.x})[output]
@@ -370,7 +391,9 @@ class Load:
                 if reply.status_code != 200:
                     error = f"HTTP {reply.status_code} {reply.text[:200]}"
                 else:
-                    got = np.array(reply.json()["outputs"][0]["data"], dtype=np.float32).reshape(self.expected.shape)
+                    got = np.array(reply.json()["outputs"][0]["data"], dtype=np.float32).reshape(
+                        self.expected.shape
+                    )
                     if not np.allclose(got, self.expected, rtol=1e-3, atol=1e-4):
                         error = "wrong numbers"
             except requests.RequestException as exc:
@@ -429,17 +452,29 @@ def refusals(stack: Stack) -> dict:
         except render.MissingVariable as exc:
             line = str(exc)
             if variable not in line or "\n" in line:
-                raise CheckFailed(f"the refusal without {variable} does not name it on one line: {line!r}") from exc
+                raise CheckFailed(
+                    f"the refusal without {variable} does not name it on one line: {line!r}"
+                ) from exc
             found[variable] = line
         else:
             raise CheckFailed(f"the stack rendered without {variable}")
     agent = "triton-ge-host-agent:latest"
     no_url = podman("run", "--rm", "--network", "host", agent, check=False, timeout=120)
     if no_url.returncode == 0 or "--platform URL or PLATFORM_URL" not in no_url.stderr:
-        raise CheckFailed(f"the agent image without a platform URL: exit {no_url.returncode} {no_url.stderr[-300:]}")
+        raise CheckFailed(
+            f"the agent image without a platform URL: exit {no_url.returncode} {no_url.stderr[-300:]}"
+        )
     found["agent_without_url"] = no_url.stderr.strip().splitlines()[-1]
     no_credential = podman(
-        "run", "--rm", "--network", "host", agent, "--platform", "http://127.0.0.1:9", check=False, timeout=120
+        "run",
+        "--rm",
+        "--network",
+        "host",
+        agent,
+        "--platform",
+        "http://127.0.0.1:9",
+        check=False,
+        timeout=120,
     )
     if no_credential.returncode == 0 or "No host credential" not in no_credential.stderr:
         raise CheckFailed(f"the agent image without a credential: exit {no_credential.returncode}")
@@ -452,7 +487,11 @@ def ensure_images() -> None:
         if not images.image_exists(image):
             raise CheckFailed(f"image {image} is missing: build it first (make images)")
     if not images.image_exists(DATA_IMAGE):
-        base = images.DEBIAN_BASE if images.image_exists(images.DEBIAN_BASE) else images.resolve_base(None, False)
+        base = (
+            images.DEBIAN_BASE
+            if images.image_exists(images.DEBIAN_BASE)
+            else images.resolve_base(None, False)
+        )
         say(f"building {DATA_IMAGE} (PostgreSQL and Redis from Debian's packages) on {base}")
         podman("build", "--network", "host", "--build-arg", f"BASE_IMAGE={base}", "-t", DATA_IMAGE,
                "-f", str(HERE / "data.Containerfile"), str(HERE), timeout=1800)  # fmt: skip
@@ -507,9 +546,13 @@ def build_upgrade(workdir: Path) -> str:
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "add", "-A"], check=True)
     subprocess.run([*git, "commit", "-q", "-m", "Fixture: a newer commit that adds a migration"], check=True)
-    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     base = images.DEBIAN_BASE if images.image_exists(images.DEBIAN_BASE) else images.PUBLIC_BASE
-    seconds = images.build("platform", UPGRADE_IMAGE, {"BASE_IMAGE": base, "AGENT_BASE_IMAGE": base}, context=tree)
+    seconds = images.build(
+        "platform", UPGRADE_IMAGE, {"BASE_IMAGE": base, "AGENT_BASE_IMAGE": base}, context=tree, quiet=True
+    )
     say(f"upgrade image {UPGRADE_IMAGE} built from fixture commit {commit} in {seconds:.0f} s")
     return commit
 
@@ -536,7 +579,20 @@ def run(keep: bool, outage_seconds: float) -> dict:
     try:
         remove_leftovers()
         figures["refusals"] = refusals(stack)
-        say(f"refused without secrets: {figures['refusals']['SECRET_KEY']} | {figures['refusals']['POSTGRES_PASSWORD']}")
+        say(
+            f"refused without secrets: {figures['refusals']['SECRET_KEY']} | {figures['refusals']['POSTGRES_PASSWORD']}"
+        )
+        # The upgrade's image is built while the stack starts and serves (most of that is waiting).
+        upgrade: dict = {}
+
+        def build_in_background() -> None:
+            try:
+                upgrade["commit"] = build_upgrade(workdir)
+            except Exception as exc:  # reported when the upgrade step needs the image
+                upgrade["error"] = exc
+
+        builder = threading.Thread(target=build_in_background, daemon=True)
+        builder.start()
         figures["up_to_healthy_s"] = round(start(stack), 1)
         say(f"up -> every service healthy in {figures['up_to_healthy_s']} s")
 
@@ -546,7 +602,9 @@ def run(keep: bool, outage_seconds: float) -> dict:
         staff = Api(stack.web)
         staff.sign_in("ops", password)
         staff.request("POST", "/api/v1/teams/", json={"name": "Stack", "slug": TEAM})
-        token = staff.request("POST", f"/api/v1/teams/{TEAM}/tokens/", json={"name": "stack-check", "role": "admin"})["token"]
+        token = staff.request(
+            "POST", f"/api/v1/teams/{TEAM}/tokens/", json={"name": "stack-check", "role": "admin"}
+        )["token"]
         host = staff.request("POST", "/api/v1/hosts/", json={"name": HOST, "address": "127.0.0.1"})
         instance = staff.request("POST", "/api/v1/instances/", json={
             "host": HOST, "name": "cpu-0", "http_port": stack.port["t_http"], "grpc_port": stack.port["t_grpc"],
@@ -556,7 +614,9 @@ def run(keep: bool, outage_seconds: float) -> dict:
         stack.up("host-agent")
         wait_healthy(stack, ("host-agent",))
         stack.write(AGENT_JOIN_TOKEN="")  # joined: the credential is in the fleet volume now
-        caps = podman("exec", stack.container("host-agent"), "grep", "CapEff", "/proc/1/status").stdout.split()[-1]
+        caps = podman(
+            "exec", stack.container("host-agent"), "grep", "CapEff", "/proc/1/status"
+        ).stdout.split()[-1]
         if int(caps, 16) != AGENT_CAPABILITIES:
             raise CheckFailed(f"the host agent runs with capabilities {caps}, not {AGENT_CAPABILITIES:016x}")
         figures["agent_capabilities"] = caps
@@ -592,7 +652,9 @@ def run(keep: bool, outage_seconds: float) -> dict:
 
         for service in ("web", "host-agent"):
             seconds = kill(stack, service)
-            wait_for(lambda: call_ok(stack, token, paths["mlp"]), 300, f"serving after {service} was killed", 1)
+            wait_for(
+                lambda: call_ok(stack, token, paths["mlp"]), 300, f"serving after {service} was killed", 1
+            )
             figures[f"{service}_killed_back_s"] = round(seconds, 1)
             say(f"{service} killed: restarted by its policy and healthy in {seconds:.0f} s; serving resumed")
         staff.request("GET", "/api/v1/hosts/")  # the session survives a web restart
@@ -610,7 +672,9 @@ def run(keep: bool, outage_seconds: float) -> dict:
         figures["outage"] = load.figures()
         say(f"control plane outage: {figures['outage']}")
         if load.failed:
-            raise CheckFailed(f"{load.failed} of {load.sent} requests failed while the control plane was down")
+            raise CheckFailed(
+                f"{load.failed} of {load.sent} requests failed while the control plane was down"
+            )
         # They pick up where they were: the agent reports again, and a change made now is carried out.
         host_row = wait_for(
             lambda: (row := staff.request("GET", f"/api/v1/hosts/{HOST}/"))["status"] == "online" and row,
@@ -621,11 +685,16 @@ def run(keep: bool, outage_seconds: float) -> dict:
         api.request("POST", f"/api/v1/teams/{TEAM}/deployments/{resnet['id']}/undeploy/")
         listed = lambda: [m["name"] for m in requests.get(f"{stack.gateway}/v2/models", timeout=10,  # noqa: E731
                           headers={"Authorization": f"Bearer {token}"}).json()["models"]]  # fmt: skip
-        wait_for(lambda: triton_name("resnet50") not in listed(), 180, "ResNet-50's undeploy to reach the gateway")
+        wait_for(
+            lambda: triton_name("resnet50") not in listed(), 180, "ResNet-50's undeploy to reach the gateway"
+        )
         figures["after_outage"] = {"host_status": host_row["status"], "undeployed_after_restart": True}
         say("after the outage: the host is online and an undeploy made then reached the gateway")
 
-        commit = build_upgrade(workdir)
+        builder.join(timeout=1800)
+        if "commit" not in upgrade:
+            raise CheckFailed(f"the upgrade image was not built: {upgrade.get('error', 'timed out')}")
+        commit = upgrade["commit"]
         stack.collect_logs()
         with Load(stack, token, paths["mlp"]) as load:
             time.sleep(3)
@@ -635,7 +704,10 @@ def run(keep: bool, outage_seconds: float) -> dict:
             stack.up("agent-api", "worker", "beat", recreate=True)
             wait_healthy(stack, ("agent-api", "worker", "beat"))
             time.sleep(5)
-        upgraded = manage(stack, COUNTS + """
+        upgraded = manage(
+            stack,
+            COUNTS
+            + """
 from django.db import connection
 with connection.cursor() as c:
     c.execute("SELECT count(*) FROM stack_check_upgrade")
@@ -643,7 +715,8 @@ with connection.cursor() as c:
     c.execute("SELECT count(*) FROM django_migrations WHERE app = 'audit' AND name = '0002_stack_check_upgrade'")
     applied = c.fetchone()[0]
 print(json.dumps({"fixture_rows": rows, "applied": applied}))
-""")
+""",
+        )
         figures["upgrade"] = {"commit": commit, **upgraded, **load.figures()}
         say(f"upgrade in place: {figures['upgrade']}")
         if upgraded != {"fixture_rows": 1, "applied": 1}:
@@ -653,8 +726,20 @@ print(json.dumps({"fixture_rows": rows, "applied": applied}))
         counts = manage(stack, COUNTS)
         if any(counts[k] < before[k] for k in before):
             raise CheckFailed(f"the upgrade lost rows: before {before}, after {counts}")
-        agent_seen = wait_for(lambda: call_ok(stack, token, paths["mlp"]), 60, "serving after the upgrade")
-        figures["after_upgrade_serving"] = bool(agent_seen)
+        wait_for(lambda: call_ok(stack, token, paths["mlp"]), 60, "serving after the upgrade")
+        # The agent reconnected to the upgraded platform, speaking a protocol version it serves.
+        since = time.time()
+        row = wait_for(
+            lambda: (r := staff.request("GET", f"/api/v1/hosts/{HOST}/")).get("heartbeat_age_seconds") is not None
+            and r["status"] == "online" and r["heartbeat_age_seconds"] < time.time() - since + 1 and r,
+            120, "the agent's heartbeat to the upgraded platform",
+        )  # fmt: skip
+        figures["after_upgrade"] = {
+            k: row.get(k) for k in ("status", "agent_protocol", "agent_protocol_served")
+        }
+        if row.get("agent_protocol_served") is False:
+            raise CheckFailed(f"the upgraded platform refuses the agent: {figures['after_upgrade']}")
+        say(f"after the upgrade: host {figures['after_upgrade']}; serving")
 
         errors = error_lines(stack)
         if errors:
@@ -682,7 +767,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", action="store_true", help="Leave the stack running for a look.")
     parser.add_argument("--json", type=Path, help="Write the figures to this file.")
-    parser.add_argument("--outage-seconds", type=float, default=60.0, help="How long the control plane stays down.")
+    parser.add_argument(
+        "--outage-seconds", type=float, default=60.0, help="How long the control plane stays down."
+    )
     args = parser.parse_args(argv)
     started = time.monotonic()
     try:

@@ -92,4 +92,6 @@ def test_docker_compose_config_validates():
 def test_the_agent_api_answers_agents_over_plain_http_without_a_redirect(compose):
     # The agents' PLATFORM_URL is http://agent-api:8000: a redirect to https would keep every agent from joining.
     assert compose["services"]["agent-api"]["environment"]["SECURE_SSL_REDIRECT"] == "0"
-    assert compose["services"]["host-agent"]["command"][-1].startswith("${PLATFORM_URL:-http://agent-api:8000}")
+    assert compose["services"]["host-agent"]["command"][-1].startswith(
+        "${PLATFORM_URL:-http://agent-api:8000}"
+    )

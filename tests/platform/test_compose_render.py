@@ -32,7 +32,9 @@ def stack(env=STACK_ENV) -> dict:
 
 def test_interpolation_follows_the_compose_rules():
     env = {"SET": "a", "EMPTY": ""}
-    assert render.interpolate("${SET}-${EMPTY:-d}-${EMPTY-d}-${UNSET-d}-$SET-$$HOME", env) == "a-d--d-a-$$HOME"
+    assert (
+        render.interpolate("${SET}-${EMPTY:-d}-${EMPTY-d}-${UNSET-d}-$SET-$$HOME", env) == "a-d--d-a-$$HOME"
+    )
     assert render.interpolate("${UNSET:-}", env) == ""
     assert render.interpolate("x$${SET}", env) == "x$${SET}"  # escaped stays escaped for podman-compose
     with pytest.raises(render.MissingVariable, match="^EMPTY is not set: give it$"):
