@@ -183,7 +183,13 @@ class Stack:
         return result
 
     def up(self, *services: str, recreate: bool = False) -> None:
-        self.compose("up", "-d", "--no-deps", *(["--force-recreate"] if recreate else []), *services)
+        """``up -d --no-deps``; ``recreate``: the services' containers are stopped (gracefully) and removed
+        first, since podman-compose's ``--force-recreate`` also recreates the services that depend on them
+        (the host agent on agent-api: its tritonserver would restart)."""
+        if recreate:
+            for service in services:
+                podman("rm", "-f", "-t", "30", self.container(service), timeout=120)
+        self.compose("up", "-d", "--no-deps", *services)
         for service in services:
             if podman("container", "exists", self.container(service), check=False).returncode != 0:
                 raise CheckFailed(f"podman-compose up made no container for {service}")
