@@ -30,7 +30,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,8 @@ import requests
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
+
+from backend_ge.runtime import free_port  # noqa: E402  (ports it handed out lately are not handed out again)
 
 
 def _load(name: str, path: Path):
@@ -90,12 +91,6 @@ class CheckFailed(RuntimeError):
 
 def say(message: str) -> None:
     print(f"stack-check: {message}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):
