@@ -402,6 +402,14 @@ SECTIONS: dict[str, tuple[Variable, ...]] = {
             16384,
         ),
         _v(
+            "GATEWAY_SERVER_MAXCONN",
+            "int",
+            64,
+            "requests the gateway sends one replica of a model at once (HAProxy's server `maxconn`); more wait "
+            "in the gateway's queue, interactive callers' before batch ones (0: no limit and no priority queue)",
+            0,
+        ),
+        _v(
             "GATEWAY_GRPC_MAX_MESSAGE_BYTES",
             "int",
             64 * 2**20,

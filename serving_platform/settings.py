@@ -327,6 +327,7 @@ SPECTACULAR_SETTINGS = {
         "DeploymentStateEnum": "apps.deployments.models.DeploymentState",
         "PlacementStateEnum": "apps.deployments.models.PlacementState",
         "RolloutStateEnum": "apps.deployments.models.RolloutState",
+        "PriorityClassEnum": "apps.core.priority.CHOICES",
     },
 }
 
@@ -471,6 +472,7 @@ GATEWAY_CHECK_INTERVAL_MS = env_int("GATEWAY_CHECK_INTERVAL_MS")
 # and memory per connection; a gRPC message streams through it whatever its size (grpc.lua walks it).
 GATEWAY_BUFFER_BYTES = env_int("GATEWAY_BUFFER_BYTES")
 GATEWAY_GRPC_MAX_MESSAGE_BYTES = env_int("GATEWAY_GRPC_MAX_MESSAGE_BYTES")
+GATEWAY_SERVER_MAXCONN = env_int("GATEWAY_SERVER_MAXCONN")
 # Deployments (and rollout canaries) take pre-declared backend slots at run time; the pool grows by this many,
 # with a graceful reload, only when every slot is taken.
 GATEWAY_SLOT_CHUNK = env_int("GATEWAY_SLOT_CHUNK")

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from apps.gateway.rules import COUNTS_TABLE, Options, count_rules, token_rules
+from apps.gateway.rules import COUNTS_TABLE, Options, class_count_rules, count_rules, token_rules
 
 LUA_FILE = Path(__file__).with_name("grpc.lua")
 GRPC_METHODS = (
@@ -128,6 +128,7 @@ def frontend_lines(o: Options) -> list[str]:
         + " if stream_call !dedicated",
         answer(),
         *count_rules(4, 1, 2),
+        *class_count_rules(1, 2),
         # An instance's NOT_FOUND (a version it does not serve) comes back as a trailers-only answer.
         "    http-response sc-inc-gpc(5,1) if { res.hdr(grpc-status) 5 } !{ var(txn.gmsg) -m found }",
         "    http-response sc-inc-gpc(5,2) if { res.hdr(grpc-status) 5 } !{ var(txn.gmsg) -m found }",

@@ -38,11 +38,14 @@ from apps.gateway import grpc_frontend
 from apps.gateway.rules import (
     COUNT_STAGES,
     COUNTS_TABLE,
+    PRIORITY_LUA_FILE,
     SHAPES_LUA_FILE,
     Options,
+    class_count_rules,
     client_error_rules,
     count_rules,
     json_error,
+    priority_level_rules,
     shape_request_rules,
     shape_response_rules,
     token_rules,
@@ -126,7 +129,8 @@ class GatewayState:
     # backend -> what its servers' health check asks Triton: ``<model>`` or ``<model>/versions/<n>`` (ready),
     # so an instance that restarted without the model (or lost it) is out of rotation until it has it again.
     checks: dict[str, str] = field(default_factory=dict)
-    tokens: dict[str, str] = field(default_factory=dict)  # "<prefix>:<sha256>" -> "<team>:<expires>"
+    # "<prefix>:<sha256>" -> "<team>:<expires>:<priority class>"
+    tokens: dict[str, str] = field(default_factory=dict)
     limits: dict[str, str] = field(default_factory=dict)  # team -> requests per second
     # (backend, server key) out of rotation only because its placement does not serve (yet) on a READY
     # instance: once it does, its agent has just seen Triton serve the version, so it enters the rotation at
@@ -140,6 +144,9 @@ class GatewayState:
     # deployment key -> why its wake-up failed (``wake_failure_value``: percent-encoded), for a woken
     # deployment none of whose replicas could load: a held request is answered 503 with it at once.
     wake_failures: dict[str, str] = field(default_factory=dict)
+    # "<model>/<version>" -> its dynamic_batching.priority_levels, for each routed version that defines levels:
+    # the gateway sets Triton's `priority` request parameter from the caller's class on these (priority.lua).
+    priority_levels: dict[str, str] = field(default_factory=dict)
 
     def structure(self) -> tuple:
         return tuple(sorted(self.grpc_backends))
@@ -155,6 +162,7 @@ class GatewayState:
             "sleepy": self.sleepy,
             "wakefail": self.wake_failures,
             "index": self.index_entries(),
+            "priority": self.priority_levels,
         }
 
     def index_entries(self) -> dict[str, str]:
@@ -291,6 +299,8 @@ def server_options(server: Server, o: Options, weight: int) -> str:
         f"{server.address}:{server.port} weight {weight or 100}"
         f" check inter {inter}ms fastinter {quick}ms downinter {quick}ms rise 2 fall 2"
     )
+    if o.server_maxconn:  # beyond it requests queue in the gateway, by priority class
+        options += f" maxconn {o.server_maxconn}"
     if server.check_port:  # gRPC: h2 to Triton, checked over its HTTP port
         options += f" proto h2 port {server.check_port} check-proto h1"
     return options
@@ -328,6 +338,7 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         f"    presetenv TGP_INDEX_MAP {o.map_file('index')}",
         f"    lua-load '{INDEX_LUA_FILE}'",
         f"    lua-load '{SHAPES_LUA_FILE}'",
+        f"    lua-load '{PRIORITY_LUA_FILE}'",
         # A port another process listens on is an error, not shared: with SO_REUSEPORT (HAProxy's default) a
         # second HAProxy bound to the same port (another gateway, an orphan, a stats port equal to the
         # inference port) silently got a share of the connections, e.g. the stats frontend's empty 404 for an
@@ -434,6 +445,7 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         "    http-request return status 404 content-type application/json lf-string "
         """"{\\"error\\":\\"Request for unknown model: '%[var(txn.model)]' is not found\\"}" if !own_model""",
         *count_rules(4, 1, 2),
+        *class_count_rules(1, 2),
         "    http-response sc-inc-gpc(5,1) if { status 404 }",
         "    http-response sc-inc-gpc(5,2) if { status 404 }",
         # The allow-list leaves "/versions/" only where a version is named.
@@ -455,6 +467,7 @@ def render_config(state: GatewayState, slots: Slots, o: Options) -> str:
         "    http-request set-var(txn.tail) path,regsub('^/v2/models/[^/]+','') if pinned !explicit_version",
         "    http-request set-uri /v2/models/%[var(txn.model)]/versions/%[var(txn.version)]%[var(txn.tail)] if pinned !explicit_version",
         "    http-request set-uri %[path] if !pinned or explicit_version",
+        *priority_level_rules(o),
         # Scale to zero: a sleeping model's request waits here until a replica serves (wake.lua).
         f"    http-request set-var(txn.sleepy) var(txn.model),map({o.map_file('sleepy')})",
         f"    http-request lua.hold_asleep {o.activation_timeout_s * 1000} if {{ var(txn.sleepy) -m found }}",

@@ -37,6 +37,7 @@ from django.utils import timezone
 from apps.core.periods import HOUR, MINUTE
 from apps.deployments.models import Deployment
 from apps.gateway.haproxy import COUNT_STAGES, COUNTS_TABLE, AdminSocket
+from apps.gateway.rules import BATCH_STAGE
 from apps.gateway.models import GatewayMetrics, GatewayScrapeState
 from apps.gateway.state import options
 
@@ -60,6 +61,8 @@ SUMMED = (
     "responses_404",
     "responses_429",
     "responses_400",
+    "requests_interactive",
+    "requests_batch",
     "time_ms_sum",
 )
 
@@ -210,6 +213,16 @@ def _refusals(stages: dict[str, float], gateway_wide: bool) -> dict[str, int]:
     }
 
 
+BY_CLASS = ("requests_interactive", "requests_batch")
+
+
+def _by_class(delta: dict[str, float]) -> dict[str, int]:
+    """Admitted requests (stage 4: past the token, the rate and the team's own model) by priority class: batch
+    ones count at stage 7 too (``apps.gateway.rules.BATCH_STAGE``), every other is interactive."""
+    admitted, batch = delta.get(STAGES[4], 0), delta.get(STAGES[BATCH_STAGE], 0)
+    return {"requests_interactive": int(max(0, admitted - batch)), "requests_batch": int(batch)}
+
+
 def scrape_gateway(now: datetime | None = None, timeout: float | None = None) -> int:
     """One scrape; returns the rows written. A gateway that does not answer is recorded, not raised."""
     now = now or timezone.now()
@@ -259,6 +272,7 @@ def scrape_gateway(now: datetime | None = None, timeout: float | None = None) ->
                     False,
                 )
             delta.update(_counted_refusals(values, before, restarted, owner is None))
+            delta.update(_by_class(delta))
         if baseline is None or owner is False:
             continue
         delta["time_ms"] = values.get("time_s", 0) * 1000 * delta.get("requests", 0)
@@ -278,7 +292,7 @@ def scrape_gateway(now: datetime | None = None, timeout: float | None = None) ->
                 "responses_2xx": int(delta.get("2xx", 0)),
                 "responses_4xx": int(delta.get("4xx", 0)),
                 "responses_5xx": int(delta.get("5xx", 0)),
-                **{name: int(delta.get(name, 0)) for name in REFUSALS},
+                **{name: int(delta.get(name, 0)) for name in (*REFUSALS, *BY_CLASS)},
             }
             if not any(counts.values()):
                 continue  # e.g. only other teams' requests naming this model: not this deployment's

@@ -44,6 +44,10 @@ class GatewayMetrics(models.Model):
     responses_404 = models.BigIntegerField(default=0)
     responses_429 = models.BigIntegerField(default=0)
     responses_400 = models.BigIntegerField(default=0)
+    # Requests admitted to the deployment's model (a valid token of its team, within the rate), by the
+    # caller's priority class (apps.core.priority).
+    requests_interactive = models.BigIntegerField(default=0)
+    requests_batch = models.BigIntegerField(default=0)
     time_ms_sum = models.FloatField(default=0)
 
     class Meta:

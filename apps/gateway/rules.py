@@ -9,6 +9,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from apps.core import priority
+
 
 @dataclass(frozen=True)
 class Options:
@@ -30,6 +32,9 @@ class Options:
     grpc_max_message: int = 64 * 2**20
     # How long a request for a sleeping model is held while a replica loads (then 503 with Retry-After).
     activation_timeout_s: int = 60
+    # Requests one server (a model's replica on one instance) is sent at once; more wait in the gateway's
+    # queue, where interactive requests go first (apps.core.priority). 0: no limit, and no priority queue.
+    server_maxconn: int = 64
 
     @property
     def admin_socket(self) -> Path:
@@ -82,10 +87,16 @@ def token_rules(o: Options, deny_unauthenticated: str, deny_expired: str) -> lis
         f"    http-request set-var(txn.tokval) var(sess.tokkey),map({tokens})",
         "    http-request set-var(txn.team) var(txn.tokval),field(1,:)",
         "    http-request set-var(txn.expires) var(txn.tokval),field(2,:)",
+        "    http-request set-var(txn.pclass) var(txn.tokval),field(3,:)",
         "    acl token_known var(txn.team) -m found",
         "    acl token_expired date(),sub(txn.expires) ge 0",
         f"    {deny_unauthenticated} if !token_known",
         f"    {deny_expired} if token_expired",
+        *(
+            f"    http-request set-priority-class int({rank}) if {{ var(txn.pclass) -m str {name} }}"
+            for name, rank in priority.GATEWAY_CLASS.items()
+            if rank
+        ),
     ]
 
 
@@ -93,15 +104,23 @@ def token_rules(o: Options, deny_unauthenticated: str, deny_expired: str) -> lis
 # HAProxy 2.6 counts responses only by class, and `http-after-response` cannot increment counters, so each
 # request increments the stage it has passed: a refusal is the difference between two stages (401 = stage 1 -
 # stage 2, 429 = 2 - 3, the gateway's 404 = (0 - 1) + (3 - 4)); stage 5 counts 404s answered by an instance,
-# stage 6 the 400s (bad requests: the instance's own and those ``client_error_rules`` rewrote).
+# stage 6 the 400s (bad requests: the instance's own and those ``client_error_rules`` rewrote), stage 7 the
+# requests of stage 4 whose caller's class is batch (the rest of stage 4 are interactive).
 # Key "all": every request (sticky counter 2); key "d<id>": requests naming a served model (sticky counter 1).
 COUNTS_TABLE = "gateway_counts"
-COUNT_STAGES = 7
+COUNT_STAGES = 8
 BAD_REQUEST_STAGE = 6
+BATCH_STAGE = 7
 
 
 def count_rules(stage: int, *counters: int) -> list[str]:
     return [f"    http-request sc-inc-gpc({stage},{sc})" for sc in counters]
+
+
+def class_count_rules(*counters: int) -> list[str]:
+    """After stage 4: the batch-class requests among them (``txn.pclass``, set by ``token_rules``)."""
+    batch = f"{{ var(txn.pclass) -m str {priority.BATCH} }}"
+    return [f"    http-request sc-inc-gpc({BATCH_STAGE},{sc}) if {batch}" for sc in counters]
 
 
 # --- Client errors are 400s. ----------------------------------------------------------------------------------
@@ -150,6 +169,7 @@ def shape_request_rules() -> list[str]:
     header: Triton would read another than the one checked). Declared with the filter, on the HTTP frontend."""
     return [
         "    filter lua.tensor_shapes",
+        "    filter lua.priority_param",
         json_error(400, "send at most one Inference-Header-Content-Length header")
         + " if { req.hdr_cnt(inference-header-content-length) gt 1 }",
         "    http-request set-var(txn.blen) req.hdr(content-length)",
@@ -158,13 +178,57 @@ def shape_request_rules() -> list[str]:
 
 
 def shape_response_rules(before_counts: bool) -> list[str]:
-    """A request whose shape the filter refused reached Triton as JSON it cannot parse (nothing sized): 400
-    first (so it counts as a bad request), then the filter's reason instead of Triton's parse error."""
+    """A request whose shape (or top-level key: priority.lua) a filter refused reached Triton as JSON it
+    cannot parse (nothing sized): 400 first (so it counts as a bad request), then the filter's reason instead
+    of Triton's parse error."""
     refused = "{ var(txn.shape_refused) -m found }"
+    keys = "{ var(txn.priority_refused) -m found }"
     if before_counts:
-        return [f"    http-response set-status 400 if {refused}"]
+        return [
+            f"    http-response set-status 400 if {refused}",
+            f"    http-response set-status 400 if {keys}",
+        ]
     return [
         "    http-response return status 400 content-type application/json lf-string "
         """'{"error":"a tensor shape was refused before the model read it: %[var(txn.shape_refused)]"}' """
-        f"if {refused}"
+        f"if {refused}",
+        "    http-response return status 400 content-type application/json lf-string "
+        """'{"error":"the request was refused before the model read it: %[var(txn.priority_refused)]"}' """
+        f"if {keys}",
+    ]
+
+
+# --- Triton priority levels (apps/gateway/priority.lua) from the caller's class (apps.core.priority). ---------
+PRIORITY_LUA_FILE = Path(__file__).with_name("priority.lua")
+PRIORITY_INSERT_BASE = 27  # priority.lua's INSERT_BASE: the bytes it writes are this plus the level's digits
+
+
+def priority_level_rules(o: Options) -> list[str]:
+    """For an inference request to a version whose config defines priority levels (``priority.map``): the
+    caller's class as Triton's level (``txn.plevel``, which priority.lua writes into the body). After the route
+    and the caller's class are known."""
+    found = "{ var(txn.plevels) -m found }"
+    interactive = priority.triton_level(priority.INTERACTIVE, 2)
+    return [
+        "    http-request set-var(txn.pversion) var(txn.version) if !explicit_version",
+        "    http-request set-var(txn.pversion) path,field(6,/) if explicit_version",
+        "    http-request set-var(txn.pkey) var(txn.model),concat(/,txn.pversion) if infer_path",
+        f"    http-request set-var(txn.plevels) var(txn.pkey),map({o.map_file('priority')}) if infer_path",
+        f"    http-request set-var(txn.plevel) str({interactive}) if {found} {{ var(txn.pclass) -m str {priority.INTERACTIVE} }}",
+        f"    http-request set-var(txn.plevel) var(txn.plevels) if {found} {{ var(txn.pclass) -m str {priority.BATCH} }}",
+        *priority_body_rules(),
+    ]
+
+
+def priority_body_rules() -> list[str]:
+    """The body's lengths raised by what priority.lua writes (``txn.plevel`` set: a level of digits), before
+    the body is read. ``txn.jlen`` is the binary request's JSON header length as the client sent it."""
+    inserting = "{ var(txn.pinsert) -m found }"
+    return [
+        f"    http-request set-var(txn.pinsert) var(txn.plevel),length,add({PRIORITY_INSERT_BASE})"
+        " if { var(txn.plevel) -m reg ^[0-9]{1,4}$ }",
+        "    http-request set-header content-length %[req.hdr(content-length),add(txn.pinsert)]"
+        f" if {inserting} {{ req.hdr(content-length) -m found }}",
+        "    http-request set-header inference-header-content-length %[var(txn.jlen),add(txn.pinsert)]"
+        f" if {inserting} {{ var(txn.jlen) -m found }}",
     ]

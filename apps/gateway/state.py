@@ -28,6 +28,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from functools import lru_cache
 from urllib.parse import quote
 
 from django.conf import settings
@@ -45,6 +46,7 @@ from apps.fleet.models import InstanceState, TritonInstance
 from apps.gateway.grpc_frontend import ANY_INSTANCE
 from apps.gateway.haproxy import NEVER_EXPIRES, GatewayState, Options, Route, Server
 from apps.teams.models import ApiToken, Team
+from backend_ge.config import ConfigError, parse_config
 from backend_ge.runtime import API_KEY_HEADER, GRPC_API_KEY_HEADER
 
 # Expired tokens are kept this long so a client hears "expired" rather than "invalid".
@@ -76,6 +78,7 @@ def options() -> Options:
         buffer_size=settings.GATEWAY_BUFFER_BYTES,
         grpc_max_message=settings.GATEWAY_GRPC_MAX_MESSAGE_BYTES,
         activation_timeout_s=settings.GATEWAY_ACTIVATION_TIMEOUT_S,
+        server_maxconn=settings.GATEWAY_SERVER_MAXCONN,
     )
 
 
@@ -208,12 +211,38 @@ def _add_http_routes(state: GatewayState, tracked: Tracked) -> None:
                     canary_weight=weight,
                 )
         state.routes[model] = route
+        _add_priority_levels(state, model, deployment, rollout)
         if deployment.min_replicas == 0 and not deployment.pinned:
             state.sleepy[model] = name
             failure = _wake_failure(deployment, placements)
             if failure:
                 state.wake_failures[name] = wake_failure_value(failure)
         _add_to_index(state, deployment, route, placements)
+
+
+@lru_cache(maxsize=4096)
+def config_priority_levels(config_text: str) -> int:
+    """``dynamic_batching.priority_levels`` of a served config (0: none, or not a config the gateway can read;
+    a READY version's text is immutable, so a sync parses each once)."""
+    try:
+        cfg = parse_config(config_text)
+    except ConfigError:
+        return 0
+    if cfg.platform == "ensemble" or not cfg.HasField("dynamic_batching"):
+        return 0
+    return max(0, cfg.dynamic_batching.priority_levels)
+
+
+def _add_priority_levels(state: GatewayState, model: str, deployment: Deployment, rollout) -> None:
+    versions = [deployment.active_version, deployment.target_version]
+    if rollout is not None:
+        versions += [rollout.stable_version, rollout.canary_version]
+    for version in versions:
+        if version is None:
+            continue
+        levels = config_priority_levels(version.config_text)
+        if levels:
+            state.priority_levels[f"{model}/{version.number}"] = str(levels)
 
 
 def _add_to_index(state: GatewayState, deployment: Deployment, route: Route, placements) -> None:
@@ -315,11 +344,18 @@ def _add_tokens(state: GatewayState) -> None:
             created_by__memberships__team=F("team"),
         )
         .exclude(expires_at__lt=now - EXPIRED_TOKENS_KEPT)
-        .values_list("prefix", "secret_hash", "team__slug", "expires_at")
+        .values_list(
+            "prefix",
+            "secret_hash",
+            "team__slug",
+            "expires_at",
+            "priority_class",
+            "team__default_priority_class",
+        )
     )
-    for prefix, secret_hash, team, expires_at in tokens:
+    for prefix, secret_hash, team, expires_at, own_class, team_class in tokens:
         expires = int(expires_at.timestamp()) if expires_at is not None else NEVER_EXPIRES
-        state.tokens[f"{prefix}:{secret_hash}"] = f"{team}:{expires}"
+        state.tokens[f"{prefix}:{secret_hash}"] = f"{team}:{expires}:{own_class or team_class}"
 
 
 def desired_state(tracked: Tracked | None = None) -> GatewayState:

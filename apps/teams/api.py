@@ -8,6 +8,7 @@ from rest_framework.decorators import action, api_view
 from rest_framework.exceptions import NotFound, PermissionDenied
 from rest_framework.response import Response
 
+from apps.core import priority
 from apps.teams import services
 from apps.teams.models import Action, ApiToken, Membership, Team, TeamInvitation, team_roles
 from apps.teams.viewsets import TeamScopedViewSet, check_team_action
@@ -24,8 +25,16 @@ class TeamSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Team
-        fields = ["slug", "name", "role", "member_count", "quota_requests_per_second", "created_at"]
-        read_only_fields = ["quota_requests_per_second", "created_at"]
+        fields = [
+            "slug",
+            "name",
+            "role",
+            "member_count",
+            "quota_requests_per_second",
+            "default_priority_class",
+            "created_at",
+        ]
+        read_only_fields = ["quota_requests_per_second", "default_priority_class", "created_at"]
 
     def get_role(self, team: Team) -> str | None:
         return team_roles(self.context["request"].user).get(team.pk)
@@ -40,9 +49,15 @@ class TeamUpdateSerializer(serializers.ModelSerializer):
         f"(1-{services.MAX_REQUESTS_PER_SECOND}).",
     )
 
+    default_priority_class = serializers.ChoiceField(
+        choices=priority.CHOICES,
+        required=False,
+        help_text="Owners: the priority class of the team's tokens that name none.",
+    )
+
     class Meta:
         model = Team
-        fields = ["name", "quota_requests_per_second"]
+        fields = ["name", "quota_requests_per_second", "default_priority_class"]
 
 
 class TeamViewSet(
@@ -75,7 +90,7 @@ class TeamViewSet(
         serializer = TeamUpdateSerializer(team, data=request.data, partial=True)
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
-        if "name" in data:
+        if "name" in data or "default_priority_class" in data:
             check_team_action(request.user, team, Action.MANAGE)  # before anything is written
         if "quota_requests_per_second" in data:
             team = services.set_request_rate_quota(
@@ -83,6 +98,10 @@ class TeamViewSet(
             )
         if "name" in data:
             services.rename_team(actor=request.user, team=team, name=data["name"])
+        if "default_priority_class" in data:
+            services.set_default_priority_class(
+                actor=request.user, team=team, priority_class=data["default_priority_class"]
+            )
         return Response(TeamSerializer(team, context={"request": request}).data)
 
 
@@ -264,6 +283,14 @@ class ApiTokenSerializer(serializers.ModelSerializer):
         read_only=True,
         help_text="What it may do: the read-only flag narrowed by the creator's role (a viewer's token is read-only).",
     )
+    priority_class = serializers.ChoiceField(
+        choices=[("", "the team's default"), *priority.CHOICES],
+        required=False,
+        help_text='interactive or batch; "" (the default) follows the team\'s default_priority_class.',
+    )
+    effective_priority_class = serializers.CharField(
+        read_only=True, help_text="The class the gateway applies: priority_class, or the team's default."
+    )
 
     class Meta:
         model = ApiToken
@@ -273,6 +300,8 @@ class ApiTokenSerializer(serializers.ModelSerializer):
             "prefix",
             "read_only",
             "inference_only",
+            "priority_class",
+            "effective_priority_class",
             "status",
             "access",
             "created_by",
@@ -289,6 +318,21 @@ class ApiTokenCreatedSerializer(ApiTokenSerializer):
 
     class Meta(ApiTokenSerializer.Meta):
         fields = [*ApiTokenSerializer.Meta.fields, "token"]
+
+
+class ApiTokenUpdateSerializer(serializers.Serializer):
+    priority_class = serializers.ChoiceField(
+        choices=[("", "the team's default"), *priority.CHOICES],
+        help_text='interactive or batch; "" follows the team\'s default_priority_class.',
+    )
+
+    def validate(self, attrs):
+        unknown = sorted(set(self.initial_data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError(
+                {unknown[0]: ["Only priority_class can change; create a new token for anything else."]}
+            )
+        return attrs
 
 
 class ApiTokenFilter(filters.FilterSet):
@@ -309,11 +353,13 @@ class ApiTokenViewSet(
     """A team's API tokens (owners only). Creating returns the secret once; listing never does; DELETE
     revokes (the row stays, for the audit trail)."""
 
-    queryset = ApiToken.objects.select_related("created_by").with_creator_role()
+    queryset = ApiToken.objects.select_related("created_by", "team").with_creator_role()
     serializer_class = ApiTokenSerializer
     filterset_class = ApiTokenFilter
     ordering_fields = ["created_at", "name", "last_used_at"]
-    action_requirements = dict.fromkeys(("list", "retrieve", "create", "destroy"), Action.MANAGE)
+    action_requirements = dict.fromkeys(
+        ("list", "retrieve", "create", "partial_update", "destroy"), Action.MANAGE
+    )
 
     @extend_schema(request=ApiTokenSerializer, responses={201: ApiTokenCreatedSerializer})
     def create(self, request, team_slug=None):
@@ -327,9 +373,21 @@ class ApiTokenViewSet(
             read_only=data.get("read_only", False),
             expires_at=data.get("expires_at"),
             inference_only=data.get("inference_only", False),
+            priority_class=data.get("priority_class", ""),
         )
         token.token = plaintext
         return Response(ApiTokenCreatedSerializer(token).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=ApiTokenUpdateSerializer, responses=ApiTokenSerializer)
+    def partial_update(self, request, team_slug=None, pk=None):
+        """Only the priority class changes; a token's other properties are fixed at creation."""
+        token = self.get_object()
+        serializer = ApiTokenUpdateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        token = services.set_token_priority_class(
+            actor=request.user, token=token, priority_class=serializer.validated_data["priority_class"]
+        )
+        return Response(ApiTokenSerializer(token).data)
 
     def perform_destroy(self, instance):
         services.revoke_token(actor=self.request.user, token=instance)

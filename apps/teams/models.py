@@ -12,6 +12,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator, RegexVa
 from django.db import models
 from django.utils import timezone
 
+from apps.core import priority
 from apps.core.credentials import TEAM_TOKEN_SCHEME
 from apps.core.scoping import (  # noqa: F401 - importable with the models they scope
     ACTION_MIN_ROLE,
@@ -59,6 +60,12 @@ class Team(models.Model):
     quota_requests_per_second = models.PositiveIntegerField(
         default=default_requests_per_second,
         help_text="Inference requests per second through the gateway, over all the team's models and tokens.",
+    )
+    default_priority_class = models.CharField(
+        max_length=16,
+        choices=priority.CHOICES,
+        default=priority.DEFAULT_CLASS,
+        help_text="The priority class of the team's tokens that do not name one (apps.core.priority).",
     )
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -157,6 +164,8 @@ class ApiToken(models.Model):
     read_only = models.BooleanField(default=False)
     # Inference-only tokens call models through the gateway and nothing else: the management API refuses them.
     inference_only = models.BooleanField(default=False)
+    # Blank: the team's default_priority_class (followed when the team changes it).
+    priority_class = models.CharField(max_length=16, choices=priority.CHOICES, blank=True, default="")
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens"
     )
@@ -195,6 +204,10 @@ class ApiToken(models.Model):
         if self.read_only or role == Role.VIEWER:
             return "read-only"
         return "read-write, manage" if role == Role.OWNER else "read-write"
+
+    @property
+    def effective_priority_class(self) -> str:
+        return self.priority_class or self.team.default_priority_class
 
     @property
     def display_prefix(self) -> str:

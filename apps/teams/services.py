@@ -15,6 +15,7 @@ from django.utils import timezone
 from django.utils.text import slugify
 
 from apps.audit.services import record
+from apps.core import priority
 from apps.teams.models import (
     TOKEN_SCHEME,
     ApiToken,
@@ -66,6 +67,53 @@ def rename_team(*, actor, team: Team, name: str) -> Team:
         team.save(update_fields=["name"])
         record(actor=actor, team=team, action="team.renamed", target=team, details={"from": old, "to": name})
     return team
+
+
+def _check_priority_class(field: str, value, allow_blank: bool) -> str:
+    if value == "" and allow_blank:
+        return ""
+    if value not in priority.CLASSES:
+        also = ', or "" for the team\'s default' if allow_blank else ""
+        raise ValidationError({field: [f"Use one of {', '.join(priority.CLASSES)}{also}."]})
+    return value
+
+
+def set_default_priority_class(*, actor, team: Team, priority_class: str) -> Team:
+    """The class of the team's tokens that name none (owners: Action.MANAGE, checked by the caller)."""
+    priority_class = _check_priority_class("default_priority_class", priority_class, allow_blank=False)
+    with transaction.atomic():
+        old = team.default_priority_class
+        if old == priority_class:
+            return team
+        team.default_priority_class = priority_class
+        team.save(update_fields=["default_priority_class"])
+        record(
+            actor=actor,
+            team=team,
+            action="team.priority_class_changed",
+            target=team,
+            details={"from": old, "to": priority_class},
+        )
+    return team
+
+
+def set_token_priority_class(*, actor, token: ApiToken, priority_class: str) -> ApiToken:
+    """A token's class ("" follows the team's default); the gateway applies it from its next sync."""
+    priority_class = _check_priority_class("priority_class", priority_class, allow_blank=True)
+    with transaction.atomic():
+        old = token.priority_class
+        if old == priority_class:
+            return token
+        token.priority_class = priority_class
+        token.save(update_fields=["priority_class"])
+        record(
+            actor=actor,
+            team=token.team,
+            action="token.priority_class_changed",
+            target=token,
+            details={"name": token.name, "from": old, "to": priority_class},
+        )
+    return token
 
 
 # The gateway's rate counters are 32-bit and a team above this is a capacity question, not a quota.
@@ -343,6 +391,7 @@ def create_token(
     read_only: bool = False,
     expires_at: datetime | None = None,
     inference_only: bool = False,
+    priority_class: str = "",
 ) -> tuple[ApiToken, str]:
     """Create a token; returns it with its plaintext, which is never stored and cannot be shown again."""
     name = name.strip()
@@ -350,6 +399,7 @@ def create_token(
         raise ValidationError({"name": ["Give the token a name that says where it is used."]})
     if expires_at is not None and expires_at <= timezone.now():
         raise ValidationError({"expires_at": ["The expiry must be in the future."]})
+    priority_class = _check_priority_class("priority_class", priority_class, allow_blank=True)
     secret = secrets.token_urlsafe(32)
     with transaction.atomic():
         prefix = _new_prefix()
@@ -360,6 +410,7 @@ def create_token(
             secret_hash=hash_token_secret(secret),
             read_only=read_only,
             inference_only=inference_only,
+            priority_class=priority_class,
             created_by=actor,
             expires_at=expires_at,
         )
@@ -372,6 +423,7 @@ def create_token(
                 "name": name,
                 "read_only": read_only,
                 "inference_only": inference_only,
+                "priority_class": priority_class,
                 "expires_at": expires_at.isoformat() if expires_at else None,
             },
         )

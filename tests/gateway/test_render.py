@@ -123,7 +123,7 @@ def test_a_new_deployment_takes_a_free_slot_and_its_servers_are_added_at_run_tim
     assert commands == [
         f"add map {tmp_path}/checks.map s1 vision__other/versions/1",
         f"add server s1/{key_c} 127.0.0.1:8300 weight 100 check inter 500ms fastinter 100ms downinter 100ms "
-        "rise 2 fall 2",
+        "rise 2 fall 2 maxconn 64",
         f"enable health s1/{key_c}",
         f"set server s1/{key_c} state ready",
         f"add map {tmp_path}/models.map vision__other vision/d2/s1/1/-/0/0",
