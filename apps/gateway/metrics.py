@@ -37,8 +37,8 @@ from django.utils import timezone
 from apps.core.periods import HOUR, MINUTE
 from apps.deployments.models import Deployment
 from apps.gateway.haproxy import COUNT_STAGES, COUNTS_TABLE, AdminSocket
-from apps.gateway.rules import BATCH_STAGE
 from apps.gateway.models import GatewayMetrics, GatewayScrapeState
+from apps.gateway.rules import BATCH_STAGE
 from apps.gateway.state import options
 
 log = logging.getLogger(__name__)
