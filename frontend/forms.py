@@ -1,5 +1,6 @@
 from django import forms
 
+from apps.core import priority
 from apps.teams.models import Role
 from apps.teams.services import MAX_REQUESTS_PER_SECOND
 
@@ -28,6 +29,10 @@ class RoleForm(forms.Form):
     role = forms.ChoiceField(choices=Role.choices)
 
 
+class PriorityClassForm(forms.Form):
+    priority_class = forms.ChoiceField(choices=[("", "the team's default"), *priority.CHOICES])
+
+
 class TokenForm(forms.Form):
     name = forms.CharField(max_length=100, help_text="Where the token is used, e.g. 'CI pipeline'.")
     read_only = forms.BooleanField(required=False, label="Read-only")
@@ -35,6 +40,12 @@ class TokenForm(forms.Form):
         required=False,
         label="Inference only",
         help_text="Calls models through the gateway; the management API refuses it.",
+    )
+    priority_class = forms.ChoiceField(
+        required=False,
+        choices=[("", "the team's default"), *priority.CHOICES],
+        label="Priority class",
+        help_text="When a model is saturated, interactive requests are served before batch ones.",
     )
     expires_in_days = forms.IntegerField(
         required=False,

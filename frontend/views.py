@@ -20,7 +20,7 @@ from apps.gateway.metrics import gateway_wide_summary
 from apps.teams import services
 from apps.teams.models import Action, ApiToken, Membership, Team, TeamInvitation
 from frontend.context_processors import current_team
-from frontend.forms import MemberForm, QuotaForm, RoleForm, TeamForm, TokenForm
+from frontend.forms import MemberForm, PriorityClassForm, QuotaForm, RoleForm, TeamForm, TokenForm
 from frontend.pages import TeamPageView
 from frontend.sso import sign_in_context
 from frontend.status import team_status
@@ -152,9 +152,10 @@ class TeamSettingsView(TeamPageView):
             context["tokens"] = (
                 ApiToken.objects.for_user(self.request.user, Action.MANAGE)
                 .filter(team=self.team)
-                .select_related("created_by")
+                .select_related("created_by", "team")
                 .with_creator_role()
             )
+            context["priority_choices"] = PriorityClassForm.base_fields["priority_class"].choices
             # The plaintext is handed over exactly once, through the session, then dropped.
             context["new_token"] = self.request.session.pop("new_token", None)
         return context
@@ -277,6 +278,7 @@ class TeamSettingsView(TeamPageView):
                     name=form.cleaned_data["name"],
                     read_only=form.cleaned_data["read_only"],
                     inference_only=form.cleaned_data["inference_only"],
+                    priority_class=form.cleaned_data["priority_class"],
                     expires_at=timezone.now() + timedelta(days=days) if days else None,
                 )
             except ValidationError as error:
@@ -285,6 +287,32 @@ class TeamSettingsView(TeamPageView):
                 request.session["new_token"] = {"name": token.name, "secret": plaintext}
                 return redirect("team-settings", team_slug=self.team.slug)
         return self._invalid(token_form=form)
+
+    def op_set_default_priority_class(self, request):
+        self.require(Action.MANAGE)
+        try:
+            services.set_default_priority_class(
+                actor=request.user, team=self.team, priority_class=request.POST.get("priority_class", "")
+            )
+        except ValidationError as error:
+            messages.error(request, " ".join(error.messages))
+            return redirect("team-settings", team_slug=self.team.slug)
+        return self._done(f"Tokens without a class of their own are now {self.team.default_priority_class}.")
+
+    def op_set_token_priority_class(self, request):
+        self.require(Action.MANAGE)
+        token = get_object_or_404(
+            ApiToken.objects.for_user(request.user, Action.MANAGE).filter(team=self.team),
+            pk=request.POST.get("token"),
+        )
+        try:
+            services.set_token_priority_class(
+                actor=request.user, token=token, priority_class=request.POST.get("priority_class", "")
+            )
+        except ValidationError as error:
+            messages.error(request, " ".join(error.messages))
+            return redirect("team-settings", team_slug=self.team.slug)
+        return self._done(f"Token {token.display_prefix} is now {token.effective_priority_class}.")
 
     def op_revoke_token(self, request):
         self.require(Action.MANAGE)
