@@ -174,6 +174,17 @@ SMOKES = [
         id="gateway_grpc",
     ),
     pytest.param(
+        "priority.py",
+        [
+            rf"^alone: interactive p50 {NUMBER} ms p99 {NUMBER} ms \(0 errors\)",
+            rf"^with_classes: interactive p50 {NUMBER} ms p99 {NUMBER} ms \(0 errors\); batch {NUMBER} req/s",
+            rf"^without_classes: interactive p50 {NUMBER} ms p99 {NUMBER} ms \(0 errors\)",
+            rf"^interactive p99 with classes / alone: {NUMBER}x, without classes / alone: {NUMBER}x",
+        ],
+        marks=[pytest.mark.triton, pytest.mark.servers, requires_haproxy],
+        id="priority",
+    ),
+    pytest.param(
         "latency_summaries.py",
         [
             rf"^concurrency 1: without {NUMBER} req/s .* ratio {NUMBER}, added p50 [+-]\d+ us",
