@@ -362,6 +362,8 @@ def gateway_series(rows: QuerySet, window) -> dict:
         "rate_limited_per_second": "responses_429",
         "bad_requests_per_second": "responses_400",
         "server_errors_per_second": "responses_5xx",
+        "interactive_per_second": "requests_interactive",
+        "batch_per_second": "requests_batch",
     }
     return {
         **{key: [round(v / step, 4) for v in sums[name]] for key, name in per_second.items()},

@@ -102,6 +102,10 @@ class GatewayTotalsSerializer(serializers.Serializer):
     responses_400 = serializers.IntegerField(
         help_text="Bad requests its instances answered (HTTP 400, gRPC INVALID_ARGUMENT): client errors."
     )
+    requests_interactive = serializers.IntegerField(
+        help_text="Requests admitted to the model (past the token and rate checks) from interactive callers."
+    )
+    requests_batch = serializers.IntegerField(help_text="The same from batch callers.")
 
 
 class GatewaySeriesSerializer(serializers.Serializer):
@@ -114,6 +118,8 @@ class GatewaySeriesSerializer(serializers.Serializer):
     rate_limited_per_second = points()
     bad_requests_per_second = points()
     server_errors_per_second = points()
+    interactive_per_second = points()
+    batch_per_second = points()
     avg_ms = points()
     totals = GatewayTotalsSerializer()
 

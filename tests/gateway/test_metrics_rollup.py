@@ -29,17 +29,17 @@ from tests.support.models import make_version
 # `show table gateway_counts` from HAProxy 2.6.12 after 7 requests (see apps.gateway.rules for the stages);
 # the format of the seventh counter (400s) as HAProxy prints it, with its count added.
 RECORDED_TABLE = """# table: gateway_counts, type: string, size:102400, used:3
-0x55fd5fac8aa8: key=all use=0 exp=0 gpc0=7 gpc1=6 gpc2=3 gpc3=0 gpc4=0 gpc5=2 gpc6=1
-0x7f042c042928: key=d7 use=0 exp=0 gpc0=0 gpc1=5 gpc2=3 gpc3=0 gpc4=0 gpc5=2 gpc6=1
-0x7f042c042a10: key=x../etc use=1 exp=0 gpc0=9 gpc1=9 gpc2=9 gpc3=9 gpc4=9 gpc5=9 gpc6=9
+0x55fd5fac8aa8: key=all use=0 exp=0 gpc0=7 gpc1=6 gpc2=3 gpc3=0 gpc4=0 gpc5=2 gpc6=1 gpc7=0
+0x7f042c042928: key=d7 use=0 exp=0 gpc0=0 gpc1=5 gpc2=3 gpc3=0 gpc4=0 gpc5=2 gpc6=1 gpc7=0
+0x7f042c042a10: key=x../etc use=1 exp=0 gpc0=9 gpc1=9 gpc2=9 gpc3=9 gpc4=9 gpc5=9 gpc6=9 gpc7=9
 """
 
 
 def test_the_recorded_table_parses_into_stage_counts_and_refusals():
     counts = parse_counts_table(RECORDED_TABLE)
     assert counts == {
-        "*": {"g0": 7, "g1": 6, "g2": 3, "g3": 0, "g4": 0, "g5": 2, "g6": 1},
-        "d7": {"g0": 0, "g1": 5, "g2": 3, "g3": 0, "g4": 0, "g5": 2, "g6": 1},
+        "*": {"g0": 7, "g1": 6, "g2": 3, "g3": 0, "g4": 0, "g5": 2, "g6": 1, "g7": 0},
+        "d7": {"g0": 0, "g1": 5, "g2": 3, "g3": 0, "g4": 0, "g5": 2, "g6": 1, "g7": 0},
     }  # a key that is not a deployment is ignored
     assert _refusals(counts["*"], gateway_wide=True) == {
         "responses_401": 3,

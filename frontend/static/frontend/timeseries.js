@@ -123,6 +123,7 @@
       { label: "429", color: PALETTE[3], values: g.rate_limited_per_second },
       { label: "400 bad request", color: PALETTE[5], values: g.bad_requests_per_second },
       { label: "5xx", color: PALETTE[1], values: g.server_errors_per_second },
+      { label: "batch class", color: PALETTE[6], values: g.batch_per_second },
     ], "/s", 2, markers);
   }
 
@@ -130,7 +131,8 @@
     var t = g.totals;
     return "At the gateway: " + t.requests + " requests, " + t.responses_5xx + " 5xx (server errors), " +
       t.responses_400 + " × 400 (bad requests); refused " +
-      t.responses_401 + " × 401, " + t.responses_404 + " × 404, " + t.responses_429 + " × 429.";
+      t.responses_401 + " × 401, " + t.responses_404 + " × 404, " + t.responses_429 + " × 429; by priority class " +
+      t.requests_interactive + " interactive, " + t.requests_batch + " batch.";
   }
 
   var RENDER = {
