@@ -97,7 +97,14 @@ def test_deployment_page_draws_its_charts_with_markers_ranges_live_refresh_and_a
 
     for minute in range(10, 1, -1):
         gateway_minute(
-            minute, requests=182, responses_401=6, responses_429=12, responses_400=3, time_ms_sum=182 * 2.5
+            minute,
+            requests=182,
+            responses_401=6,
+            responses_429=12,
+            responses_400=3,
+            time_ms_sum=182 * 2.5,
+            requests_interactive=152,
+            requests_batch=30,
         )
 
     page.clock.install()  # the 15 s refresh timer runs on the test's clock
@@ -112,12 +119,13 @@ def test_deployment_page_draws_its_charts_with_markers_ranges_live_refresh_and_a
         *("v1 p50", "v1 p95", "v1 p99", "v2 p50", "v2 p95", "v2 p99"),
         "gateway mean",  # the time at the gateway beside Triton's
     ]
-    assert charts["chart-gateway"] == ["requests", "401", "404", "429", "400 bad request", "5xx"]
+    assert charts["chart-gateway"] == ["requests", "401", "404", "429", "400 bad request", "5xx", "batch class"]
+    assert page.evaluate("() => Math.max(...window.metricsCharts['chart-gateway'].data[7])") == 0.5
     assert page.evaluate("() => Math.max(...window.metricsCharts['chart-gateway'].data[4])") == 0.2
     assert page.evaluate("() => Math.max(...window.metricsCharts['chart-latency'].data[7])") == 2.5
     assert page.evaluate("() => Math.max(...window.metricsCharts['chart-gateway'].data[5])") == 0.05
     assert (
-        "27 × 400 (bad requests); refused 54 × 401, 0 × 404, 108 × 429"
+        "27 × 400 (bad requests); refused 54 × 401, 0 × 404, 108 × 429; by priority class 1368 interactive, 270 batch"
         in page.locator(".metric-totals").inner_text()
     )
     assert page.locator(".latency-title").inner_text() == "Latency p50 / p95 / p99 (ms)"
