@@ -415,6 +415,13 @@ class TritonServer:
             raise TritonError(f"repository index failed ({status}): {reply}")
         return reply if isinstance(reply, list) else []
 
+    def model_config(self, name: str) -> dict:
+        """The config Triton serves ``name`` with (JSON, as its model configuration API gives it)."""
+        status, reply = self._request("GET", f"/v2/models/{name}/config")
+        if status != 200:
+            raise TritonError(f"config of {name} failed ({status}): {reply.get('error', reply)}")
+        return reply
+
     def model_statistics(self, name: str = "") -> list[dict]:
         """``model_stats`` entries from the statistics API (all models when ``name`` is empty)."""
         path = f"/v2/models/{name}/stats" if name else "/v2/models/stats"
