@@ -460,6 +460,7 @@ class TritonMeasure:
         *,
         requests: int = 400,
         warmup: int = 5,
+        per_stream: int = 25,
         inputs=None,
         timeout: float = 300.0,
     ) -> None:
@@ -468,6 +469,7 @@ class TritonMeasure:
         self.base_config = base_config
         self.requests = requests
         self.warmup = warmup
+        self.per_stream = per_stream
         self.inputs = inputs
         self.timeout = timeout
         self.loaded: Candidate | None = None
@@ -487,7 +489,7 @@ class TritonMeasure:
 
     def __call__(self, candidate: Candidate, concurrency: int) -> Point:
         self.load(candidate)
-        requests = max(self.requests, 25 * concurrency)
+        requests = max(self.requests, self.per_stream * concurrency)
         r = bench.run(
             self.server.http_url,
             self.scratch_name,

@@ -27,6 +27,7 @@ from apps.registry.formats import EXTENSIONS
 from apps.registry.models import ModelKind, ModelVersion, RegisteredModel, TaskType
 from apps.registry.options import INPUT_FORMATS, PRECISION_MODES, SERVING_DEFAULTS
 from apps.teams.models import Action
+from backend_ge import tuning
 from backend_ge.served_config import MAX_BATCH_SIZE, MAX_INSTANCE_COUNT
 from frontend.pages import TeamPageView
 from frontend.views import add_service_errors
@@ -48,6 +49,21 @@ class ModelForm(forms.Form):
         "directory. Until it has a version, the model takes its kind from its first upload.",
     )
     description = forms.CharField(widget=forms.Textarea(attrs={"rows": 3}), required=False)
+
+
+class ObjectiveForm(forms.Form):
+    """The model's latency objective; an empty p99 clears it, an empty rate means "the most throughput"."""
+
+    objective_p99_ms = forms.FloatField(
+        required=False,
+        label="p99 within (ms)",
+        help_text=f"{tuning.P99_MS_RANGE[0]:g} to {tuning.P99_MS_RANGE[1]:g} ms; empty: no objective.",
+    )
+    objective_rate_rps = forms.FloatField(
+        required=False,
+        label="at requests/s",
+        help_text="Empty: the most throughput with p99 within the objective.",
+    )
 
 
 def in_use_message(team_slug: str, error: services.ModelInUse | versions.VersionInUse):
@@ -178,6 +194,16 @@ class ModelDetailView(ModelPageView):
             jobs = sorted(version.conversion_jobs.all(), key=lambda j: (j.created_at, j.pk), reverse=True)
             version.latest_job = jobs[0] if jobs else None
         context["versions"] = versions
+        model = context["model"]
+        context.setdefault(
+            "objective_form",
+            ObjectiveForm(
+                initial={
+                    "objective_p99_ms": model.objective_p99_ms,
+                    "objective_rate_rps": model.objective_rate_rps,
+                }
+            ),
+        )
         context.setdefault(
             "form",
             ModelForm(
@@ -203,6 +229,28 @@ class ModelDetailView(ModelPageView):
                 return redirect("model-detail", team_slug=self.team.slug, model_slug=model.slug)
             messages.success(request, f"Model {model.name} and its versions deleted.")
             return redirect("models", team_slug=self.team.slug)
+        if operation == "objective":
+            form = ObjectiveForm(request.POST)
+            if form.is_valid():
+                try:
+                    services.set_latency_objective(
+                        actor=request.user,
+                        model=model,
+                        p99_ms=form.cleaned_data["objective_p99_ms"],
+                        rate_rps=form.cleaned_data["objective_rate_rps"],
+                    )
+                except ValidationError as error:
+                    add_service_errors(form, error)
+                else:
+                    objective = model.latency_objective()
+                    messages.success(
+                        request,
+                        f"Latency objective: {objective.describe()}."
+                        if objective
+                        else "Latency objective cleared.",
+                    )
+                    return redirect("model-detail", team_slug=self.team.slug, model_slug=model.slug)
+            return self.render_to_response(self.get_context_data(objective_form=form), status=400)
         if operation == "edit":
             form = ModelForm(request.POST)
             if form.is_valid():

@@ -147,6 +147,34 @@ def models_create(name: str, slug: str, task_type: str, description: str) -> Non
     emit(model, f"Created model {model['slug']} ({model['name']}).")
 
 
+def objective_text(model: dict) -> str:
+    if model.get("objective_p99_ms") is None:
+        return f"{model['slug']}: no latency objective."
+    rate = model.get("objective_rate_rps")
+    within = f"p99 <= {model['objective_p99_ms']:g} ms"
+    return f"{model['slug']}: " + (
+        f"{within} at {rate:g} requests/s." if rate is not None else f"the most throughput with {within}."
+    )
+
+
+@models.command("objective")
+@click.argument("model")
+@click.option("--p99-ms", type=float, help="The p99 bound in milliseconds.")
+@click.option(
+    "--rate", "rate_rps", type=float, help="Requests/s the bound holds at (default: the most throughput)."
+)
+@click.option("--clear", is_flag=True, help="Remove the objective.")
+@output_option
+def models_objective(model: str, p99_ms: float | None, rate_rps: float | None, clear: bool) -> None:
+    """Set the model's latency objective, which tuning measures its versions' configs against."""
+    if clear == (p99_ms is not None):
+        raise click.UsageError("give either --p99-ms (and optionally --rate) or --clear")
+    if clear and rate_rps is not None:
+        raise click.UsageError("--rate goes with --p99-ms, not --clear")
+    updated = client().set_objective(model, None if clear else p99_ms, rate_rps)
+    emit(updated, objective_text(updated))
+
+
 class Progress:
     """A progress bar on a terminal, plain lines (every 10 %) in a pipeline's log."""
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -259,6 +260,11 @@ class Client:
         if task_type:
             body["task_type"] = task_type
         return self.request("POST", self._team_path("models/"), json=body)
+
+    def set_objective(self, model: str, p99_ms: float | None, rate_rps: float | None = None) -> dict:
+        """Set the model's latency objective (``p99_ms`` None clears it)."""
+        body = {"objective_p99_ms": p99_ms, "objective_rate_rps": rate_rps}
+        return self.request("PATCH", self._team_path(f"models/{quote(model, safe='')}/"), json=body)
 
     def list_versions(self, model: str) -> list[dict]:
         return self._all(self._team_path(f"models/{model}/versions/"), ordering="-number")

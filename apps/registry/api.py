@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import cached_property
 
 from django.core.exceptions import ValidationError
+from django.db import transaction
 from django.db.models import Count
 from django.http import StreamingHttpResponse
 from django.shortcuts import get_object_or_404
@@ -34,6 +35,7 @@ from apps.registry.models import (
 )
 from apps.teams.models import Action
 from apps.teams.viewsets import TeamScopedViewSet
+from backend_ge import tuning
 
 UUID_REGEX = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 OFFSET_HEADER = "Upload-Offset"
@@ -61,6 +63,14 @@ class RegisteredModelSerializer(serializers.ModelSerializer):
     version_count = serializers.IntegerField(read_only=True)
     triton_name = serializers.CharField(source="triton_model_name", read_only=True)
     latest_version = serializers.SerializerMethodField()
+    objective_p99_ms = serializers.FloatField(
+        read_only=True, allow_null=True, help_text="The latency objective: p99 in ms (null: none set)."
+    )
+    objective_rate_rps = serializers.FloatField(
+        read_only=True,
+        allow_null=True,
+        help_text="The objective's request rate; null: the most throughput with p99 within objective_p99_ms.",
+    )
 
     class Meta:
         model = RegisteredModel
@@ -70,6 +80,8 @@ class RegisteredModelSerializer(serializers.ModelSerializer):
             "task_type",
             "kind",
             "description",
+            "objective_p99_ms",
+            "objective_rate_rps",
             "triton_name",
             "version_count",
             "latest_version",
@@ -86,9 +98,28 @@ class RegisteredModelSerializer(serializers.ModelSerializer):
 
 
 class RegisteredModelUpdateSerializer(serializers.ModelSerializer):
+    objective_p99_ms = serializers.FloatField(
+        required=False,
+        allow_null=True,
+        help_text=f"p99 objective in ms, {tuning.P99_MS_RANGE[0]:g} to {tuning.P99_MS_RANGE[1]:g}; null clears the objective.",
+    )
+    objective_rate_rps = serializers.FloatField(
+        required=False,
+        allow_null=True,
+        help_text=f"Requests/s the p99 holds at, {tuning.RATE_RPS_RANGE[0]:g} to {tuning.RATE_RPS_RANGE[1]:g}; "
+        "null or omitted with objective_p99_ms: the most throughput within it.",
+    )
+
     class Meta:
         model = RegisteredModel
-        fields = ["name", "task_type", "description"]
+        fields = ["name", "task_type", "description", "objective_p99_ms", "objective_rate_rps"]
+
+    def validate(self, attrs):
+        if "objective_rate_rps" in attrs and "objective_p99_ms" not in attrs:
+            raise serializers.ValidationError(
+                {"objective_rate_rps": "Send objective_p99_ms with it: the objective is set as a whole."}
+            )
+        return attrs
 
 
 class ModelVersionSerializer(serializers.ModelSerializer):
@@ -300,7 +331,16 @@ class RegisteredModelViewSet(
         model = self.get_object()
         serializer = RegisteredModelUpdateSerializer(model, data=request.data, partial=True)
         serializer.is_valid(raise_exception=True)
-        services.update_model(actor=request.user, model=model, **serializer.validated_data)
+        changes = dict(serializer.validated_data)
+        objective = "objective_p99_ms" in changes
+        p99_ms, rate_rps = changes.pop("objective_p99_ms", None), changes.pop("objective_rate_rps", None)
+        with transaction.atomic():
+            if changes:
+                services.update_model(actor=request.user, model=model, **changes)
+            if objective:
+                services.set_latency_objective(
+                    actor=request.user, model=model, p99_ms=p99_ms, rate_rps=rate_rps
+                )
         return Response(RegisteredModelSerializer(self.get_queryset().get(pk=model.pk)).data)
 
     @extend_schema(

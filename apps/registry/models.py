@@ -12,7 +12,7 @@ from django.conf import settings
 from django.db import models
 
 from apps.teams.models import TeamScopedQuerySet, slug_validator
-from backend_ge import naming
+from backend_ge import naming, tuning
 
 
 def artifact_root() -> Path:
@@ -60,6 +60,11 @@ class RegisteredModel(models.Model):
     task_type = models.CharField(max_length=20, choices=TaskType.choices, default=TaskType.OTHER)
     kind = models.CharField(max_length=20, choices=ModelKind.choices, default=ModelKind.MODEL)
     description = models.TextField(blank=True)
+    # The team's latency objective (backend_ge.tuning.Objective): p99 within objective_p99_ms at
+    # objective_rate_rps requests/s, or without a rate the most throughput with p99 within it. Tuning
+    # measures candidate configs against it; null: none set.
+    objective_p99_ms = models.FloatField(null=True, blank=True)
+    objective_rate_rps = models.FloatField(null=True, blank=True)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
@@ -82,6 +87,11 @@ class RegisteredModel(models.Model):
 
     def is_ensemble(self) -> bool:
         return self.kind == ModelKind.ENSEMBLE
+
+    def latency_objective(self) -> tuning.Objective | None:
+        if self.objective_p99_ms is None:
+            return None
+        return tuning.Objective(p99_ms=self.objective_p99_ms, rate_rps=self.objective_rate_rps)
 
     def has_versions_besides(self, version: ModelVersion | None = None) -> bool:
         """Whether a version other than ``version`` holds an upload or a composition (an open or rejected

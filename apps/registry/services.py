@@ -48,6 +48,7 @@ from apps.registry.models import (
 )
 from apps.registry.options import check_conversion_options, check_om_config, check_serving_options
 from apps.registry.signals import VersionUse, model_deleting, model_retiring, version_uploaded
+from backend_ge import tuning
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +165,38 @@ def update_model(*, actor, model: RegisteredModel, **changes) -> RegisteredModel
         model.save()
         diff = {k: {"from": before[k], "to": v} for k, v in changes.items() if before[k] != v}
         record(actor=actor, team=model.team, action="model.updated", target=model, details=diff)
+    return model
+
+
+def set_latency_objective(
+    *, actor, model: RegisteredModel, p99_ms: float | None, rate_rps: float | None = None
+) -> RegisteredModel:
+    """Set (or, with ``p99_ms`` None, clear) the model's latency objective: p99 within ``p99_ms`` at
+    ``rate_rps`` requests/s, or without a rate the most throughput with p99 within ``p99_ms``. Out of
+    bounds is a ValidationError naming the field."""
+    if p99_ms is None:
+        if rate_rps is not None:
+            raise ValidationError(
+                {"objective_rate_rps": ["A rate needs a p99 objective: set objective_p99_ms too."]}
+            )
+    else:
+        try:
+            tuning.Objective(p99_ms=p99_ms, rate_rps=rate_rps)
+        except tuning.TuningError as exc:
+            raise ValidationError({f"objective_{exc.field}": [exc.message]}) from None
+    with transaction.atomic():
+        before = {"p99_ms": model.objective_p99_ms, "rate_rps": model.objective_rate_rps}
+        model.objective_p99_ms, model.objective_rate_rps = p99_ms, rate_rps
+        model.save(update_fields=["objective_p99_ms", "objective_rate_rps", "updated_at"])
+        after = {"p99_ms": p99_ms, "rate_rps": rate_rps}
+        if before != after:
+            record(
+                actor=actor,
+                team=model.team,
+                action="model.objective_changed",
+                target=model,
+                details={"from": before, "to": after},
+            )
     return model
 
 

@@ -185,6 +185,19 @@ SMOKES = [
         id="priority",
     ),
     pytest.param(
+        "tuning.py",
+        [
+            r"^mlp: objective the most throughput with p99 <= 10 ms",
+            r"^mlp: default ([\d,.]+ req/s|none within the objective) \(",
+            r"^mlp: tuned ([\d,.]+ req/s|none within the objective) \(",
+            rf"^mlp: tuned / default: ({NUMBER}x|n/a)",
+            rf"^mlp: batching gain at concurrency 4: {NUMBER}x \(",
+            rf"^mlp: search {NUMBER} s, 3 candidates, {NUMBER} points, stopped: (candidates|done)",
+        ],
+        marks=pytest.mark.triton,
+        id="tuning",
+    ),
+    pytest.param(
         "latency_summaries.py",
         [
             rf"^concurrency 1: without {NUMBER} req/s .* ratio {NUMBER}, added p50 [+-]\d+ us",

@@ -267,3 +267,23 @@ def test_deploy_status_rollout_and_infer_report_the_platform_answers(
     unreachable = tgp("infer", "classifier", "--json", str(body))
     assert unreachable.code == 1 and settings.GATEWAY_PUBLIC_URL in unreachable.err
     assert tgp("infer", "nothing", "--json", str(body)).code == 1
+
+
+def test_models_objective_sets_and_clears_the_latency_objective_and_a_bad_one_exits_1(
+    tgp, signed_in, owner, team
+):
+    from apps.registry import services
+
+    services.create_model(actor=owner, team=team, name="Classifier", slug="classifier")
+    result = tgp("models", "objective", "classifier", "--p99-ms", "15", "--rate", "250")
+    assert result.code == 0, result.err
+    assert result.out.strip() == "classifier: p99 <= 15 ms at 250 requests/s."
+    model = RegisteredModel.objects.get(slug="classifier")
+    assert (model.objective_p99_ms, model.objective_rate_rps) == (15.0, 250.0)
+    result = tgp("models", "objective", "classifier", "--p99-ms", "0", "-o", "json")
+    assert result.code == 1 and "objective_p99_ms" in result.err and "from 1 to 60000" in result.err
+    assert RegisteredModel.objects.get(slug="classifier").objective_p99_ms == 15.0
+    result = tgp("models", "objective", "classifier", "--clear", "-o", "json")
+    assert result.code == 0 and result.json()["objective_p99_ms"] is None
+    assert tgp("models", "objective", "classifier").code == 2  # neither a bound nor --clear
+    assert tgp("models", "objective", "classifier", "--clear", "--rate", "5").code == 2
