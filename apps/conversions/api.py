@@ -16,6 +16,9 @@ from apps.core.filters import IdFilter
 from apps.registry.models import ModelVersion
 from apps.teams.models import Action
 from apps.teams.viewsets import TeamScopedViewSet
+from backend_ge import config as gc
+from backend_ge import tuning
+from backend_ge.served_config import MAX_BATCH_SIZE, MAX_INSTANCE_COUNT, MAX_QUEUE_DELAY_US
 
 
 class ConversionJobSerializer(serializers.ModelSerializer):
@@ -120,6 +123,35 @@ class VersionConfigSerializer(serializers.Serializer):
     )
 
 
+class ServingSettingsSerializer(serializers.Serializer):
+    """The settings a tuning candidate changes (backend_ge.tuning.Candidate); the rest is the version's."""
+
+    dynamic_batching = serializers.BooleanField()
+    max_batch_size = serializers.IntegerField(min_value=0, max_value=MAX_BATCH_SIZE)
+    max_queue_delay_us = serializers.IntegerField(min_value=0, max_value=MAX_QUEUE_DELAY_US, required=False)
+    preferred = serializers.ListField(
+        child=serializers.IntegerField(min_value=1, max_value=MAX_BATCH_SIZE), max_length=16, required=False
+    )
+    instance_count = serializers.IntegerField(min_value=1, max_value=MAX_INSTANCE_COUNT)
+
+
+class DeriveVersionSerializer(serializers.Serializer):
+    config_text = serializers.CharField(
+        trim_whitespace=False, required=False, help_text="The new version's config.pbtxt (or give serving)."
+    )
+    serving = ServingSettingsSerializer(
+        required=False, help_text="Serving settings applied to this version's config (or give config_text)."
+    )
+    note = serializers.CharField(required=False, allow_blank=True, max_length=2000)
+
+    def validate(self, attrs):
+        if ("config_text" in attrs) == ("serving" in attrs):
+            raise serializers.ValidationError(
+                {"config_text": "Give either config_text or serving, not both."}
+            )
+        return attrs
+
+
 @extend_schema(
     parameters=[
         OpenApiParameter(
@@ -136,7 +168,7 @@ class VersionConfigViewSet(TeamScopedViewSet):
 
     queryset = ModelVersion.objects.select_related("model__team")
     serializer_class = VersionConfigSerializer
-    action_requirements = {"retrieve": Action.VIEW, "update": Action.CHANGE}
+    action_requirements = {"retrieve": Action.VIEW, "update": Action.CHANGE, "derive": Action.CHANGE}
     pagination_class = None
     filter_backends: list = []
 
@@ -157,3 +189,35 @@ class VersionConfigViewSet(TeamScopedViewSet):
             actor=request.user, version=version, text=serializer.validated_data["config_text"]
         )
         return Response(VersionConfigSerializer(version).data)
+
+    @extend_schema(
+        request=DeriveVersionSerializer,
+        responses={201: VersionConfigSerializer},
+        summary="Create a version serving the same files with other serving settings (READY at once)",
+    )
+    def derive(self, request, *args, **kwargs):
+        version = self.get_object()
+        serializer = DeriveVersionSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        text = data.get("config_text")
+        if text is None:
+            serving = data["serving"]
+            try:
+                base = gc.parse_config(version.config_text)
+            except gc.ConfigError:
+                raise serializers.ValidationError(
+                    {"version": "This version's config cannot be read."}
+                ) from None
+            candidate = tuning.Candidate(
+                dynamic_batching=serving["dynamic_batching"],
+                max_batch_size=serving["max_batch_size"],
+                max_queue_delay_us=serving.get("max_queue_delay_us", 0),
+                preferred=tuple(serving.get("preferred", ())),
+                instance_count=serving["instance_count"],
+            )
+            text = gc.render_config(candidate.apply(base))
+        derived = services.derive_version(
+            actor=request.user, version=version, text=text, note=data.get("note", "")
+        )
+        return Response(VersionConfigSerializer(derived).data, status=status.HTTP_201_CREATED)

@@ -3,13 +3,18 @@ with ``transaction.on_commit`` so a worker never sees a job row that was rolled 
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Max
 
 from apps.audit.services import record
 from apps.conversions.models import ConversionJob, JobState
 from apps.conversions.tasks import run_conversion
-from apps.registry.models import ModelVersion, VersionState
+from apps.registry.models import MAX_NOTE_LENGTH, ModelVersion, RegisteredModel, VersionState
 from apps.registry.options import check_conversion_options
 from backend_ge import config as gc
 from backend_ge.files import atomic_write
@@ -135,3 +140,87 @@ def update_config(*, actor, version: ModelVersion, text: str) -> ModelVersion:
         atomic_write(version.servable_dir() / "config.pbtxt", rendered)
     version.config_text = rendered
     return version
+
+
+def _link_tree(source: Path, target: Path, skip: frozenset[str] = frozenset()) -> None:
+    """``target`` as a copy of ``source`` made of hard links (a version's files are never written in place:
+    the config is replaced by a rename), copied where the filesystem refuses links."""
+    for path in sorted(source.rglob("*")):
+        relative = path.relative_to(source)
+        if relative.parts[0] in skip or path.is_symlink():
+            continue
+        destination = target / relative
+        if path.is_dir():
+            destination.mkdir(parents=True, exist_ok=True)
+            continue
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, destination)
+        except OSError:
+            shutil.copy2(path, destination)
+
+
+def derive_version(*, actor, version: ModelVersion, text: str, note: str = "") -> ModelVersion:
+    """A new version of the same model serving the same files with config ``text`` (READY at once: nothing
+    is converted), for a change of serving settings that then rolls out like any version. The config is
+    checked like an edit of ``version``'s; raises ValidationError naming the field."""
+    if version.state != VersionState.READY:
+        raise ValidationError(
+            {
+                "version": [
+                    f"Version {version.number} is {version.state}; a version is derived from a READY one."
+                ]
+            }
+        )
+    if version.model.is_ensemble():
+        raise ValidationError(
+            {"version": ["An ensemble's serving settings are its steps'; derive a step's version."]}
+        )
+    try:
+        cfg = check_config_text(version, text)
+    except gc.ConfigError as exc:
+        raise ValidationError(exc.as_dict()) from None
+    rendered = gc.render_config(cfg)
+    note = (note or f"Derived from version {version.number} with new serving settings.").strip()
+    if len(note) > MAX_NOTE_LENGTH:
+        raise ValidationError({"note": [f"Keep the note within {MAX_NOTE_LENGTH} characters."]})
+    with transaction.atomic():
+        model = RegisteredModel.objects.select_for_update().select_related("team").get(pk=version.model_id)
+        number = (model.versions.aggregate(n=Max("number"))["n"] or 0) + 1
+        derived = model.versions.create(
+            number=number,
+            state=VersionState.READY,
+            source_format=version.source_format,
+            source_filename=version.source_filename,
+            sha256=version.sha256,
+            size_bytes=version.size_bytes,
+            signature=version.signature,
+            serving_options=version.serving_options,
+            config_text=rendered,
+            toolchain=version.toolchain,
+            note=note,
+            created_by=actor if getattr(actor, "is_authenticated", False) else None,
+        )
+        storage = derived.storage_dir()
+        work = storage.with_name(f".{storage.name}.derive-{os.getpid()}")
+        shutil.rmtree(work, ignore_errors=True)
+        try:
+            _link_tree(version.storage_dir(), work)
+            for leftover in work.glob(".model.*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+            (work / "model" / "config.pbtxt").unlink(missing_ok=True)
+            atomic_write(work / "model" / "config.pbtxt", rendered)
+            if storage.exists():  # left by a version of this number that was deleted half-way
+                shutil.rmtree(storage)
+            os.rename(work, storage)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        record(
+            actor=actor,
+            team=model.team,
+            action="version.derived",
+            target=derived,
+            details={"model": model.slug, "version": number, "from": version.number},
+        )
+    return derived
