@@ -15,11 +15,15 @@ from django.shortcuts import get_object_or_404, redirect
 from django.urls import reverse
 from django.utils import timezone
 
+from apps.conversions import services as conversions
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.monitoring.models import ModelMetrics
 from apps.registry import ensembles, versions
 from apps.registry.models import MAX_NOTE_LENGTH, ModelVersion
 from apps.teams.models import Action
+from backend_ge import config as gc
+from backend_ge import tuning
+from backend_ge.served_config import MAX_BATCH_SIZE, MAX_INSTANCE_COUNT, MAX_QUEUE_DELAY_US
 from frontend.ensembles import ensemble_context, error_lines
 from frontend.registry import ModelPageView, in_use_message
 
@@ -35,6 +39,52 @@ class VersionNotesForm(forms.Form):
         max_length=400,
         help_text="Comma-separated, e.g. prod, int8 (lowercase letters, digits, . _ -).",
     )
+
+
+class ServingSettingsForm(forms.Form):
+    """The settings tuning changes; a new version serves the same files with them."""
+
+    dynamic_batching = forms.BooleanField(required=False)
+    max_batch_size = forms.IntegerField(min_value=0, max_value=MAX_BATCH_SIZE)
+    max_queue_delay_us = forms.IntegerField(
+        min_value=0, max_value=MAX_QUEUE_DELAY_US, required=False, label="Max queue delay (us)"
+    )
+    preferred = forms.CharField(
+        required=False,
+        max_length=200,
+        label="Preferred batch sizes",
+        help_text="Comma-separated, e.g. 8, 16.",
+    )
+    instance_count = forms.IntegerField(min_value=1, max_value=MAX_INSTANCE_COUNT)
+    note = forms.CharField(required=False, max_length=MAX_NOTE_LENGTH)
+
+    def clean_preferred(self) -> tuple[int, ...]:
+        parts = [p.strip() for p in self.cleaned_data["preferred"].split(",") if p.strip()]
+        if not all(p.isdigit() and 1 <= int(p) <= MAX_BATCH_SIZE for p in parts) or len(parts) > 16:
+            raise ValidationError(
+                f"Give up to 16 batch sizes from 1 to {MAX_BATCH_SIZE}, separated by commas."
+            )
+        return tuple(sorted({int(p) for p in parts}))
+
+    def candidate(self) -> tuning.Candidate:
+        data = self.cleaned_data
+        return tuning.Candidate(
+            dynamic_batching=data["dynamic_batching"],
+            max_batch_size=data["max_batch_size"],
+            max_queue_delay_us=data["max_queue_delay_us"] or 0,
+            preferred=data["preferred"],
+            instance_count=data["instance_count"],
+        )
+
+
+def serving_candidate(version: ModelVersion) -> tuning.Candidate | None:
+    """The serving settings of a READY model version's config (None for an ensemble or an unreadable one)."""
+    if version.model.is_ensemble() or not version.config_text:
+        return None
+    try:
+        return tuning.Candidate.from_config(gc.parse_config(version.config_text))
+    except gc.ConfigError:
+        return None
 
 
 def directory_size(path) -> int | None:
@@ -89,6 +139,15 @@ class VersionDetailView(ModelPageView):
             .exclude(state=PlacementState.UNLOADED)
             .select_related("instance__host", "deployment")
         )
+        current = serving_candidate(version)
+        if current is not None:
+            context.setdefault(
+                "serving_form",
+                ServingSettingsForm(
+                    initial={**current.as_dict(), "preferred": ", ".join(map(str, current.preferred))}
+                ),
+            )
+        context.update(serving_settings=current)
         context.setdefault(
             "notes_form", VersionNotesForm(initial={"note": version.note, "tags": ", ".join(version.tags)})
         )
@@ -125,6 +184,28 @@ class VersionDetailView(ModelPageView):
                         form.add_error("tags" if "tag" in message else "note", message)
                     return self.render_to_response(self.get_context_data(notes_form=form), status=400)
                 messages.success(request, "Note and tags saved.")
+            elif operation == "derive":
+                form = ServingSettingsForm(request.POST)
+                current = serving_candidate(version)
+                if current is None:
+                    return HttpResponseBadRequest("This version has no serving settings of its own.")
+                if not form.is_valid():
+                    return self.render_to_response(self.get_context_data(serving_form=form), status=400)
+                text = gc.render_config(form.candidate().apply(gc.parse_config(version.config_text)))
+                try:
+                    derived = conversions.derive_version(
+                        actor=request.user, version=version, text=text, note=form.cleaned_data["note"]
+                    )
+                except ValidationError as error:
+                    for message in error_lines(error):
+                        form.add_error(None, message)
+                    return self.render_to_response(self.get_context_data(serving_form=form), status=400)
+                messages.success(
+                    request,
+                    f"{derived} serves the same files with the new settings; roll it out from its deployment.",
+                )
+                return redirect("version-detail", team_slug=self.team.slug, model_slug=derived.model.slug,
+                                number=derived.number)  # fmt: skip
             elif operation == "update_step":
                 position, _, number = request.POST.get("step_update", "").partition(":")
                 if not (position.isdigit() and number.isdigit()):

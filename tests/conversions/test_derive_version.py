@@ -112,3 +112,31 @@ def test_a_version_that_is_not_ready_is_refused_and_viewers_and_outsiders_cannot
     response = maintainer_client.post(derive_url(ready), {"serving": SERVING}, format="json")
     assert response.status_code == 400 and "READY" in response.json()["fields"]["version"][0]
     assert ModelVersion.objects.filter(model=ready.model).count() == 1
+
+
+def test_the_version_page_shows_the_serving_settings_and_creates_a_version_with_others(ready, client, owner):
+    client.force_login(owner)
+    page = f"/teams/vision/models/{ready.model.slug}/versions/{ready.number}/"
+    html = client.get(page).content.decode()
+    assert 'id="serving-settings-current"' in html and "batching max 8" in html
+    form = {
+        "op": "derive",
+        "dynamic_batching": "on",
+        "max_batch_size": "8",
+        "max_queue_delay_us": "1000",
+        "preferred": "4, 8",
+        "instance_count": "1",
+        "note": "",
+    }
+    response = client.post(page, {**form, "preferred": "4, x"})
+    assert response.status_code == 400 and "Give up to 16 batch sizes" in response.content.decode()
+    response = client.post(page, {**form, "preferred": "16"})
+    assert response.status_code == 400 and "larger than max_batch_size 8" in response.content.decode()
+    assert ModelVersion.objects.filter(model=ready.model).count() == 1
+    response = client.post(page, form)
+    assert response.status_code == 302
+    assert response["Location"] == f"/teams/vision/models/{ready.model.slug}/versions/{ready.number + 1}/"
+    derived = ModelVersion.objects.get(model=ready.model, number=ready.number + 1)
+    assert "max_queue_delay_microseconds: 1000" in derived.config_text
+    assert derived.note == f"Derived from version {ready.number} with new serving settings."
+    assert "delay 1000 us, preferred 4,8" in client.get(response["Location"]).content.decode()
