@@ -247,6 +247,52 @@ def versions(model: str) -> None:
     )  # fmt: skip
 
 
+@cli.command()
+@click.argument("model")
+@click.option(
+    "--version", "-v", "number", type=click.IntRange(min=1), required=True, help="The READY version."
+)
+@click.option(
+    "--batching/--no-batching", default=None, help="Dynamic batching on or off (default: as the version)."
+)
+@click.option("--max-batch-size", type=click.IntRange(min=0))
+@click.option("--max-queue-delay-us", type=click.IntRange(min=0))
+@click.option("--preferred", help="Preferred batch sizes, comma-separated (empty string: none).")
+@click.option("--instances", "instance_count", type=click.IntRange(min=1))
+@click.option("--note", default="")
+@output_option
+def derive(
+    model: str,
+    number: int,
+    batching: bool | None,
+    max_batch_size: int | None,
+    max_queue_delay_us: int | None,
+    preferred: str | None,
+    instance_count: int | None,
+    note: str,
+) -> None:
+    """Create the next version of MODEL serving version N's files with other serving settings (READY at
+    once; roll it out as any version). Settings not given stay the version's."""
+    api = client()
+    current = api.serving_settings(model, number)
+    changes = {
+        "dynamic_batching": batching,
+        "max_batch_size": max_batch_size,
+        "max_queue_delay_us": max_queue_delay_us,
+        "instance_count": instance_count,
+    }
+    serving = {**current, **{k: v for k, v in changes.items() if v is not None}}
+    if preferred is not None:
+        try:
+            serving["preferred"] = [int(p) for p in preferred.split(",") if p.strip()]
+        except ValueError:
+            raise click.BadParameter(
+                "comma-separated whole numbers, e.g. 8,16", param_hint="--preferred"
+            ) from None
+    derived = api.derive_version(model, number, serving, note=note)
+    emit(derived, f"{model} v{derived['version']} {derived['state']} (from v{number})")
+
+
 def _deployment_text(d: dict) -> str:
     ready = sum(1 for p in d.get("placements", []) if p["state"] == "READY")
     return (

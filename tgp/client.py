@@ -266,6 +266,17 @@ class Client:
         body = {"objective_p99_ms": p99_ms, "objective_rate_rps": rate_rps}
         return self.request("PATCH", self._team_path(f"models/{quote(model, safe='')}/"), json=body)
 
+    def serving_settings(self, model: str, number: int) -> dict:
+        """A version's serving settings (the fields ``derive_version`` takes), as its config API reports them."""
+        config = self.request("GET", self._team_path(f"models/{model}/versions/{number}/config/"))
+        if not config.get("serving"):
+            raise TgpError(f"{model} v{number} has no serving settings of its own (an ensemble?)")
+        return config["serving"]
+
+    def derive_version(self, model: str, number: int, serving: dict, *, note: str = "") -> dict:
+        path = self._team_path(f"models/{model}/versions/{number}/config/derive/")
+        return self.request("POST", path, json={"serving": serving, "note": note})
+
     def list_versions(self, model: str) -> list[dict]:
         return self._all(self._team_path(f"models/{model}/versions/"), ordering="-number")
 

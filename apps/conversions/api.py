@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.shortcuts import get_object_or_404
 from django_filters import rest_framework as filters
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field
 from rest_framework import mixins, serializers, status
 from rest_framework.decorators import action
 from rest_framework.response import Response
@@ -112,17 +112,6 @@ class ConversionJobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Tea
         return Response(ConversionJobDetailSerializer(new_job).data, status=status.HTTP_201_CREATED)
 
 
-class VersionConfigSerializer(serializers.Serializer):
-    model = serializers.CharField(read_only=True, source="model.slug")
-    version = serializers.IntegerField(read_only=True, source="number")
-    state = serializers.CharField(read_only=True)
-    triton_model_name = serializers.CharField(read_only=True, source="model.triton_model_name")
-    signature = serializers.JSONField(read_only=True)
-    config_text = serializers.CharField(
-        trim_whitespace=False, help_text="config.pbtxt in protobuf text format (Triton's on-disk format)."
-    )
-
-
 class ServingSettingsSerializer(serializers.Serializer):
     """The settings a tuning candidate changes (backend_ge.tuning.Candidate); the rest is the version's."""
 
@@ -133,6 +122,29 @@ class ServingSettingsSerializer(serializers.Serializer):
         child=serializers.IntegerField(min_value=1, max_value=MAX_BATCH_SIZE), max_length=16, required=False
     )
     instance_count = serializers.IntegerField(min_value=1, max_value=MAX_INSTANCE_COUNT)
+
+
+class VersionConfigSerializer(serializers.Serializer):
+    model = serializers.CharField(read_only=True, source="model.slug")
+    version = serializers.IntegerField(read_only=True, source="number")
+    state = serializers.CharField(read_only=True)
+    triton_model_name = serializers.CharField(read_only=True, source="model.triton_model_name")
+    signature = serializers.JSONField(read_only=True)
+    config_text = serializers.CharField(
+        trim_whitespace=False, help_text="config.pbtxt in protobuf text format (Triton's on-disk format)."
+    )
+    serving = serializers.SerializerMethodField(
+        help_text="The serving settings of the config (what derive takes); null for an ensemble."
+    )
+
+    @extend_schema_field(ServingSettingsSerializer(allow_null=True))
+    def get_serving(self, version: ModelVersion) -> dict | None:
+        if version.model.is_ensemble() or not version.config_text:
+            return None
+        try:
+            return tuning.Candidate.from_config(gc.parse_config(version.config_text)).as_dict()
+        except gc.ConfigError:
+            return None
 
 
 class DeriveVersionSerializer(serializers.Serializer):

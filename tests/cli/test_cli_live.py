@@ -287,3 +287,24 @@ def test_models_objective_sets_and_clears_the_latency_objective_and_a_bad_one_ex
     assert result.code == 0 and result.json()["objective_p99_ms"] is None
     assert tgp("models", "objective", "classifier").code == 2  # neither a bound nor --clear
     assert tgp("models", "objective", "classifier", "--clear", "--rate", "5").code == 2
+
+
+def test_derive_creates_a_version_with_other_serving_settings_and_keeps_the_rest(
+    tgp, signed_in, make_ready_version
+):
+    ready = make_ready_version()
+    result = tgp("derive", "classifier", "--version", "1", "--max-queue-delay-us", "500", "--preferred", "8")
+    assert result.code == 0, result.err
+    assert result.out.strip() == "classifier v2 READY (from v1)"
+    derived = ready.model.versions.get(number=2)
+    assert "max_queue_delay_microseconds: 500" in derived.config_text
+    assert (
+        "preferred_batch_size: 8" in derived.config_text
+        and "preferred_batch_size: 4" not in derived.config_text
+    )
+    result = tgp("derive", "classifier", "--version", "2", "--instances", "99", "-o", "json")
+    assert result.code == 1 and "instance_count" in result.err  # the platform's bound, its 400 printed
+    result = tgp("derive", "classifier", "--version", "2", "--preferred", "64")
+    assert result.code == 1 and "preferred_batch_size" in result.err
+    assert ready.model.versions.count() == 2
+    assert tgp("derive", "classifier", "--version", "1", "--preferred", "a,b").code == 2
