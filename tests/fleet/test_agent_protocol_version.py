@@ -162,6 +162,7 @@ def test_the_hosts_pages_and_api_show_the_version_each_host_last_spoke(client, o
     assert owner_client.get("/api/v1/hosts/proto-never/").json()["agent_protocol"] is None
 
 
+@pytest.mark.servers
 @pytest.mark.django_db(transaction=True)
 def test_a_refused_agent_exits_3_with_one_line_naming_both_versions(live_server, tmp_path, monkeypatch):
     """The real program against the real platform after an upgrade past the agent's protocol."""

@@ -18,7 +18,7 @@ from apps.gateway.rules import PRIORITY_LUA_FILE, priority_body_rules, shape_res
 from backend_ge.runtime import free_port
 from tests.support.servers import requires_haproxy
 
-pytestmark = requires_haproxy
+pytestmark = [requires_haproxy, pytest.mark.servers]
 
 
 class Recorder(BaseHTTPRequestHandler):
