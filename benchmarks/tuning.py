@@ -13,7 +13,11 @@ points. ``--json FILE`` writes them per model, with ``tuned_over_default`` and `
 at the top level.
 
 Usage: ``python benchmarks/tuning.py [--models mlp,resnet50] [--mlp-p99-ms 10] [--resnet50-p99-ms 1500]
-[--budget-s 300] [--max-candidates 12] [--max-instances 2] [--json FILE] [--smoke]``
+[--budget-s 300] [--max-candidates 12] [--max-instances 2] [--brute] [--json FILE] [--smoke]``
+
+``--brute`` also measures every candidate of a reduced grid (max batch sizes from 8 up, queue delays 0, 100,
+500 and 2000 us, preferred size none or one, each instance count) as the reference the bounded search is judged
+by: the share of the reference's best throughput the search reached, with what share of the space.
 """
 
 from __future__ import annotations
@@ -70,8 +74,33 @@ def tune_model(server: TritonServer, repo: Path, name: str, args) -> dict:
         off = measure(
             dataclasses.replace(tuned, dynamic_batching=False, max_queue_delay_us=0, preferred=()), gain_at
         )
+        brute = None
+        if args.brute:
+            reference = tuning.Limits(
+                cfg.max_batch_size,
+                gears=tuple(
+                    b for b in tuning.Limits(cfg.max_batch_size).batch_sizes() if b >= BRUTE_MIN_BATCH
+                ),
+                max_instances=args.max_instances,
+                concurrencies=concurrencies,
+            )
+            space = tuning.grid(default, reference, delays=BRUTE_DELAYS_US)
+            brute = tuning.brute_force(measure, space, reference, objective, budget_s=args.brute_budget_s)
     finally:
         measure.close()
+    brute_figures = {}
+    if brute is not None:
+        best = brute.score(brute.recommended) if brute.recommended else None
+        brute_figures = {
+            "brute_space": len(space),
+            "brute_candidates": len(brute.candidates()),
+            "brute_points": len(brute.points),
+            "brute_wall_s": round(brute.wall_s, 1),
+            "brute_best_rps": best,
+            "brute_best": brute.recommended.label() if brute.recommended else None,
+            "brute_stopped": brute.stopped,
+            "search_of_brute": (result.score(tuned) / best) if best and result.score(tuned) else None,
+        }
     return {
         "objective": objective.describe(),
         "default": default.label(),
@@ -89,7 +118,12 @@ def tune_model(server: TritonServer, repo: Path, name: str, args) -> dict:
         "points": len(result.points),
         "stopped": result.stopped,
         "curve": [p.as_dict() for p in result.points],
+        **brute_figures,
     }
+
+
+BRUTE_DELAYS_US = (0, 100, 500, 2000)
+BRUTE_MIN_BATCH = 8
 
 
 def _rps(value) -> str:
@@ -118,6 +152,15 @@ def print_report(name: str, r: dict, smoke_run: bool) -> None:
         f"{name}: search {r['search_wall_s']:.1f} s, {r['candidates']} candidates, {r['points']} points, "
         f"stopped: {r['stopped']}"
     )
+    if "brute_space" in r:
+        share = r["search_of_brute"]
+        print(
+            f"{name}: brute force over {r['brute_space']} candidates ({r['brute_candidates']} measured, "
+            f"{r['brute_points']} points, {r['brute_wall_s']:.1f} s, stopped: {r['brute_stopped']}): best "
+            f"{_rps(r['brute_best_rps'])}; the search reached "
+            + (f"{share * 100:.0f} %" if share else "n/a")
+            + f" of it with {r['candidates']} candidates ({r['candidates'] / r['brute_space'] * 100:.0f} % of the space)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,11 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-concurrency", type=int, default=32)
     parser.add_argument("--gain-concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=0, help="requests per point (0: the model's profile)")
+    parser.add_argument(
+        "--brute", action="store_true", help="also measure every candidate of a reduced grid (the reference)"
+    )
+    parser.add_argument("--brute-budget-s", type=float, default=1800.0)
     parser.add_argument("--verbose", action="store_true", help="print every point as it is measured")
     parser.add_argument("--json", metavar="FILE")
     args = smoke.parse_args(
         parser, argv, models="mlp", budget_s=20.0, max_candidates=3, max_concurrency=4, gain_concurrency=4,
-        requests=40,
+        requests=40, brute=True, brute_budget_s=5.0,
     )  # fmt: skip
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = sorted(set(names) - set(PROFILES))

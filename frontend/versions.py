@@ -42,7 +42,10 @@ class VersionNotesForm(forms.Form):
 
 
 class ServingSettingsForm(forms.Form):
-    """The settings tuning changes; a new version serves the same files with them."""
+    """The settings tuning changes; a new version serves the same files with them. Its fields are prefixed
+    (``serving-note``): the page's notes form has a ``note`` of its own."""
+
+    prefix = "serving"
 
     dynamic_batching = forms.BooleanField(required=False)
     max_batch_size = forms.IntegerField(min_value=0, max_value=MAX_BATCH_SIZE)
@@ -144,7 +147,8 @@ class VersionDetailView(ModelPageView):
             context.setdefault(
                 "serving_form",
                 ServingSettingsForm(
-                    initial={**current.as_dict(), "preferred": ", ".join(map(str, current.preferred))}
+                    initial={**current.as_dict(), "preferred": ", ".join(map(str, current.preferred))},
+                    prefix=ServingSettingsForm.prefix,
                 ),
             )
         context.update(serving_settings=current)
@@ -185,7 +189,7 @@ class VersionDetailView(ModelPageView):
                     return self.render_to_response(self.get_context_data(notes_form=form), status=400)
                 messages.success(request, "Note and tags saved.")
             elif operation == "derive":
-                form = ServingSettingsForm(request.POST)
+                form = ServingSettingsForm(request.POST, prefix=ServingSettingsForm.prefix)
                 current = serving_candidate(version)
                 if current is None:
                     return HttpResponseBadRequest("This version has no serving settings of its own.")

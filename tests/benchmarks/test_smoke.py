@@ -193,6 +193,8 @@ SMOKES = [
             rf"^mlp: tuned / default: ({NUMBER}x|n/a)",
             rf"^mlp: batching gain at concurrency 4: {NUMBER}x \(",
             rf"^mlp: search {NUMBER} s, 3 candidates, {NUMBER} points, stopped: (candidates|done)",
+            rf"^mlp: brute force over {NUMBER} candidates \({NUMBER} measured, {NUMBER} points, {NUMBER} s, "
+            r"stopped: budget\): best ",
         ],
         marks=pytest.mark.triton,
         id="tuning",

@@ -119,8 +119,8 @@ def test_the_version_page_shows_the_serving_settings_and_creates_a_version_with_
     page = f"/teams/vision/models/{ready.model.slug}/versions/{ready.number}/"
     html = client.get(page).content.decode()
     assert 'id="serving-settings-current"' in html and "batching max 8" in html
-    form = {
-        "op": "derive",
+    assert html.count('id="id_note"') == 1 and 'id="id_serving-note"' in html  # the notes form keeps its ids
+    fields = {
         "dynamic_batching": "on",
         "max_batch_size": "8",
         "max_queue_delay_us": "1000",
@@ -128,9 +128,10 @@ def test_the_version_page_shows_the_serving_settings_and_creates_a_version_with_
         "instance_count": "1",
         "note": "",
     }
-    response = client.post(page, {**form, "preferred": "4, x"})
+    form = {"op": "derive", **{f"serving-{k}": v for k, v in fields.items()}}
+    response = client.post(page, {**form, "serving-preferred": "4, x"})
     assert response.status_code == 400 and "Give up to 16 batch sizes" in response.content.decode()
-    response = client.post(page, {**form, "preferred": "16"})
+    response = client.post(page, {**form, "serving-preferred": "16"})
     assert response.status_code == 400 and "larger than max_batch_size 8" in response.content.decode()
     assert ModelVersion.objects.filter(model=ready.model).count() == 1
     response = client.post(page, form)

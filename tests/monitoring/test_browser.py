@@ -119,7 +119,15 @@ def test_deployment_page_draws_its_charts_with_markers_ranges_live_refresh_and_a
         *("v1 p50", "v1 p95", "v1 p99", "v2 p50", "v2 p95", "v2 p99"),
         "gateway mean",  # the time at the gateway beside Triton's
     ]
-    assert charts["chart-gateway"] == ["requests", "401", "404", "429", "400 bad request", "5xx", "batch class"]
+    assert charts["chart-gateway"] == [
+        "requests",
+        "401",
+        "404",
+        "429",
+        "400 bad request",
+        "5xx",
+        "batch class",
+    ]
     assert page.evaluate("() => Math.max(...window.metricsCharts['chart-gateway'].data[7])") == 0.5
     assert page.evaluate("() => Math.max(...window.metricsCharts['chart-gateway'].data[4])") == 0.2
     assert page.evaluate("() => Math.max(...window.metricsCharts['chart-latency'].data[7])") == 2.5
