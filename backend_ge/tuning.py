@@ -394,6 +394,28 @@ def brute_force(
     return result
 
 
+def _paired(
+    current: Candidate, moves: Sequence[Candidate], score: Callable[[Candidate], float | None]
+) -> Candidate | None:
+    """The two best-scoring moves from ``current`` that change different settings, applied together."""
+    fields = [f.name for f in dataclasses.fields(Candidate)]
+
+    def changed(move: Candidate) -> frozenset[str]:
+        return frozenset(f for f in fields if getattr(move, f) != getattr(current, f))
+
+    ranked = sorted((m for m in moves if score(m) is not None), key=lambda m: score(m), reverse=True)
+    for i, first in enumerate(ranked):
+        for second in ranked[i + 1 :]:
+            if changed(first) & changed(second) or not first.dynamic_batching or not second.dynamic_batching:
+                continue
+            combined = dataclasses.replace(first, **{f: getattr(second, f) for f in changed(second)})
+            combined = dataclasses.replace(
+                combined, preferred=tuple(p for p in combined.preferred if p <= combined.max_batch_size)
+            )
+            return combined
+    return None
+
+
 def _regear(points: Sequence[Point], gears: Sequence[int]) -> tuple[int, ...]:
     """Gears that fit the measured batches (NPU): when the average batch sits well between two compiled
     gears, each execution pads up to the next gear and computes rows nobody sent."""
@@ -490,6 +512,20 @@ def tune(
             if better(move, current):
                 current, improved = move, True
                 break  # climb from the new best
+        if not improved and result.stopped == "done":
+            # A local optimum of single moves: try the two best of them together (two settings that each
+            # help a little within the noise - a longer delay and a preferred size - may help together).
+            paired = _paired(current, [m for m in _moves(current, limits) if m in tried], result.score)
+            if paired is not None and paired not in tried:
+                if len(tried) >= max_candidates:
+                    result.stopped = "candidates"
+                elif out_of_time():
+                    result.stopped = "budget"
+                else:
+                    tried.add(paired)
+                    sweep(paired)
+                    if result.stopped == "done" and better(paired, current):
+                        current, improved = paired, True
     scored = [(result.score(c), c) for c in result.candidates()]
     met = [(s, c) for s, c in scored if s is not None]
     if met:
