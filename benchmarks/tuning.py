@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backend_ge import config as ge_config  # noqa: E402
-from backend_ge import examples, tuning  # noqa: E402
+from backend_ge import examples, tuning, tuning_measure  # noqa: E402
 from backend_ge.runtime import TritonServer  # noqa: E402
 from benchmarks import smoke  # noqa: E402
 
@@ -53,7 +53,7 @@ def tune_model(server: TritonServer, repo: Path, name: str, args) -> dict:
     cfg = ge_config.parse_config((repo / name / "config.pbtxt").read_text())
     profile = PROFILES[name]
     concurrencies = tuple(c for c in profile["concurrencies"] if c <= args.max_concurrency)
-    measure = tuning.TritonMeasure(
+    measure = tuning_measure.TritonMeasure(
         server, scratch, cfg, requests=args.requests or profile["requests"], per_stream=profile["per_stream"]
     )
     objective = tuning.Objective(p99_ms=getattr(args, f"{name}_p99_ms"))

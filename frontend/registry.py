@@ -22,7 +22,7 @@ from apps.deployments.models import (
     GatewayView,
     PlacementState,
 )
-from apps.registry import services, versions
+from apps.registry import objectives, services, versions
 from apps.registry.formats import EXTENSIONS
 from apps.registry.models import ModelKind, ModelVersion, RegisteredModel, TaskType
 from apps.registry.options import INPUT_FORMATS, PRECISION_MODES, SERVING_DEFAULTS
@@ -233,7 +233,7 @@ class ModelDetailView(ModelPageView):
             form = ObjectiveForm(request.POST)
             if form.is_valid():
                 try:
-                    services.set_latency_objective(
+                    objectives.set_latency_objective(
                         actor=request.user,
                         model=model,
                         p99_ms=form.cleaned_data["objective_p99_ms"],

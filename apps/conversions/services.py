@@ -9,7 +9,6 @@ from pathlib import Path
 
 from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.db.models import Max
 
 from apps.audit.services import record
 from apps.conversions.models import ConversionJob, JobState
@@ -186,7 +185,7 @@ def derive_version(*, actor, version: ModelVersion, text: str, note: str = "") -
         raise ValidationError({"note": [f"Keep the note within {MAX_NOTE_LENGTH} characters."]})
     with transaction.atomic():
         model = RegisteredModel.objects.select_for_update().select_related("team").get(pk=version.model_id)
-        number = (model.versions.aggregate(n=Max("number"))["n"] or 0) + 1
+        number = model.next_version_number()
         derived = model.versions.create(
             number=number,
             state=VersionState.READY,

@@ -23,7 +23,7 @@ from rest_framework.decorators import action
 from rest_framework.exceptions import APIException
 from rest_framework.response import Response
 
-from apps.registry import ensembles, services, versions
+from apps.registry import ensembles, objectives, services, versions
 from apps.registry.downloads import zip_stream
 from apps.registry.models import (
     ModelKind,
@@ -338,7 +338,7 @@ class RegisteredModelViewSet(
             if changes:
                 services.update_model(actor=request.user, model=model, **changes)
             if objective:
-                services.set_latency_objective(
+                objectives.set_latency_objective(
                     actor=request.user, model=model, p99_ms=p99_ms, rate_rps=rate_rps
                 )
         return Response(RegisteredModelSerializer(self.get_queryset().get(pk=model.pk)).data)

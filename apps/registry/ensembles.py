@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.db.models import Max
 
 from apps.audit.services import record
 from apps.registry.models import (
@@ -311,7 +310,7 @@ def _new_version(*, actor, model: RegisteredModel, prepared: PreparedEnsemble, n
             raise ValidationError(
                 {"kind": [f"{model.slug} is of kind '{locked.kind}' now, not an ensemble."]}
             )
-        number = (locked.versions.aggregate(n=Max("number"))["n"] or 0) + 1
+        number = locked.next_version_number()
         version = locked.versions.create(
             number=number,
             state=VersionState.UPLOADED,

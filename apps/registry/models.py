@@ -102,6 +102,11 @@ class RegisteredModel(models.Model):
             others = others.exclude(pk=version.pk)
         return others.exists()
 
+    def next_version_number(self) -> int:
+        """The number a new version takes. The caller holds this model's row lock (``select_for_update``),
+        which serialises concurrent uploads, compositions and derivations: numbers never collide."""
+        return (self.versions.aggregate(n=models.Max("number"))["n"] or 0) + 1
+
     def latest_version(self) -> ModelVersion | None:
         """The latest READY version: what "latest" means wherever it is shown (a failed or still converting
         upload with a higher number is not the latest)."""

@@ -27,7 +27,6 @@ from typing import BinaryIO
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.db.models import Max
 from django.utils import timezone
 from django.utils.text import slugify
 
@@ -48,7 +47,6 @@ from apps.registry.models import (
 )
 from apps.registry.options import check_conversion_options, check_om_config, check_serving_options
 from apps.registry.signals import VersionUse, model_deleting, model_retiring, version_uploaded
-from backend_ge import tuning
 
 logger = logging.getLogger(__name__)
 
@@ -168,38 +166,6 @@ def update_model(*, actor, model: RegisteredModel, **changes) -> RegisteredModel
     return model
 
 
-def set_latency_objective(
-    *, actor, model: RegisteredModel, p99_ms: float | None, rate_rps: float | None = None
-) -> RegisteredModel:
-    """Set (or, with ``p99_ms`` None, clear) the model's latency objective: p99 within ``p99_ms`` at
-    ``rate_rps`` requests/s, or without a rate the most throughput with p99 within ``p99_ms``. Out of
-    bounds is a ValidationError naming the field."""
-    if p99_ms is None:
-        if rate_rps is not None:
-            raise ValidationError(
-                {"objective_rate_rps": ["A rate needs a p99 objective: set objective_p99_ms too."]}
-            )
-    else:
-        try:
-            tuning.Objective(p99_ms=p99_ms, rate_rps=rate_rps)
-        except tuning.TuningError as exc:
-            raise ValidationError({f"objective_{exc.field}": [exc.message]}) from None
-    with transaction.atomic():
-        before = {"p99_ms": model.objective_p99_ms, "rate_rps": model.objective_rate_rps}
-        model.objective_p99_ms, model.objective_rate_rps = p99_ms, rate_rps
-        model.save(update_fields=["objective_p99_ms", "objective_rate_rps", "updated_at"])
-        after = {"p99_ms": p99_ms, "rate_rps": rate_rps}
-        if before != after:
-            record(
-                actor=actor,
-                team=model.team,
-                action="model.objective_changed",
-                target=model,
-                details={"from": before, "to": after},
-            )
-    return model
-
-
 def model_storage_dir(model: RegisteredModel) -> Path:
     return artifact_root() / "teams" / str(model.team_id) / "models" / str(model.pk)
 
@@ -303,7 +269,7 @@ def start_upload(
     with transaction.atomic():
         # The row lock serialises concurrent uploads to one model, so version numbers never collide.
         locked = RegisteredModel.objects.select_for_update().select_related("team").get(pk=model.pk)
-        number = (locked.versions.aggregate(n=Max("number"))["n"] or 0) + 1
+        number = locked.next_version_number()
         version = locked.versions.create(
             number=number,
             state=VersionState.UPLOADING,

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from backend_ge import config as ge_config
-from backend_ge import tuning
+from backend_ge import tuning, tuning_measure
 from backend_ge.tuning import Candidate, Limits, Objective, Point, TuningError
 
 
@@ -167,7 +167,7 @@ def test_candidates_are_measured_on_a_real_server_under_a_scratch_name(triton, e
     scratch = "mlp_tuning_scratch"
     shutil.copytree(example_repository / "mlp", example_repository / scratch, dirs_exist_ok=True)
     cfg = ge_config.parse_config((example_repository / "mlp" / "config.pbtxt").read_text())
-    measure = tuning.TritonMeasure(triton, scratch, cfg, requests=60, warmup=2)
+    measure = tuning_measure.TritonMeasure(triton, scratch, cfg, requests=60, warmup=2)
     try:
         base = Candidate.from_config(cfg)
         result = tuning.tune(
