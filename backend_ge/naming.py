@@ -53,6 +53,15 @@ def is_triton_model_name(name: object) -> bool:
     return isinstance(name, str) and _TRITON_MODEL_NAME.fullmatch(name) is not None
 
 
+def tuning_name(name: str, job_id: int) -> str:
+    """The scratch name a tuning job's candidates of ``name`` are measured under (``<name>__tuning-<id>``):
+    no model's name (three parts) and no candidate's."""
+    parse_triton_model_name(name)
+    if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id < 1:
+        raise ValueError(f"tuning job id {job_id!r} is not a positive integer")
+    return f"{name}{SEPARATOR}tuning-{job_id}"
+
+
 def candidate_name(name: str) -> str:
     """The name a new version of ``name`` is smoke-tested under before it serves."""
     parse_triton_model_name(name)
@@ -71,4 +80,5 @@ __all__ = [
     "is_triton_model_name",
     "parse_triton_model_name",
     "triton_model_name",
+    "tuning_name",
 ]

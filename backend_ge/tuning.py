@@ -176,7 +176,49 @@ class Candidate:
 
     @classmethod
     def from_dict(cls, raw: dict) -> Candidate:
-        return cls(**{**raw, "preferred": tuple(raw.get("preferred", ()))})
+        """A candidate as ``as_dict`` wrote it; anything else (another field, a number out of range, a
+        preferred size above the max batch size) raises ``TuningError`` naming the field."""
+        if not isinstance(raw, dict) or set(raw) - CANDIDATE_FIELDS:
+            raise TuningError("candidate", f"must be an object of {', '.join(sorted(CANDIDATE_FIELDS))}")
+        batching = raw.get("dynamic_batching")
+        if not isinstance(batching, bool):
+            raise TuningError("dynamic_batching", "must be true or false")
+        size = _whole(raw.get("max_batch_size"), "max_batch_size", 0, MAX_BATCH)
+        delay = _whole(raw.get("max_queue_delay_us", 0), "max_queue_delay_us", 0, MAX_QUEUE_DELAY_US)
+        count = _whole(raw.get("instance_count", 1), "instance_count", 1, max(INSTANCE_COUNTS))
+        preferred = raw.get("preferred", [])
+        if not isinstance(preferred, list | tuple) or len(preferred) > 8:
+            raise TuningError("preferred", "must be a list of at most 8 batch sizes")
+        preferred = tuple(_whole(p, "preferred", 1, max(size, 1)) for p in preferred)
+        return cls(batching, size, delay, preferred, count)
+
+
+CANDIDATE_FIELDS = frozenset(
+    ("dynamic_batching", "max_batch_size", "max_queue_delay_us", "preferred", "instance_count")
+)
+MAX_BATCH = 4096
+MAX_QUEUE_DELAY_US = 10_000_000
+POINT_LIMITS = {  # a reported point's figures, each within a range a real measurement can have
+    "throughput_rps": 1e7,
+    "p50_ms": 3.6e6,
+    "p99_ms": 3.6e6,
+    "avg_batch_size": MAX_BATCH,
+    "queue_us": 3.6e9,
+}
+
+
+def _whole(value, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise TuningError(name, f"must be a whole number from {low} to {high}")
+    return value
+
+
+def _figure(value, name: str, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TuningError(name, "must be a number")
+    if not 0 <= value <= high:
+        raise TuningError(name, f"must be from 0 to {high:g}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -201,6 +243,20 @@ class Point:
             "avg_batch_size": round(self.avg_batch_size, 2),
             "queue_us": round(self.queue_us, 1),
         }
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> Point:
+        """A point as ``as_dict`` wrote it (an agent's report): every figure checked, ``TuningError`` naming
+        the field otherwise. Other keys (the agent's ``at_s``) are the caller's."""
+        if not isinstance(raw, dict):
+            raise TuningError("point", "must be an object")
+        figures = {name: _figure(raw.get(name), name, high) for name, high in POINT_LIMITS.items()}
+        return cls(
+            candidate=Candidate.from_dict(raw.get("candidate")),
+            concurrency=_whole(raw.get("concurrency"), "concurrency", 1, 4096),
+            errors=_whole(raw.get("errors", 0), "errors", 0, 10**9),
+            **figures,
+        )
 
 
 @dataclass
@@ -522,15 +578,24 @@ def tune(
                     sweep(paired)
                     if result.stopped == "done" and better(paired, current):
                         current, improved = paired, True
+    recommend(result, limits.gears)
+    result.wall_s = clock() - started
+    return result
+
+
+def recommend(result: Result, gears: Sequence[int] = ()) -> Result:
+    """Name the candidate that met the objective with the most throughput (or else the closest) from the
+    points measured, and the gears that would serve its batches (NPU). The platform calls it on the points
+    an agent reported: the recommendation is its own reading of the figures."""
     scored = [(result.score(c), c) for c in result.candidates()]
     met = [(s, c) for s, c in scored if s is not None]
+    result.recommended, result.closest = None, None
     if met:
         result.recommended = max(met, key=lambda sc: sc[0])[1]
     else:
         result.closest = min(
-            result.candidates(), key=lambda c: _closeness(result.points_of(c), objective), default=None
+            result.candidates(), key=lambda c: _closeness(result.points_of(c), result.objective), default=None
         )
     chosen = result.recommended or result.closest
-    result.regear = _regear(result.points_of(chosen), limits.gears) if chosen else ()
-    result.wall_s = clock() - started
+    result.regear = _regear(result.points_of(chosen), gears) if chosen else ()
     return result

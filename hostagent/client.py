@@ -24,7 +24,8 @@ from pathlib import Path
 
 import requests
 
-from hostagent import protocol
+from backend_ge import naming
+from hostagent import protocol, tuning_protocol
 from hostagent.protocol import API_PREFIX, PlacementReport
 from hostagent.repository import RepositoryError
 
@@ -95,6 +96,12 @@ def _checked(check, response: requests.Response):
             f"the platform's answer to {response.request.method} {response.url} does not fit "
             f"the agent protocol: {exc}"
         ) from None
+
+
+def _check_desired_state(raw) -> dict:
+    state = protocol.check_desired_state(raw)
+    tuning_protocol.check_tunings(state)
+    return state
 
 
 def save_credential(path: Path, credential: str) -> None:
@@ -174,7 +181,7 @@ class PlatformClient:
         response = self.call("GET", "/desired-state", ok=(200, 304), headers=headers, **kwargs)
         if response.status_code == 304:
             return etag, None
-        return response.headers.get("ETag"), _checked(protocol.check_desired_state, response)
+        return response.headers.get("ETag"), _checked(_check_desired_state, response)
 
     def report_instance(self, instance_id: int, fields: dict) -> None:
         protocol.check_instance_report(fields)
@@ -186,6 +193,14 @@ class PlatformClient:
         protocol.check_placement_report(body)
         response = self.call("POST", f"/placements/{placement_id}/report", json=body)
         return _checked(protocol.check_placement_answer, response)
+
+    def report_tuning(self, job_id: int, body: dict) -> tuple[bool, bool]:
+        """(accepted, cancel): a report the platform did not accept (the job ended there) ends the run."""
+        tuning_protocol.check_tuning_report(body)
+        response = self.call("POST", f"/tunings/{job_id}/report", json=body, ok=(200, 404, 409))
+        if response.status_code != 200:
+            return False, True
+        return _checked(tuning_protocol.check_tuning_answer, response)
 
     def report_final_counts(self, instance_id: int, counts: dict) -> None:
         self.call("POST", f"/instances/{instance_id}/final-counts", json=counts)
@@ -364,6 +379,42 @@ class PlacementSpec:
         return self.canary_version.pk if self.canary_version else None
 
 
+@dataclass(frozen=True)
+class TuningSpec:
+    """A tuning job this host runs (``hostagent.tuning_runner``): its version's candidates measured under
+    ``scratch_name`` on one instance."""
+
+    pk: int
+    instance_id: int
+    version: VersionSpec
+    p99_ms: float
+    rate_rps: float | None
+    budget_s: int
+    max_candidates: int
+    max_instances: int
+    gears: tuple[int, ...]
+    cancel: bool
+
+    @property
+    def scratch_name(self) -> str:
+        return naming.tuning_name(self.version.model_name, self.pk)
+
+    @classmethod
+    def from_json(cls, entry: dict, version: VersionSpec) -> TuningSpec:
+        return cls(
+            pk=entry["id"],
+            instance_id=entry["instance"],
+            version=version,
+            p99_ms=entry["objective"]["p99_ms"],
+            rate_rps=entry["objective"].get("rate_rps"),
+            budget_s=entry["budget_s"],
+            max_candidates=entry["max_candidates"],
+            max_instances=entry["max_instances"],
+            gears=tuple(entry["gears"]),
+            cancel=entry["cancel"],
+        )
+
+
 @dataclass
 class DesiredState:
     """The last desired state, replaced by each fetch and patched by the answers to this agent's reports."""
@@ -375,6 +426,7 @@ class DesiredState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     # placement -> (generation, monotonic time this agent first had that decision): a load's queued time.
     seen: dict[int, tuple[int, float]] = field(default_factory=dict)
+    tunings: dict[int, TuningSpec] = field(default_factory=dict)
 
     def seen_at(self, placement_id: int, generation: int) -> float | None:
         with self.lock:
@@ -424,6 +476,11 @@ class DesiredState:
                     fresh[pk] = local
             self.placements = fresh
             self._note_seen()
+            self.tunings = {
+                e["id"]: TuningSpec.from_json(e, versions[e["version"]])
+                for e in raw.get("tunings", [])
+                if e["version"] in versions
+            }
 
     def update_placement(self, entry: dict | None, placement_id: int) -> None:
         with self.lock:
@@ -468,6 +525,16 @@ class DesiredState:
             return sorted(
                 (p for p in self.placements.values() if p.instance_id == instance_id), key=lambda p: p.pk
             )
+
+    def tunings_on(self, instance_id: int) -> list[TuningSpec]:
+        with self.lock:
+            return sorted(
+                (t for t in self.tunings.values() if t.instance_id == instance_id), key=lambda t: t.pk
+            )
+
+    def all_tunings(self) -> list[TuningSpec]:
+        with self.lock:
+            return sorted(self.tunings.values(), key=lambda t: t.pk)
 
     def instance(self, instance_id: int) -> InstanceSpec | None:
         with self.lock:

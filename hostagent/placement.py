@@ -705,6 +705,8 @@ def reconcile_instance(agent: AgentState, instance: InstanceSpec, proc: Instance
             )
         )
     run_per_model(agent, proc, lambda: reloads)
+    tuning = getattr(agent, "tuning", None)  # a tuning job's scratch replica is its own to unload
+    keep |= tuning.names_on(instance.pk) if tuning is not None else set()
     for name in {entry.get("name") for entry in index if entry.get("state") == "READY"} - keep:
         try:
             server.unload_model(name)

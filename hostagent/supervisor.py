@@ -38,6 +38,7 @@ from hostagent.host_facts import host_facts, npu_inventory
 from hostagent.instances import InstanceProcess, RestartPolicy
 from hostagent.protocol import DesiredInstanceState, InstanceCommand, InstanceState
 from hostagent.reports import Reports
+from hostagent.tuning_runner import TuningRunner
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class HostAgent:
         self._stop = threading.Event()
         self._poke = threading.Event()
         self._threads: list[threading.Thread] = []
+        self.tuning = TuningRunner(self, self.processes)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def start(self) -> HostAgent:
@@ -108,6 +110,7 @@ class HostAgent:
         """Stop the loops, then every instance with SIGINT so in-flight requests finish."""
         self._stop.set()
         self._poke.set()
+        self.tuning.stop()
         for thread in self._threads:
             # The poll thread may be inside a long poll the platform holds for seconds: it ends by itself.
             thread.join(0.5 if thread.name.endswith("-poll") else timeout)
@@ -497,6 +500,7 @@ class HostAgent:
                 placement.reconcile_instance(self, instance, proc)
             finally:
                 proc.lock.release()
+        self.tuning.sync()
         pending = self._pending()
         if pending and pending < pending_before:
             # A queue of decisions (a burst of deploys): go on with the next one at once instead of waiting

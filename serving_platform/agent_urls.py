@@ -34,6 +34,7 @@ urlpatterns = [
         deployments_agent_api.placement_report,
         name="agent-placement-report",
     ),
+    path("tunings/<int:job_id>/report", deployments_agent_api.tuning_report, name="agent-tuning-report"),
     path(
         "versions/<int:version_id>/manifest",
         deployments_agent_api.version_manifest,

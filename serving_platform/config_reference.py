@@ -285,6 +285,29 @@ SECTIONS: dict[str, tuple[Variable, ...]] = {
         _v("SCHEDULER_MAX_REPLICAS", "int", 64, "the most replicas one deployment may ask for", 1),
         _v("SCHEDULER_TICK_S", "int", 5, "how often beat runs the scheduler's tick", 1),
         _v(
+            "TUNING_QUEUE_TIMEOUT_S",
+            "int",
+            900,
+            "seconds a tuning job may wait for room on an instance of its pool before it times out",
+            10,
+        ),
+        _v(
+            "TUNING_REPORT_GRACE_S",
+            "int",
+            120,
+            "seconds past its time budget a running tuning job may go without finishing before it times out "
+            "(its scratch replica's memory is released)",
+            10,
+        ),
+        _v(
+            "TUNING_MAX_BUDGET_S",
+            "int",
+            3600,
+            "the longest time budget a tuning job may ask for",
+            30,
+            maximum=3600,
+        ),
+        _v(
             "SCHEDULER_EVICTION_MIN_IDLE_S",
             "int",
             0,

@@ -401,6 +401,10 @@ SCHEDULER_HOST_GRACE_S = env_int("SCHEDULER_HOST_GRACE_S")
 SCHEDULER_MAX_REPLICAS = env_int("SCHEDULER_MAX_REPLICAS")
 SCHEDULER_TICK_S = env_int("SCHEDULER_TICK_S")
 SCHEDULER_EVICTION_MIN_IDLE_S = env_int("SCHEDULER_EVICTION_MIN_IDLE_S")
+# --- Tuning jobs (apps.deployments.tuning_jobs): placed, swept and timed out by the scheduler's tick ------
+TUNING_QUEUE_TIMEOUT_S = env_int("TUNING_QUEUE_TIMEOUT_S")
+TUNING_REPORT_GRACE_S = env_int("TUNING_REPORT_GRACE_S")
+TUNING_MAX_BUDGET_S = env_int("TUNING_MAX_BUDGET_S")
 CELERY_BEAT_SCHEDULE["scheduler-tick"] = {
     "task": "apps.deployments.tasks.scheduler_tick",
     "schedule": timedelta(seconds=SCHEDULER_TICK_S),

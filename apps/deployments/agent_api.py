@@ -6,7 +6,9 @@
   for one indexed query while nothing changed.
 - ``POST placements/<id>/report``: loaded / failed (with Triton's own error) / unloaded / lost / started /
   waiting, with the generation the agent applied; ``apps.deployments.reports`` drops a stale one.
-- ``GET versions/<id>/manifest`` and ``versions/<id>/files/<path>``: only versions placed on this host.
+- ``POST tunings/<id>/report``: a running tuning job's points and its end (``apps.deployments.tuning_jobs``).
+- ``GET versions/<id>/manifest`` and ``versions/<id>/files/<path>``: only versions placed on this host (or
+  tuned on it by a running job).
 
 Another host's placements and instances, and versions not placed on this host, are 404.
 """
@@ -23,12 +25,14 @@ from django.db.models import Q
 from django.http import FileResponse, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET, require_POST
 
-from apps.deployments import autoscaling, ensembles, healing, reports
+from apps.deployments import autoscaling, ensembles, healing, reports, tuning_jobs
 from apps.deployments.models import (
     Deployment,
     DeploymentInstance,
     DeploymentState,
     Rollout,
+    TuningJob,
+    TuningState,
 )
 from apps.fleet import long_poll
 from apps.fleet.agent_api import BadReport, error, host_instances, host_only, read_json, unauthorized
@@ -163,8 +167,9 @@ def desired_state_of(host) -> dict:
     canaries = _canaries({p.deployment_id for p in live})
     steps = ensembles.step_model_ids({p.deployment.model_id for p in live})
     placements = [placement_entry(p, _beside(p, canaries, steps), _reused(p, live)) for p in live]
+    tunings = [tuning_entry(job) for job in _running_tunings(host)]
     versions = (
-        ModelVersion.objects.filter(pk__in=placed_version_ids(placements))
+        ModelVersion.objects.filter(pk__in=placed_version_ids(placements) | {t["version"] for t in tunings})
         .select_related("model__team")
         .prefetch_related("ensemble_steps__step_version__model__team")
     )
@@ -174,7 +179,36 @@ def desired_state_of(host) -> dict:
         "instances": host_instances(host),
         "placements": placements,
         "versions": {str(v.pk): version_entry(v) for v in versions},
+        "tunings": tunings,
     }
+
+
+def _running_tunings(host):
+    return TuningJob.objects.filter(state=TuningState.RUNNING, instance__host=host).order_by("pk")
+
+
+def tuning_entry(job: TuningJob) -> dict:
+    """A running tuning job as its agent runs it (``hostagent.tuning_protocol``)."""
+    return {
+        "id": job.pk,
+        "instance": job.instance_id,
+        "version": job.version_id,
+        "objective": {"p99_ms": job.objective["p99_ms"], "rate_rps": job.objective.get("rate_rps")},
+        "budget_s": job.budget_s,
+        "max_candidates": job.max_candidates,
+        "max_instances": job.max_instances,
+        "gears": list(job.gears),
+        "cancel": job.cancel_requested,
+    }
+
+
+@require_POST
+@host_only
+def tuning_report(request, job_id: int):
+    """Points, the start, the end or the failure of a tuning job running on this host
+    (``apps.deployments.tuning_jobs.report``)."""
+    status, answer = tuning_jobs.report(job_id, request.host, read_json(request))
+    return JsonResponse(answer, status=status)
 
 
 @require_GET
@@ -307,7 +341,7 @@ def _placed_version(host, version_id: int) -> ModelVersion | None:
     live = DeploymentInstance.objects.filter(instance__host=host).exclude(
         deployment__state=DeploymentState.UNDEPLOYED
     )
-    placed = live.filter(refs).exists()
+    placed = live.filter(refs).exists() or _running_tunings(host).filter(version_id=version_id).exists()
     version = ModelVersion.objects.filter(pk=version_id).first()
     if not placed and version is not None:
         # A companion: a step version a live ensemble calls, loaded beside its deployment's own here.

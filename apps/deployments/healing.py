@@ -22,7 +22,7 @@ from __future__ import annotations
 from django.db import transaction
 from django.db.models import Case, Count, F, Q, Value, When
 
-from apps.deployments import autoscaling, draining, ensembles, reserved, scheduler, services
+from apps.deployments import autoscaling, draining, ensembles, reserved, scheduler, services, tuning_jobs
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet import pools
 from apps.fleet.models import Host, TritonInstance
@@ -195,4 +195,5 @@ def tick() -> dict[str, int]:
             transaction.on_commit(lambda released=released: scheduler.enqueue(released))
         counts["released"] += len(released)
     counts["undrained"] = draining.release_undrained()
+    counts.update(tuning_jobs.tick())  # after the replicas: a serving replica's room comes first
     return counts

@@ -528,3 +528,7 @@ class GatewayView:
         want = deployment.active_version.number if deployment.active_version else None
         other = any(routes.get(deployment.pk, (want,))[0] != want for routes in self.gateways)
         return DeploymentState.SWITCHING if other else DeploymentState.DEPLOYING
+
+
+# Defined in its own module (the deployments' models would pass this file's size), registered from here.
+from apps.deployments.tuning_models import TuningJob, TuningState  # noqa: E402, F401

@@ -3,7 +3,8 @@ that a placement decision reads one column per instance instead of summing its p
 
 The definition is one SQL aggregate (``used_mb_sql``): per live placement (not unloaded, of a deployment not
 undeployed; a retiring one holds its memory until unloaded) its deployment's served version, plus the target
-during a switch (both are loaded), each version's measured footprint or else its estimate. The writers of
+during a switch (both are loaded), each version's measured footprint or else its estimate; and per running tuning job the memory its
+scratch replica reserved (``apps.deployments.tuning_jobs``). The writers of
 placements (``apps.deployments.scheduler`` and ``services``) keep the column inside the transaction of each
 change: ``refresh_reserved`` recomputes it for the instances touched, a decision adds what its new replicas
 hold (``scheduler.place_replicas``). ``reserved_drift`` compares the two; the beat repairs any drift
@@ -17,10 +18,11 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from django.db import transaction
-from django.db.models import Case, F, IntegerField, Q, Sum, Value, When
+from django.db.models import Case, F, IntegerField, OuterRef, Q, Subquery, Sum, Value, When
 from django.db.models.functions import Cast, Ceil, Coalesce
 
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
+from apps.deployments.tuning_models import TuningJob, TuningState
 from apps.fleet.models import Pool, TritonInstance
 from apps.registry.models import FOOTPRINT_BASE_MB, FOOTPRINT_MARGIN, ModelVersion
 
@@ -69,9 +71,34 @@ def used_mb_sql(placements: str = "placements"):
     of the rows annotated - the definition of ``TritonInstance.reserved_mb``, which the decisions read
     instead (``refresh_reserved`` keeps it; ``reserved_drift`` compares the two)."""
     live = Q(**{f"{placements}__isnull": False}) & _live_sql(f"{placements}__")
-    return Coalesce(
+    held = Coalesce(
         Sum(_placement_mb_sql(f"{placements}__"), filter=live), Value(0), output_field=IntegerField()
     )
+    return held + _tuning_mb_sql()
+
+
+def _tuning_mb_sql():
+    """What the running tuning jobs' scratch replicas on the annotated instance reserved (a subquery: a
+    second join beside the placements' would multiply their sum)."""
+    rows = (
+        TuningJob.objects.filter(instance=OuterRef("pk"), state=TuningState.RUNNING)
+        .order_by()
+        .values("instance")
+        .annotate(mb=Sum("reserved_mb"))
+        .values("mb")
+    )
+    return Coalesce(Subquery(rows, output_field=IntegerField()), Value(0), output_field=IntegerField())
+
+
+def tuning_held(instance_ids: list[int]) -> dict[int, int]:
+    """{instance: MiB} the running tuning jobs on these instances reserved."""
+    rows = (
+        TuningJob.objects.filter(instance_id__in=instance_ids, state=TuningState.RUNNING)
+        .order_by()
+        .values("instance_id")
+        .annotate(mb=Sum("reserved_mb"))
+    )
+    return {row["instance_id"]: row["mb"] or 0 for row in rows}
 
 
 def used_by_instance(instance_ids: list[int] | None = None, *, pool: Pool | None = None) -> dict[int, int]:
@@ -115,6 +142,7 @@ def refresh_reserved(instance_ids: Iterable[int]) -> None:
         )
     )
     held = dict.fromkeys(ids, 0)
+    held.update(tuning_held(ids))
     for instance_id, active, a_mb, a_size, target, t_mb, t_size in rows:
         if active is not None:
             held[instance_id] += ModelVersion(footprint_mb=a_mb, size_bytes=a_size).footprint_estimate_mb()
