@@ -1,6 +1,6 @@
 from rest_framework.routers import SimpleRouter
 
-from apps.deployments import api, rollout_api
+from apps.deployments import api, rollout_api, tuning_api
 
 router = SimpleRouter()
 router.register(r"teams/(?P<team_slug>[^/.]+)/deployments", api.DeploymentViewSet, basename="team-deployment")
@@ -9,5 +9,6 @@ router.register(
     rollout_api.RolloutViewSet,
     basename="team-deployment-rollout",
 )
+router.register(r"teams/(?P<team_slug>[^/.]+)/tunings", tuning_api.TuningViewSet, basename="team-tuning")
 
 urlpatterns = router.urls
