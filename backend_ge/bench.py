@@ -41,18 +41,22 @@ class BenchError(RuntimeError):
 _WIRE = {np.dtype(v): k for k, v in _NUMPY.items()}
 
 
-def _http_get(url: str, path: str, timeout: float = 10.0) -> dict:
+def _http_get(url: str, path: str, timeout: float = 10.0, headers: Mapping[str, str] | None = None) -> dict:
+    request = urllib.request.Request(f"http://{url}{path}", headers=dict(headers or {}))
     try:
-        with urllib.request.urlopen(f"http://{url}{path}", timeout=timeout) as resp:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")
         raise BenchError(f"GET {path}: HTTP {e.code} {detail}") from None
 
 
-def make_inputs(url: str, model: str, batch: int = 1, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random inputs shaped from the model's metadata; integer inputs stay small (valid token ids)."""
-    meta = _http_get(url, f"/v2/models/{model}")
+def make_inputs(
+    url: str, model: str, batch: int = 1, seed: int = 0, headers: Mapping[str, str] | None = None
+) -> dict[str, np.ndarray]:
+    """Random inputs shaped from the model's metadata; integer inputs stay small (valid token ids).
+    ``headers``: sent with every call (an instance's key, where the server restricts its APIs)."""
+    meta = _http_get(url, f"/v2/models/{model}", headers=headers)
     # The metadata API, not the config API: the config is part of an instance's control plane (it needs the
     # instance key), while metadata is what any client may read. Triton reports a batched model's inputs with
     # a leading -1 (the batch dimension).
@@ -85,8 +89,14 @@ class RawHttpClient:
     bytes built once and parses only the status line and lengths of each reply.
     """
 
-    def __init__(self, url: str, model: str, inputs: Mapping[str, np.ndarray]) -> None:
+    def __init__(
+        self, url: str, model: str, inputs: Mapping[str, np.ndarray], headers: Mapping[str, str] | None = None
+    ) -> None:
         import tritonclient.http as httpclient
+
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        if any(c in extra.replace("\r\n", "") for c in "\r\n"):
+            raise BenchError("a header may not contain a line break")
 
         host, port = url.rsplit(":", 1)
         items = []
@@ -98,7 +108,7 @@ class RawHttpClient:
         head = (
             f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: {url}\r\n"
             f"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: {json_size}\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n"
+            f"Content-Length: {len(body)}\r\n{extra}\r\n"
         )
         self._request = head.encode() + body
         self._sock = socket.create_connection((host, int(port)), timeout=120)
@@ -140,11 +150,11 @@ class RawHttpClient:
         self._sock.close()
 
 
-def _http_stream(url, model, inputs):
+def _http_stream(url, model, inputs, headers=None):
     """Returns (infer, close) for one HTTP stream; the first reply is fully checked."""
     import tritonclient.http as httpclient
 
-    client = RawHttpClient(url, model, inputs)
+    client = RawHttpClient(url, model, inputs, headers)
     status, body, header_length = client.infer()
     if status != 200:
         raise BenchError(body.decode(errors="replace"))
@@ -160,7 +170,7 @@ def _http_stream(url, model, inputs):
     return infer, client.close
 
 
-def _grpc_stream(url, model, inputs):
+def _grpc_stream(url, model, inputs, headers=None):  # headers: HTTP only (``run`` refuses them)
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
@@ -172,9 +182,9 @@ def _grpc_stream(url, model, inputs):
     return (lambda: client.infer(model, items)), client.close
 
 
-def _worker(url, protocol, model, inputs, count, warmup, ready, start, results) -> None:
+def _worker(url, protocol, model, inputs, count, warmup, ready, start, results, headers=None) -> None:
     try:
-        infer, close = (_grpc_stream if protocol == "grpc" else _http_stream)(url, model, inputs)
+        infer, close = (_grpc_stream if protocol == "grpc" else _http_stream)(url, model, inputs, headers)
         for _ in range(warmup):
             infer()
     except Exception as e:  # the parent reports it instead of waiting for a stream that never starts
@@ -199,8 +209,8 @@ def _worker(url, protocol, model, inputs, count, warmup, ready, start, results) 
     results.put((first, last, latencies, errors, cpu))
 
 
-def _stats(url: str, model: str) -> dict:
-    stats = _http_get(url, f"/v2/models/{model}/stats")["model_stats"]
+def _stats(url: str, model: str, headers: Mapping[str, str] | None = None) -> dict:
+    stats = _http_get(url, f"/v2/models/{model}/stats", headers=headers)["model_stats"]
     return stats[0] if stats else {}
 
 
@@ -237,20 +247,26 @@ def run(
     inputs: Mapping[str, np.ndarray] | None = None,
     warmup: int = 2,
     timeout: float = 600.0,
+    headers: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run ``requests`` inferences from ``concurrency`` processes; return throughput, latency, server split.
 
     ``url`` is ``host:port`` for ``protocol``; ``stats_url`` is the HTTP ``host:port`` for the statistics
-    API (defaults to ``url``, which must then be HTTP).
+    API (defaults to ``url``, which must then be HTTP). ``headers`` go with every HTTP request (an instance
+    key where the server restricts its APIs).
     """
+    if headers and protocol == "grpc":
+        raise BenchError("headers are sent over HTTP only")
     stats_url = stats_url or url
-    inputs = dict(inputs) if inputs is not None else make_inputs(stats_url, model)
+    inputs = dict(inputs) if inputs is not None else make_inputs(stats_url, model, headers=headers)
     ctx = mp.get_context("spawn")  # a fresh interpreter per stream: no inherited threads or client state
     ready, results, start = ctx.Queue(), ctx.Queue(), ctx.Event()
     counts = [requests // concurrency + (1 if i < requests % concurrency else 0) for i in range(concurrency)]
     procs = [
         ctx.Process(
-            target=_worker, args=(url, protocol, model, inputs, n, warmup, ready, start, results), daemon=True
+            target=_worker,
+            args=(url, protocol, model, inputs, n, warmup, ready, start, results, headers),
+            daemon=True,
         )
         for n in counts
     ]
@@ -262,10 +278,10 @@ def run(
             status = ready.get(timeout=max(1.0, deadline - time.monotonic()))
             if status is not True:
                 raise BenchError(status)
-        before = _stats(stats_url, model)
+        before = _stats(stats_url, model, headers)
         start.set()
         outcomes = [results.get(timeout=max(1.0, deadline - time.monotonic())) for _ in procs]
-        after = _stats(stats_url, model)
+        after = _stats(stats_url, model, headers)
     finally:
         for p in procs:
             p.join(timeout=10)

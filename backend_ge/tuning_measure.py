@@ -50,7 +50,7 @@ class TritonMeasure:
         self.server.load_model(self.scratch_name, config=self.config_json(candidate), timeout=self.timeout)
         self.loaded = candidate
         if self.inputs is None:
-            self.inputs = bench.make_inputs(self.server.http_url, self.scratch_name)
+            self.inputs = bench.make_inputs(self.server.http_url, self.scratch_name, headers=self._headers())
 
     def __call__(self, candidate: Candidate, concurrency: int) -> Point:
         self.load(candidate)
@@ -63,6 +63,7 @@ class TritonMeasure:
             inputs=self.inputs,
             warmup=self.warmup,
             timeout=self.timeout,
+            headers=self._headers(),
         )
         return Point(
             candidate=candidate,
@@ -74,6 +75,11 @@ class TritonMeasure:
             avg_batch_size=r["server"]["avg_batch_size"],
             queue_us=r["server"]["queue_us"],
         )
+
+    def _headers(self) -> dict[str, str]:
+        """The instance key: an agent's server opens only its health API to callers without it."""
+        keyed = getattr(self.server, "key_headers", None)
+        return keyed() if keyed is not None else {}
 
     def close(self) -> None:
         if self.loaded is not None:
