@@ -24,6 +24,7 @@ from apps.teams.models import Action
 from backend_ge import config as gc
 from backend_ge import tuning
 from backend_ge.served_config import MAX_BATCH_SIZE, MAX_INSTANCE_COUNT, MAX_QUEUE_DELAY_US
+from frontend import tuning as tuning_panel
 from frontend.ensembles import ensemble_context, error_lines
 from frontend.registry import ModelPageView, in_use_message
 
@@ -152,6 +153,10 @@ class VersionDetailView(ModelPageView):
                 ),
             )
         context.update(serving_settings=current)
+        if current is not None:
+            context.update(
+                tuning_panel.tuning_context(version, self.team, form=context.get("tuning_form")),
+            )
         context.setdefault(
             "notes_form", VersionNotesForm(initial={"note": version.note, "tags": ", ".join(version.tags)})
         )
@@ -173,6 +178,10 @@ class VersionDetailView(ModelPageView):
         version = self.get_version()
         operation = request.POST.get("op", "")
         here = reverse("version-detail", args=[self.team.slug, version.model.slug, version.number])
+        if operation.startswith("tune"):
+            response = tuning_panel.handle(self, request, version, operation)
+            if response is not None:
+                return response
         try:
             if operation == "notes":
                 form = VersionNotesForm(request.POST)

@@ -31,7 +31,7 @@ from apps.alerts.models import (
 from apps.alerts.services import create_silence
 from apps.audit.models import AuditEvent
 from apps.conversions.models import ConversionJob
-from apps.deployments.models import Rollout
+from apps.deployments.models import Rollout, TuningJob
 from apps.registry.models import RegisteredModel, UploadSession, VersionState
 from apps.teams import services as team_services
 from apps.teams.models import Membership, Team
@@ -62,6 +62,7 @@ ID_OWNERS = (
     ("/invitations/", "invitation"),
     ("/tokens/", "token"),
     ("/audit-events/", "event"),
+    ("/tunings/", "tuning"),
 )
 
 
@@ -140,6 +141,7 @@ def victim(team, owner, viewer, shared_host, instance, make_token):
     uploading = make_version(model, 3, state=VersionState.UPLOADING)
     upload = UploadSession.objects.create(version=uploading, filename="m.onnx", expected_size=10)
     job = ConversionJob.objects.create(version=v2, created_by=owner)
+    tuning = TuningJob.objects.create(team=team, version=v1, budget_s=60, max_candidates=3)
     invitation = team_services.invite_member(actor=owner, team=team, user_identifier="ghost", role="viewer")
     ids = {
         "model_slug": model.slug,
@@ -155,6 +157,7 @@ def victim(team, owner, viewer, shared_host, instance, make_token):
         "job": str(job.pk),
         "member": str(Membership.objects.get(user=viewer).pk),
         "invitation": str(invitation.pk),
+        "tuning": str(tuning.pk),
         "event": str(AuditEvent.objects.filter(team=team).first().pk),
         "version": str(v1.pk),
         "versions": (v1, v2),
