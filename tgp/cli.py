@@ -293,6 +293,92 @@ def derive(
     emit(derived, f"{model} v{derived['version']} {derived['state']} (from v{number})")
 
 
+def _tuning_text(job: dict) -> str:
+    where = f" on {job['instance']}" if job.get("instance") else ""
+    return (
+        f"tuning {job['id']}: {job['model']} v{job['version']} {job['state']}{where}, "
+        f"{job['points_measured']} point(s)" + (f" - {job['reason']}" if job.get("reason") else "")
+    )
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--version", "-v", "number", type=click.IntRange(min=1), required=True, help="A READY version.")
+@click.option("--pool", help="The pool to measure on (default: any the team may use).")
+@click.option("--budget-s", type=click.IntRange(min=1), help="The time budget in seconds (30-3600; 300).")
+@click.option("--max-candidates", type=click.IntRange(min=1), help="Configs to measure at most (1-30; 12).")
+@click.option("--max-instances", type=click.IntRange(min=1), help="Most model instances per config (1).")
+@click.option(
+    "--wait", is_flag=True, help="Wait for the result (exit 1 when it fails, is cancelled or times out)."
+)
+@click.option("--create-version", "create", is_flag=True, help="With --wait: create the recommended version.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=3900, show_default=True, help="Seconds.")
+@output_option
+def tune(
+    model: str,
+    number: int,
+    pool: str | None,
+    budget_s: int | None,
+    max_candidates: int | None,
+    max_instances: int | None,
+    wait: bool,
+    create: bool,
+    timeout: float,
+) -> None:
+    """Measure version N of MODEL on a pool against the model's latency objective (``tgp models
+    objective``) and print the recommendation; --create-version makes it a version to roll out."""
+    if create and not wait:
+        raise click.UsageError("--create-version needs --wait.")
+    api = client()
+    job = api.start_tuning(
+        model,
+        number,
+        pool=pool,
+        budget_s=budget_s,
+        max_candidates=max_candidates,
+        max_instances=max_instances,
+    )
+    if not wait:
+        emit(job, _tuning_text(job))
+        return
+    note(_tuning_text(job))
+    job = api.wait_for_tuning(job["id"], timeout=timeout, on_progress=lambda j: note(_tuning_text(j)))
+    lines = [_tuning_text(job), job["message"]]
+    if create:
+        if job.get("recommended") is None:
+            raise Failed(f"Tuning {job['id']} recommends no config: {job['message']}")
+        if job["recommended"] == (job.get("result") or {}).get("default"):
+            job = {**job, "created_version": None}
+            lines.append(f"v{number}'s own config is the best measured: no version created.")
+        else:
+            made = api.create_tuned_version(job["id"])
+            job = {**job, "created_version": made["version"]}
+            lines.append(f"{model} v{made['version']} READY with the recommended config; roll it out.")
+    emit(job, lines)
+
+
+@cli.command()
+@click.option("--model", help="Only this model's tunings.")
+@click.option("--cancel", "cancel_id", type=click.IntRange(min=1), help="Cancel this tuning job instead.")
+@output_option
+def tunings(model: str | None, cancel_id: int | None) -> None:
+    """List the team's tuning jobs, newest first (or cancel one with --cancel ID)."""
+    api = client()
+    if cancel_id is not None:
+        job = api.cancel_tuning(cancel_id)
+        emit(job, _tuning_text(job))
+        return
+    rows = api.list_tunings(model)
+    emit(
+        rows,
+        table(
+            [[j["id"], j["model"], j["version"], j["state"], j["points_measured"], j["pool"] or "any",
+              j.get("message") or j.get("reason")] for j in rows],
+            ["ID", "MODEL", "VERSION", "STATE", "POINTS", "POOL", "RESULT"],
+        ),
+    )  # fmt: skip
+
+
 def _deployment_text(d: dict) -> str:
     ready = sum(1 for p in d.get("placements", []) if p["state"] == "READY")
     return (

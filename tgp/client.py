@@ -277,6 +277,47 @@ class Client:
         path = self._team_path(f"models/{model}/versions/{number}/config/derive/")
         return self.request("POST", path, json={"serving": serving, "note": note})
 
+    # --- tuning jobs --------------------------------------------------------------------------------
+    def start_tuning(self, model: str, number: int, **options) -> dict:
+        body = {"model": model, "version": number, **{k: v for k, v in options.items() if v is not None}}
+        return self.request("POST", self._team_path("tunings/"), json=body)
+
+    def get_tuning(self, job_id: int) -> dict:
+        return self.request("GET", self._team_path(f"tunings/{job_id}/"))
+
+    def list_tunings(self, model: str | None = None) -> list[dict]:
+        return self._all(self._team_path("tunings/"), **({"model": model} if model else {}))
+
+    def cancel_tuning(self, job_id: int) -> dict:
+        return self.request("POST", self._team_path(f"tunings/{job_id}/cancel/"))
+
+    def create_tuned_version(self, job_id: int, *, note: str = "") -> dict:
+        return self.request("POST", self._team_path(f"tunings/{job_id}/create-version/"), json={"note": note})
+
+    def wait_for_tuning(
+        self,
+        job_id: int,
+        *,
+        timeout: float = 3900,
+        interval: float = 2.0,
+        on_progress: Callable[[dict], None] | None = None,
+    ) -> dict:
+        """Poll until the job ends: SUCCEEDED is returned, any other end raises :class:`Failed`."""
+        deadline = time.monotonic() + timeout
+        seen = None
+        while True:
+            job = self.get_tuning(job_id)
+            if on_progress and (job["state"], job["points_measured"]) != seen:
+                on_progress(job)
+            seen = (job["state"], job["points_measured"])
+            if job["state"] == "SUCCEEDED":
+                return job
+            if job["state"] in ("FAILED", "CANCELLED", "TIMED_OUT"):
+                raise Failed(f"Tuning {job_id} {job['state']}: {job.get('reason') or 'no message'}")
+            if time.monotonic() >= deadline:
+                raise TimedOut(f"Tuning {job_id} is still {job['state']} after {timeout:g}s.")
+            time.sleep(interval)
+
     def list_versions(self, model: str) -> list[dict]:
         return self._all(self._team_path(f"models/{model}/versions/"), ordering="-number")
 

@@ -356,6 +356,8 @@ def create_recommended_version(*, actor, job: TuningJob, note: str = "") -> Mode
     out like any version."""
     candidate = recommended_candidate(job)
     version = job.version
+    if candidate == Candidate.from_config(gc.parse_config(version.config_text)):
+        raise _field("tuning", f"Tuning {job.pk} found {version}'s own config the best: nothing to create.")
     text = gc.render_config(candidate.apply(gc.parse_config(version.config_text)))
     note = note or f"Tuning {job.pk}'s recommendation: {candidate.label()}."
     return derive_version(actor=actor, version=version, text=text, note=note)

@@ -308,3 +308,30 @@ def test_derive_creates_a_version_with_other_serving_settings_and_keeps_the_rest
     assert result.code == 1 and "preferred_batch_size" in result.err
     assert ready.model.versions.count() == 2
     assert tgp("derive", "classifier", "--version", "1", "--preferred", "a,b").code == 2
+
+
+def test_tune_starts_lists_and_cancels_a_tuning_and_bad_input_exits_1_or_2(
+    tgp, signed_in, make_ready_version
+):
+    from apps.deployments.models import TuningJob, TuningState
+    from apps.fleet.models import Pool
+
+    ready = make_ready_version()
+    assert tgp("tune", "classifier", "-v", "1", "--create-version").code == 2  # needs --wait
+    result = tgp("tune", "classifier", "-v", "1")
+    assert result.code == 1 and "objective_p99_ms" in result.err  # no objective yet: the platform's 400
+    assert tgp("models", "objective", "classifier", "--p99-ms", "30").code == 0
+    result = tgp("tune", "classifier", "-v", "1", "--budget-s", "5")
+    assert result.code == 1 and "budget_s" in result.err and not TuningJob.objects.exists()
+    Pool.objects.create(name="cpu")  # no host in it: the job waits with the reason
+    result = tgp("tune", "classifier", "-v", "1", "--pool", "cpu", "--budget-s", "60", "-o", "json")
+    assert result.code == 0, result.err
+    job = result.json()
+    assert job["state"] == "QUEUED" and "pool cpu has no schedulable instance" in job["reason"]
+    listed = tgp("tunings", "--model", "classifier")
+    assert listed.code == 0 and f"{job['id']}" in listed.out and "QUEUED" in listed.out
+    assert tgp("tune", "classifier", "-v", "1").code == 1  # one tuning per version at a time
+    waited = tgp("tunings", "--cancel", str(job["id"]))
+    assert waited.code == 0 and "CANCELLED" in waited.out
+    assert TuningJob.objects.get().state == TuningState.CANCELLED
+    assert ready.model.versions.count() == 1

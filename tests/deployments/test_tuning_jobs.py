@@ -237,3 +237,17 @@ def test_the_recommendation_becomes_a_version(maintainer_client, make_scaler_ver
     derived = model.versions.get(number=response.json()["version"])
     assert derived.state == VersionState.READY and derived.note == "tuned"
     assert Candidate.from_config(gc.parse_config(derived.config_text)) == better
+
+
+def test_no_version_when_the_current_config_measured_best(maintainer_client, tunable, pool):
+    job = TuningJob.objects.get(pk=start(maintainer_client).json()["id"])
+    agent = agent_client(credential_of(job.instance.host))
+    report(agent, job, event="started")
+    points = [point(BASE, 1, 300, 5), point(BETTER, 1, 100, 5)]
+    report(agent, job, event="finished", points=points, stopped="done", wall_s=5.0)
+    job.refresh_from_db()
+    assert Candidate.from_dict(job.result["recommended"]) == BASE
+    assert "the current config is the best measured" in job.result["message"]
+    response = maintainer_client.post(f"{url()}{job.pk}/create-version/")
+    assert response.status_code == 400 and "nothing to create" in response.json()["fields"]["tuning"][0]
+    assert tunable.model.versions.count() == 1
