@@ -16,6 +16,7 @@ from django.shortcuts import redirect
 from apps.deployments import tuning_jobs
 from apps.deployments.tuning_models import TuningJob
 from apps.fleet.models import Pool
+from apps.monitoring import retune
 from apps.registry.models import ModelVersion
 from frontend.ensembles import error_lines
 
@@ -136,6 +137,7 @@ def tuning_context(version: ModelVersion, team, *, form: TuningForm | None = Non
         "tuning": latest,
         "tuning_curve": curve(latest) if latest else None,
         "tuning_objective": version.model.latency_objective(),
+        "tuning_advice": retune.advice(version),
     }
 
 

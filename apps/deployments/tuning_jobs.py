@@ -360,4 +360,7 @@ def create_recommended_version(*, actor, job: TuningJob, note: str = "") -> Mode
         raise _field("tuning", f"Tuning {job.pk} found {version}'s own config the best: nothing to create.")
     text = gc.render_config(candidate.apply(gc.parse_config(version.config_text)))
     note = note or f"Tuning {job.pk}'s recommendation: {candidate.label()}."
-    return derive_version(actor=actor, version=version, text=text, note=note)
+    with transaction.atomic():
+        derived = derive_version(actor=actor, version=version, text=text, note=note)
+        TuningJob.objects.filter(pk=job.pk).update(derived_version=derived)
+    return derived

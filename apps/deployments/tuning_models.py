@@ -58,6 +58,14 @@ class TuningJob(models.Model):
     points = models.JSONField(default=list, blank=True)
     result = models.JSONField(null=True, blank=True)
     cancel_requested = models.BooleanField(default=False)
+    derived_version = models.ForeignKey(
+        "registry.ModelVersion",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="tuned_by",
+        help_text="The version created with its recommendation: live traffic on it is compared with the points.",
+    )
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )

@@ -10,7 +10,7 @@ from rest_framework import serializers, viewsets
 from rest_framework.response import Response
 
 from apps.fleet.models import TritonInstance
-from apps.monitoring import rollups, services
+from apps.monitoring import retune, rollups, services
 from apps.registry.models import RegisteredModel
 from apps.teams.models import Action
 from apps.teams.viewsets import TeamScopedViewSet
@@ -287,3 +287,29 @@ class FleetMetricsViewSet(viewsets.GenericViewSet):
     @extend_schema(responses=FleetMetricsSerializer, operation_id="fleet_metrics")
     def retrieve(self, request, *args, **kwargs):
         return Response(FleetMetricsSerializer(services.fleet_metrics(request.user, _range(request))).data)
+
+
+class TuningAdviceSerializer(serializers.Serializer):
+    state = serializers.ChoiceField(choices=["untuned", "quiet", "steady", "retune"])
+    reasons = serializers.ListField(child=serializers.CharField())
+    live = serializers.DictField()
+    tuned = serializers.DictField(allow_null=True)
+    tuning = serializers.IntegerField(allow_null=True)
+
+
+class TuningAdviceViewSet(TeamScopedViewSet):
+    """Whether a version's live traffic (the last 15 minutes) has moved away from the point its serving
+    settings were tuned at (``apps.monitoring.retune``): ``retune`` with the reasons, ``steady``, ``quiet``
+    (too little traffic to say) or ``untuned``. A suggestion only: nothing changes a serving config but a
+    new version and a rollout."""
+
+    queryset = RegisteredModel.objects.all()
+    serializer_class = TuningAdviceSerializer
+    pagination_class = None
+    filter_backends: list = []
+
+    @extend_schema(responses=TuningAdviceSerializer, operation_id="team_version_tuning_advice")
+    def retrieve(self, request, *args, **kwargs):
+        model = get_object_or_404(self.get_queryset(), slug=kwargs["model_slug"])
+        version = get_object_or_404(model.versions.all(), number=kwargs["number"])
+        return Response(TuningAdviceSerializer(retune.advice(version)).data)

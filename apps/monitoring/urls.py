@@ -14,6 +14,11 @@ urlpatterns = [
         name="team-model-compare",
     ),
     path(
+        "teams/<slug:team_slug>/models/<slug:model_slug>/versions/<int:number>/tuning-advice/",
+        api.TuningAdviceViewSet.as_view({"get": "retrieve"}),
+        name="team-version-tuning-advice",
+    ),
+    path(
         "instances/<int:pk>/metrics/",
         api.InstanceMetricsViewSet.as_view({"get": "retrieve"}),
         name="instance-metrics",
