@@ -328,6 +328,8 @@ SPECTACULAR_SETTINGS = {
         "PlacementStateEnum": "apps.deployments.models.PlacementState",
         "RolloutStateEnum": "apps.deployments.models.RolloutState",
         "PriorityClassEnum": "apps.core.priority.CHOICES",
+        "TuningStateEnum": "apps.deployments.tuning_models.TuningState",
+        "TuningAdviceStateEnum": "apps.monitoring.retune.ADVICE_STATES",
     },
 }
 

@@ -290,7 +290,7 @@ class FleetMetricsViewSet(viewsets.GenericViewSet):
 
 
 class TuningAdviceSerializer(serializers.Serializer):
-    state = serializers.ChoiceField(choices=["untuned", "quiet", "steady", "retune"])
+    state = serializers.ChoiceField(choices=retune.ADVICE_STATES)
     reasons = serializers.ListField(child=serializers.CharField())
     live = serializers.DictField()
     tuned = serializers.DictField(allow_null=True)

@@ -29,6 +29,12 @@ from apps.registry.models import ModelVersion
 from backend_ge import config as gc
 from backend_ge.tuning import Candidate, Objective, Point, TuningError
 
+ADVICE_STATES = [
+    ("untuned", "No finished tuning measured this version's config"),
+    ("quiet", "Too little traffic to compare"),
+    ("steady", "Live traffic is near the tuned point"),
+    ("retune", "Re-tuning suggested"),
+]
 WINDOW = timedelta(minutes=15)
 MIN_REQUESTS = 200
 RATE_ABOVE = 1.2
