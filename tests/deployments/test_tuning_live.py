@@ -126,3 +126,18 @@ def test_a_tuning_measures_beside_a_serving_replica_is_cancelled_and_recommends_
     derived = model.versions.get(number=answer["created_version"])
     assert derived.state == VersionState.READY
     assert Candidate.from_config(gc.parse_config(derived.config_text)) == recommended
+    deployment = Deployment.objects.get(model=model)
+    switched = owner_client.post(
+        f"/api/v1/teams/vision/deployments/{deployment.pk}/switch/",
+        {"version": derived.number},
+        format="json",
+    )
+    assert switched.status_code == 200, switched.json()
+    wait_for(
+        lambda: Deployment.objects.filter(
+            pk=deployment.pk, state=DeploymentState.SERVING, active_version=derived
+        ).exists(),
+        120,
+        f"the recommended version to serve\n{agent.output()}",
+    )
+    assert bench.run(url, "vision__scaler", requests=20, warmup=1, headers=headers)["errors"] == 0
