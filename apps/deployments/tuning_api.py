@@ -122,7 +122,7 @@ class TuningViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamScoped
             rows = rows.filter(version__model__slug=model)
         number = self.request.query_params.get("version")
         if number:
-            if not number.isdigit():
+            if not number.isdigit() or len(number) > 9:
                 raise ValidationError({"version": ["Give a version number."]})
             rows = rows.filter(version__number=int(number))
         return rows
