@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from backend_ge import config as ge_config  # noqa: E402
-from backend_ge import examples, tuning, tuning_measure  # noqa: E402
+from backend_ge import examples, tuning, tuning_measure, tuning_reference  # noqa: E402
 from backend_ge.runtime import TritonServer  # noqa: E402
 from benchmarks import smoke  # noqa: E402
 
@@ -84,8 +84,10 @@ def tune_model(server: TritonServer, repo: Path, name: str, args) -> dict:
                 max_instances=args.max_instances,
                 concurrencies=concurrencies,
             )
-            space = tuning.grid(default, reference, delays=BRUTE_DELAYS_US)
-            brute = tuning.brute_force(measure, space, reference, objective, budget_s=args.brute_budget_s)
+            space = tuning_reference.grid(default, reference, delays=BRUTE_DELAYS_US)
+            brute = tuning_reference.brute_force(
+                measure, space, reference, objective, budget_s=args.brute_budget_s
+            )
     finally:
         measure.close()
     brute_figures = {}

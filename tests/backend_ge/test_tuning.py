@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from backend_ge import config as ge_config
-from backend_ge import tuning, tuning_measure
+from backend_ge import tuning, tuning_measure, tuning_reference
 from backend_ge.tuning import Candidate, Limits, Objective, Point, TuningError
 
 
@@ -196,10 +196,10 @@ def test_candidates_are_measured_on_a_real_server_under_a_scratch_name(triton, e
 
 def test_the_bounded_search_reaches_95_percent_of_the_brute_force_optimum_in_under_10_percent_of_the_space():
     limits = Limits(64, max_instances=4)
-    space = tuning.grid(BASE, limits)
+    space = tuning_reference.grid(BASE, limits)
     assert len(space) == len(set(space)) > 100
     objective = Objective(p99_ms=15)
-    brute = tuning.brute_force(Server(), space, limits, objective, budget_s=10**6)
+    brute = tuning_reference.brute_force(Server(), space, limits, objective, budget_s=10**6)
     quick = tuning.tune(Server(), BASE, limits, objective, budget_s=10**6)
     assert brute.recommended is not None and quick.recommended is not None
     assert quick.score(quick.recommended) >= 0.95 * brute.score(brute.recommended)
