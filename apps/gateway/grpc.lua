@@ -17,7 +17,9 @@
 --   routing did not see); a refusal there turns the refused field's first byte into a key no protobuf
 --   parser accepts, so the instance refuses the whole message before running anything. The filter also pins the version the gateway chose (txn.gpin) by inserting a model_version
 --   field right after the prefix (the only one: the action has seen none in the head and the filter refuses
---   any later) and fixing the length prefix. HAProxy 2.6 lets only filters change a body.
+--   any later) and fixing the length prefix. For a version whose config defines priority levels it appends
+--   Triton's `priority` parameter (txn.plevel, the caller's class) as the message's last field, so it wins
+--   over any the caller sent. HAProxy 2.6 lets only filters change a body.
 --
 -- The service `grpc_refuse` answers every refusal of the gRPC frontend: it reads (and drops) what is left of
 -- the request body first, up to a bound, because a trailers-only answer sent while the client still uploads
@@ -201,6 +203,17 @@ local function encode_varint(value)
     return table.concat(out)
 end
 
+-- ModelInferRequest's `parameters` (field 4, map<string, InferParameter>) entry "priority" -> int64_param
+-- (InferParameter field 2) `level`, as Triton reads a request's priority; "" without a level.
+local function priority_entry(level)
+    if level == nil or not tostring(level):match("^[0-9][0-9]?[0-9]?[0-9]?$") then
+        return ""
+    end
+    local value = "\x10" .. encode_varint(tonumber(level))
+    local entry = "\x0a\x08priority\x12" .. encode_varint(#value) .. value
+    return "\x22" .. encode_varint(#entry) .. entry
+end
+
 local Walk = {}
 Walk.id = "grpc message walk"
 Walk.flags = filter.FLT_CFG_FL_HTX
@@ -242,13 +255,14 @@ function Walk:http_payload(txn, msg)
         end
         self.stop, self.next, self.base = stop, txn:get_var("txn.gnext"), 0
         local version = txn:get_var("txn.gpin")
-        if version ~= nil then
+        self.tail = priority_entry(txn:get_var("txn.plevel"))
+        if version ~= nil or self.tail ~= "" then
             -- msg offsets are relative to the first byte this filter has not forwarded: 0 is the prefix.
-            local pin = "\x12" .. encode_varint(#version) .. version
+            local pin = version and ("\x12" .. encode_varint(#version) .. version) or ""
             if msg:input() < 5 then
                 return 0 -- the prefix is in the head the action read: it comes with the next data
             end
-            msg:set("\0" .. string.pack(">I4", stop - 5 + #pin) .. pin, 0, 5)
+            msg:set("\0" .. string.pack(">I4", stop - 5 + #pin + #self.tail) .. pin, 0, 5)
             self.extra = #pin -- bytes in front of the original ones, forwarded with them
         end
     end
@@ -282,6 +296,14 @@ function Walk:http_payload(txn, msg)
     self.base = self.base + forward
     self.extra = 0
     if self.next >= self.stop and available == self.stop then
+        if self.tail ~= "" then
+            -- The priority parameter, last: a caller's own "priority" entry comes before it, and protobuf
+            -- keeps the last entry of a map key. The prefix announced its bytes.
+            if msg:insert(self.tail, forward + extra) ~= #self.tail then
+                error("grpc priority: no room in the buffer for the parameter")
+            end
+            forward = forward + #self.tail
+        end
         filter.unregister_data_filter(self, msg.channel)
     end
     return forward + extra

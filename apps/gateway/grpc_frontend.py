@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from apps.core import priority
 from apps.gateway.rules import COUNTS_TABLE, Options, class_count_rules, count_rules, token_rules
 
 LUA_FILE = Path(__file__).with_name("grpc.lua")
@@ -136,6 +137,7 @@ def frontend_lines(o: Options) -> list[str]:
         "    http-response sc-inc-gpc(6,1) if { res.hdr(grpc-status) 3 } !{ var(txn.gmsg) -m found }",
         "    http-response sc-inc-gpc(6,2) if { res.hdr(grpc-status) 3 } !{ var(txn.gmsg) -m found }",
         *_routing_lines(),
+        *_priority_lines(o),
         *_hold_lines(o),
         "    http-request del-header authorization",
         f"    use_backend {ANY_INSTANCE} if server_call",
@@ -164,6 +166,23 @@ def _routing_lines() -> list[str]:
         # The filter inserts the version; the body's length changes, so an announced length would be wrong.
         "    http-request set-var(txn.gpin) var(txn.version) if model_call pinned !explicit_version !statistics",
         "    http-request del-header content-length if { var(txn.gpin) -m found }",
+    ]
+
+
+def _priority_lines(o: Options) -> list[str]:
+    """Triton's priority level from the caller's class for an inference of a version whose config defines
+    levels (``priority.map``, as on HTTP): ``grpc_walk`` appends it to the message."""
+    found = "{ var(txn.plevels) -m found }"
+    interactive = priority.triton_level(priority.INTERACTIVE, 2)
+    return [
+        "    acl infer_call path -m end /ModelInfer",
+        "    http-request set-var(txn.pversion) var(txn.version) if model_call infer_call !explicit_version",
+        "    http-request set-var(txn.pversion) var(txn.gversion) if model_call infer_call explicit_version",
+        "    http-request set-var(txn.pkey) var(txn.model),concat(/,txn.pversion) if { var(txn.pversion) -m found }",
+        f"    http-request set-var(txn.plevels) var(txn.pkey),map({o.map_file('priority')}) if {{ var(txn.pkey) -m found }}",
+        f"    http-request set-var(txn.plevel) str({interactive}) if {found} {{ var(txn.pclass) -m str {priority.INTERACTIVE} }}",
+        f"    http-request set-var(txn.plevel) var(txn.plevels) if {found} {{ var(txn.pclass) -m str {priority.BATCH} }}",
+        "    http-request del-header content-length if { var(txn.plevel) -m found }",
     ]
 
 

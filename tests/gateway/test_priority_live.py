@@ -10,8 +10,10 @@ import json
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from google.protobuf import text_format
+from tritonclient.utils import InferenceServerException
 
 from apps.gateway.metrics import scrape_gateway
 from apps.gateway.models import GatewayMetrics
@@ -89,7 +91,19 @@ def test_the_callers_class_is_tritons_priority_level(
         client.infer(SCALER, [tensor], headers={"authorization": f"Bearer {batch}"})
     client.close()
 
+    # gRPC: the gateway appends the level to the message, after any "priority" the caller sent.
+    grpc = grpcclient.InferenceServerClient(gateway.grpc_url)
+    item = grpcclient.InferInput("input", [2, 4], "FP32")
+    item.set_data_from_numpy(data)
+    answer = grpc.infer(SCALER, [item], headers={"authorization": f"Bearer {interactive}"}, client_timeout=30)
+    assert answer.as_numpy("output").tolist() == (data * 2).tolist()
+    for own, version in ((0, ""), (1, ""), (1, "1")):  # tritonclient sends priority=1 as the parameter
+        with pytest.raises(InferenceServerException, match="(?i)timeout"):
+            grpc.infer(SCALER, [item], model_version=version, priority=own,
+                       headers={"authorization": f"Bearer {batch}"}, client_timeout=30)  # fmt: skip
+    grpc.close()
+
     scrape_gateway()
     rows = GatewayMetrics.objects.filter(deployment=prioritised)
-    assert sum(r.requests_interactive for r in rows) == 2
-    assert sum(r.requests_batch for r in rows) == 3
+    assert sum(r.requests_interactive for r in rows) == 3
+    assert sum(r.requests_batch for r in rows) == 6
