@@ -169,7 +169,7 @@ def handle(view, request, version: ModelVersion, operation: str):
             return view.render_to_response(view.get_context_data(tuning_form=form), status=400)
         messages.success(request, f"Tuning {job.pk} started: {job.reason}.")
         return here
-    if operation not in ("tune_cancel", "tune_apply"):
+    if operation not in ("tune_cancel", "tune_apply", "tune_reconvert"):
         return None
     raw = request.POST.get("tuning", "")
     job = (
@@ -185,6 +185,14 @@ def handle(view, request, version: ModelVersion, operation: str):
             tuning_jobs.cancel(actor=request.user, job=job)
             messages.success(request, f"Tuning {job.pk}: cancel requested.")
             return here
+        if operation == "tune_reconvert":
+            conversion = tuning_jobs.reconvert_with_gears(actor=request.user, job=job)
+            messages.success(
+                request,
+                f"{conversion.version} converts with batch gears {conversion.options['batch_gears']}; "
+                "roll it out once it is READY.",
+            )
+            return redirect("conversion-job", team_slug=view.team.slug, pk=conversion.pk)
         derived = tuning_jobs.create_recommended_version(actor=request.user, job=job)
     except ValidationError as error:
         messages.error(request, " ".join(error_lines(error)))

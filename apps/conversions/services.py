@@ -141,7 +141,7 @@ def update_config(*, actor, version: ModelVersion, text: str) -> ModelVersion:
     return version
 
 
-def _link_tree(source: Path, target: Path, skip: frozenset[str] = frozenset()) -> None:
+def link_tree(source: Path, target: Path, skip: frozenset[str] = frozenset()) -> None:
     """``target`` as a copy of ``source`` made of hard links (a version's files are never written in place:
     the config is replaced by a rename), copied where the filesystem refuses links."""
     for path in sorted(source.rglob("*")):
@@ -204,7 +204,7 @@ def derive_version(*, actor, version: ModelVersion, text: str, note: str = "") -
         work = storage.with_name(f".{storage.name}.derive-{os.getpid()}")
         shutil.rmtree(work, ignore_errors=True)
         try:
-            _link_tree(version.storage_dir(), work)
+            link_tree(version.storage_dir(), work)
             for leftover in work.glob(".model.*"):
                 shutil.rmtree(leftover, ignore_errors=True)
             (work / "model" / "config.pbtxt").unlink(missing_ok=True)
@@ -223,3 +223,48 @@ def derive_version(*, actor, version: ModelVersion, text: str, note: str = "") -
             details={"model": model.slug, "version": number, "from": version.number},
         )
     return derived
+
+
+def reconvert_version(*, actor, version: ModelVersion, options: dict, note: str = "") -> ConversionJob:
+    """The next version of the model converted again from ``version``'s source with its last conversion's
+    options changed by ``options`` (e.g. ``batch_gears`` a tuning suggested); it converts like an upload and
+    then rolls out like any version. Raises ValidationError naming the field."""
+    last = version.conversion_jobs.filter(state=JobState.SUCCEEDED).order_by("-created_at", "-id").first()
+    if version.state != VersionState.READY or last is None or not version.source_dir().is_dir():
+        raise ValidationError(
+            {"version": [f"Version {version.number} was not converted here: nothing to convert again."]}
+        )
+    merged = check_conversion_options(version, {**last.options, **options})
+    note = (note or f"Converted again from version {version.number}'s source.").strip()[:MAX_NOTE_LENGTH]
+    with transaction.atomic():
+        model = RegisteredModel.objects.select_for_update().select_related("team").get(pk=version.model_id)
+        number = model.next_version_number()
+        fresh = model.versions.create(
+            number=number,
+            state=VersionState.UPLOADED,
+            source_format=version.source_format,
+            source_filename=version.source_filename,
+            sha256=version.sha256,
+            size_bytes=version.size_bytes,
+            serving_options=version.serving_options,
+            note=note,
+            created_by=actor if getattr(actor, "is_authenticated", False) else None,
+        )
+        storage = fresh.storage_dir()
+        if storage.exists():  # left by a version of this number that was deleted half-way
+            shutil.rmtree(storage)
+        link_tree(version.source_dir(), fresh.source_dir())
+        record(
+            actor=actor,
+            team=model.team,
+            action="version.reconverted",
+            target=fresh,
+            details={"model": model.slug, "version": number, "from": version.number, "options": options},
+        )
+        return _create_job(
+            actor=actor,
+            version=fresh,
+            options=merged,
+            allowed=(VersionState.UPLOADED,),
+            action="conversion.started",
+        )

@@ -147,15 +147,23 @@ def _model_dir(ctx: ConversionContext) -> Path:
 
 
 def atc_input_shapes(
-    signature: gc.ModelSignature, max_batch_size: int, input_shape: str
+    signature: gc.ModelSignature, max_batch_size: int, input_shape: str, batch_gears: str = ""
 ) -> tuple[dict[str, list[int]], list[int]]:
     """(--input_shape, --dynamic_batch_size gears) for ATC.
 
     The user's input_shape wins; otherwise the signature's dims with -1 for a batch dimension whose gears are
+    ``batch_gears`` ("1,3,8", checked by ``apps.registry.options``; e.g. what a tuning suggested) or else
     1,2,4,...,max_batch_size. Other dynamic dims cannot be compiled without a shape from the user.
     """
     names = [t.name for t in signature.inputs]
     gears = gc.default_batch_gears(max_batch_size) if signature.batched and max_batch_size > 1 else []
+    if gears and batch_gears:
+        gears = [int(g) for g in batch_gears.split(",")]
+        if gears[-1] > max_batch_size:
+            raise ConversionError(
+                f"batch_gears go up to {gears[-1]}, above the max batch size {max_batch_size}: Triton would "
+                "never send such a batch; lower the gears or raise max_batch_size."
+            )
     if input_shape:
         shapes = convert.parse_input_shape(input_shape, names)
         if not all(dims and dims[0] == -1 for dims in shapes.values()):
@@ -198,7 +206,9 @@ def convert_with_atc(
     max_batch_size = (
         int(ctx.serving.get("max_batch_size", DEFAULT_MAX_BATCH_SIZE)) if signature.batched else 0
     )
-    shapes, gears = atc_input_shapes(signature, max_batch_size, ctx.options.get("input_shape", ""))
+    shapes, gears = atc_input_shapes(
+        signature, max_batch_size, ctx.options.get("input_shape", ""), ctx.options.get("batch_gears", "")
+    )
     command = convert.build_atc_command(
         convert.AtcOptions(
             model=str(source),

@@ -113,7 +113,11 @@ class TuningViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamScoped
     serializer_class = TuningSerializer
     filterset_fields = ["state"]
     ordering_fields = ["created_at", "state"]
-    action_requirements = {"cancel": Action.CHANGE, "create_version": Action.CHANGE}
+    action_requirements = {
+        "cancel": Action.CHANGE,
+        "create_version": Action.CHANGE,
+        "reconvert": Action.CHANGE,
+    }
 
     def get_queryset(self):
         rows = super().get_queryset()
@@ -191,5 +195,34 @@ class TuningViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamScoped
         )
         return Response(
             {"model": version.model.slug, "version": version.number, "note": version.note, "tuning": job.pk},
+            status=status.HTTP_201_CREATED,
+        )
+
+    @extend_schema(
+        request=None,
+        responses={
+            201: inline_serializer(
+                "TuningReconversion",
+                {
+                    "model": serializers.CharField(),
+                    "version": serializers.IntegerField(),
+                    "conversion_job": serializers.IntegerField(),
+                    "batch_gears": serializers.CharField(),
+                },
+            ),
+            400: ERROR,
+        },
+    )
+    @action(detail=True, methods=["post"])
+    def reconvert(self, request, *args, **kwargs):
+        """The next version compiled again with the gears the tuning suggested (an NPU version's)."""
+        conversion = tuning_jobs.reconvert_with_gears(actor=request.user, job=self.get_object())
+        return Response(
+            {
+                "model": conversion.version.model.slug,
+                "version": conversion.version.number,
+                "conversion_job": conversion.pk,
+                "batch_gears": conversion.options["batch_gears"],
+            },
             status=status.HTTP_201_CREATED,
         )

@@ -26,8 +26,8 @@ from django.db.models import F
 from django.utils import timezone
 
 from apps.audit.services import record
-from apps.conversions.models import JobState, Toolchain
-from apps.conversions.services import derive_version
+from apps.conversions.models import ConversionJob, JobState, Toolchain
+from apps.conversions.services import derive_version, reconvert_version
 from apps.deployments import reserved, scheduler
 from apps.deployments.tuning_models import ACTIVE_TUNING_STATES, MAX_POINTS, TuningJob, TuningState
 from apps.fleet.models import Pool, TritonInstance
@@ -364,3 +364,17 @@ def create_recommended_version(*, actor, job: TuningJob, note: str = "") -> Mode
         derived = derive_version(actor=actor, version=version, text=text, note=note)
         TuningJob.objects.filter(pk=job.pk).update(derived_version=derived)
     return derived
+
+
+def reconvert_with_gears(*, actor, job: TuningJob) -> ConversionJob:
+    """The re-conversion a tuning of an NPU version suggested: the next version compiled by ATC with the gears
+    that serve the measured batches without padding (``result["regear"]``)."""
+    gears = (job.result or {}).get("regear") or []
+    if not gears:
+        raise _field("tuning", f"Tuning {job.pk} suggests no other gears.")
+    return reconvert_version(
+        actor=actor,
+        version=job.version,
+        options={"batch_gears": ",".join(str(g) for g in gears)},
+        note=f"Converted again with batch gears {','.join(map(str, gears))} (tuning {job.pk}).",
+    )

@@ -40,6 +40,7 @@ def test_start_conversion_queues_a_job_and_marks_the_version(make_version, mlp_b
         "precision_mode": "",
         "input_format": "",
         "input_shape": "",
+        "batch_gears": "",
     }
     assert AuditEvent.objects.filter(action="conversion.started", target_id=str(job.pk)).exists()
     with pytest.raises(ValidationError, match="UPLOADED"):
