@@ -162,7 +162,7 @@ def place_queued(job_ids: list[int] | None = None) -> int:
     for job_id in queued.values_list("pk", flat=True):
         with transaction.atomic():
             job = (
-                TuningJob.objects.select_for_update()
+                TuningJob.objects.select_for_update(of=("self",))  # the pool's side of the join is nullable
                 .select_related("version__model__team", "pool")
                 .filter(pk=job_id, state=TuningState.QUEUED)
                 .first()
@@ -302,7 +302,7 @@ def report(job_id: int, host, body) -> tuple[int, dict]:
     message = check_tuning_report(body)
     with transaction.atomic():
         job = (
-            TuningJob.objects.select_for_update()
+            TuningJob.objects.select_for_update(of=("self",))
             .select_related("version__model")
             .filter(pk=job_id, instance__host=host)
             .first()
