@@ -34,6 +34,7 @@ from apps.fleet.models import Pool, TritonInstance
 from apps.fleet.services import notify_hosts
 from apps.registry.models import ModelVersion, VersionState
 from backend_ge import config as gc
+from backend_ge.errors import public_error
 from backend_ge.tuning import Candidate, Limits, Objective, Point, Result, TuningError, recommend
 from hostagent.tuning_protocol import TuningEvent, check_tuning_report
 
@@ -254,10 +255,15 @@ def expire(now=None) -> int:
         state=TuningState.QUEUED, created_at__lt=now - timedelta(seconds=settings.TUNING_QUEUE_TIMEOUT_S)
     )
     running = TuningJob.objects.filter(state=TuningState.RUNNING)
+    grace = timedelta(seconds=settings.TUNING_REPORT_GRACE_S)
     overdue = [
         pk
-        for pk, started, budget in running.values_list("pk", "started_at", "budget_s")
-        if started is None or started + timedelta(seconds=budget + settings.TUNING_REPORT_GRACE_S) < now
+        for pk, started, budget, cancel, heard in running.values_list(
+            "pk", "started_at", "budget_s", "cancel_requested", "reported_at"
+        )
+        if started is None
+        or started + timedelta(seconds=budget) + grace < now
+        or (cancel and (heard or started) + grace < now)  # asked to stop, and its agent went quiet
     ]
     count = 0
     for job_id in [*queued.values_list("pk", flat=True), *overdue]:
@@ -267,6 +273,11 @@ def expire(now=None) -> int:
                 continue
             if job.state == TuningState.QUEUED:
                 reason = f"timed out after {settings.TUNING_QUEUE_TIMEOUT_S} s without room ({job.reason})"
+            elif job.cancel_requested:
+                _read(job, "cancelled")
+                _end(job, TuningState.CANCELLED, "cancelled; its agent did not confirm the stop")
+                count += 1
+                continue
             else:
                 reason = f"timed out: no result within its budget of {job.budget_s} s and the grace"
                 _read(job)
@@ -325,7 +336,7 @@ def report(job_id: int, host, body) -> tuple[int, dict]:
             return 200, {"accepted": True, "cancel": job.cancel_requested}
         if message.event == TuningEvent.FAILED:
             _read(job)
-            _end(job, TuningState.FAILED, message.error or "the agent reported a failure")
+            _end(job, TuningState.FAILED, public_error(message.error) or "the agent reported a failure")
         else:
             stopped = message.stopped.value
             _read(job, stopped, message.wall_s)

@@ -251,3 +251,17 @@ def test_no_version_when_the_current_config_measured_best(maintainer_client, tun
     response = maintainer_client.post(f"{url()}{job.pk}/create-version/")
     assert response.status_code == 400 and "nothing to create" in response.json()["fields"]["tuning"][0]
     assert tunable.model.versions.count() == 1
+
+
+def test_a_cancel_its_agent_never_confirms_ends_after_the_grace(maintainer_client, tunable, pool, settings):
+    job = TuningJob.objects.get(pk=start(maintainer_client, budget_s=3600).json()["id"])
+    agent = agent_client(credential_of(job.instance.host))
+    report(agent, job, event="started")
+    maintainer_client.post(f"{url()}{job.pk}/cancel/")
+    settings.TUNING_REPORT_GRACE_S = 10
+    assert tuning_jobs.tick()["tunings_timed_out"] == 0  # it may still confirm
+    TuningJob.objects.filter(pk=job.pk).update(reported_at=timezone.now() - timedelta(seconds=11))
+    assert tuning_jobs.tick()["tunings_timed_out"] == 1
+    job.refresh_from_db()
+    assert job.state == TuningState.CANCELLED and "did not confirm" in job.reason
+    assert TritonInstance.objects.get(pk=job.instance_id).reserved_mb == 0
