@@ -159,6 +159,22 @@ def link_tree(source: Path, target: Path, skip: frozenset[str] = frozenset()) ->
             shutil.copy2(path, destination)
 
 
+def _next_version_from(version: ModelVersion, *, actor, **fields) -> ModelVersion:
+    """The model's next version, made from ``version``'s upload (its source file's name, format, size and
+    sha256, its serving options) with ``fields``. The caller's transaction holds the model's row lock."""
+    model = RegisteredModel.objects.select_for_update().select_related("team").get(pk=version.model_id)
+    return model.versions.create(
+        number=model.next_version_number(),
+        source_format=version.source_format,
+        source_filename=version.source_filename,
+        sha256=version.sha256,
+        size_bytes=version.size_bytes,
+        serving_options=version.serving_options,
+        created_by=actor if getattr(actor, "is_authenticated", False) else None,
+        **fields,
+    )
+
+
 def derive_version(*, actor, version: ModelVersion, text: str, note: str = "") -> ModelVersion:
     """A new version of the same model serving the same files with config ``text`` (READY at once: nothing
     is converted), for a change of serving settings that then rolls out like any version. The config is
@@ -184,22 +200,16 @@ def derive_version(*, actor, version: ModelVersion, text: str, note: str = "") -
     if len(note) > MAX_NOTE_LENGTH:
         raise ValidationError({"note": [f"Keep the note within {MAX_NOTE_LENGTH} characters."]})
     with transaction.atomic():
-        model = RegisteredModel.objects.select_for_update().select_related("team").get(pk=version.model_id)
-        number = model.next_version_number()
-        derived = model.versions.create(
-            number=number,
+        derived = _next_version_from(
+            version,
+            actor=actor,
             state=VersionState.READY,
-            source_format=version.source_format,
-            source_filename=version.source_filename,
-            sha256=version.sha256,
-            size_bytes=version.size_bytes,
             signature=version.signature,
-            serving_options=version.serving_options,
             config_text=rendered,
             toolchain=version.toolchain,
             note=note,
-            created_by=actor if getattr(actor, "is_authenticated", False) else None,
         )
+        model, number = derived.model, derived.number
         storage = derived.storage_dir()
         work = storage.with_name(f".{storage.name}.derive-{os.getpid()}")
         shutil.rmtree(work, ignore_errors=True)
@@ -237,19 +247,8 @@ def reconvert_version(*, actor, version: ModelVersion, options: dict, note: str 
     merged = check_conversion_options(version, {**last.options, **options})
     note = (note or f"Converted again from version {version.number}'s source.").strip()[:MAX_NOTE_LENGTH]
     with transaction.atomic():
-        model = RegisteredModel.objects.select_for_update().select_related("team").get(pk=version.model_id)
-        number = model.next_version_number()
-        fresh = model.versions.create(
-            number=number,
-            state=VersionState.UPLOADED,
-            source_format=version.source_format,
-            source_filename=version.source_filename,
-            sha256=version.sha256,
-            size_bytes=version.size_bytes,
-            serving_options=version.serving_options,
-            note=note,
-            created_by=actor if getattr(actor, "is_authenticated", False) else None,
-        )
+        fresh = _next_version_from(version, actor=actor, state=VersionState.UPLOADED, note=note)
+        model, number = fresh.model, fresh.number
         storage = fresh.storage_dir()
         if storage.exists():  # left by a version of this number that was deleted half-way
             shutil.rmtree(storage)
