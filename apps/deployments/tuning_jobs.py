@@ -21,7 +21,7 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -117,34 +117,42 @@ def start_tuning(
     )
     if not _pools(team, pool):
         raise _field("pool", f"Team {team.slug} may use no pool: ask an operator for one.")
-    model = version.model
-    with transaction.atomic():
-        busy = TuningJob.objects.select_for_update().filter(version=version, state__in=ACTIVE_TUNING_STATES)
-        running = busy.first()
-        if running is not None:
-            raise _field("version", f"Version {version.number} is being tuned already (tuning {running.pk}).")
-        job = TuningJob.objects.create(
-            team=team,
-            version=version,
-            pool=pool,
-            objective={"p99_ms": model.objective_p99_ms, "rate_rps": model.objective_rate_rps},
-            budget_s=budget_s,
-            max_candidates=max_candidates,
-            max_instances=max_instances,
-            gears=compiled_gears(version),
-            reserved_mb=version.footprint_estimate_mb() * max_instances,
-            reason="waiting for a place",
-            created_by=actor,
-        )
-        record(
-            actor=actor,
-            team=team,
-            action="tuning.started",
-            target=version,
-            details={"tuning": job.pk, "pool": pool.name if pool else None, "budget_s": budget_s},
-        )
+    busy = TuningJob.objects.filter(version=version, state__in=ACTIVE_TUNING_STATES)
+    running = busy.first()
+    if running is not None:
+        raise _field("version", f"Version {version.number} is being tuned already (tuning {running.pk}).")
+    try:
+        with transaction.atomic():
+            job = _create(actor, version, pool, budget_s, max_candidates, max_instances)
+    except IntegrityError:  # another request started one meanwhile (one_active_tuning_per_version)
+        raise _field("version", f"Version {version.number} is being tuned already.") from None
     place_queued([job.pk])
     job.refresh_from_db()
+    return job
+
+
+def _create(actor, version: ModelVersion, pool, budget_s: int, max_candidates: int, max_instances: int):
+    team, model = version.model.team, version.model
+    job = TuningJob.objects.create(
+        team=team,
+        version=version,
+        pool=pool,
+        objective={"p99_ms": model.objective_p99_ms, "rate_rps": model.objective_rate_rps},
+        budget_s=budget_s,
+        max_candidates=max_candidates,
+        max_instances=max_instances,
+        gears=compiled_gears(version),
+        reserved_mb=version.footprint_estimate_mb() * max_instances,
+        reason="waiting for a place",
+        created_by=actor if getattr(actor, "is_authenticated", False) else None,
+    )
+    record(
+        actor=actor,
+        team=team,
+        action="tuning.started",
+        target=version,
+        details={"tuning": job.pk, "pool": pool.name if pool else None, "budget_s": budget_s},
+    )
     return job
 
 
