@@ -25,7 +25,7 @@ from hostagent.client import PlatformError, TuningSpec
 from hostagent.instances import InstanceProcess
 from hostagent.placement import AgentState, _materialize
 from hostagent.repository import remove_model
-from hostagent.tuning_protocol import TuningEvent
+from hostagent.tuning_protocol import MAX_POINTS_PER_REPORT, TuningEvent
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ REPORT_EVERY_S = 2.0  # points are sent in batches at most this often (and at th
 CLEANUP_S = 10.0  # kept from the search's budget for unloading and removing the scratch replica
 MAX_LOG_LINES = 400
 FINISHED_KEPT = 256  # jobs this agent ended, not started again while the platform still lists them
+PER_REPORT = MAX_POINTS_PER_REPORT
 
 
 @dataclass
@@ -60,13 +61,18 @@ class _Reporter:
             self.send(TuningEvent.POINTS)
 
     def send(self, event: TuningEvent, **fields) -> bool:
-        body = {"event": event.value, "points": self.points[:200], "log": "\n".join(self.lines), **fields}
+        body = {
+            "event": event.value,
+            "points": self.points[:PER_REPORT],
+            "log": "\n".join(self.lines),
+            **fields,
+        }
         try:
             accepted, cancel = self.agent.client.report_tuning(self.job_id, body)
         except PlatformError as exc:
             log.warning("tuning %s: report not sent (kept for the next): %s", self.job_id, exc)
             return True
-        del self.points[:200]
+        del self.points[:PER_REPORT]
         self.lines.clear()
         self.sent_at = time.monotonic()
         if cancel or not accepted:
@@ -100,7 +106,9 @@ def run_tuning(agent: AgentState, spec: TuningSpec, proc: InstanceProcess, cance
         )
         if not proc.running():
             raise RuntimeError(f"instance {proc.instance_id}'s server stopped during the tuning")
-        while reporter.points:  # more than one report's worth left
+        for _ in range(len(reporter.points) // PER_REPORT + 1):  # bounded: a platform that does not answer
+            if len(reporter.points) <= PER_REPORT:
+                break
             reporter.send(TuningEvent.POINTS)
         reporter.send(TuningEvent.FINISHED, stopped=result.stopped, wall_s=round(result.wall_s, 2))
     except Exception as exc:
