@@ -81,30 +81,9 @@ def check_serving_options(options: dict | None, max_instances: int = MAX_INSTANC
         errors.setdefault("preferred_batch_sizes", []).append(
             f"Preferred batch sizes cannot exceed the max batch size ({out['max_batch_size']})."
         )
-    gears = _gears(options.get("batch_gears"))
-    if gears is None:
-        errors["batch_gears"] = [
-            f"Give 2 to 100 different batch sizes from 1 to {MAX_GEAR}, e.g. 1,4,8,16 (ATC's --dynamic_batch_size)."
-        ]
-    else:
-        out["batch_gears"] = ",".join(map(str, gears))
     if errors:
         raise ValidationError(errors)
     return out
-
-
-def _gears(raw) -> list[int] | None:
-    """The gears, sorted, from "1,4,8" or [1, 4, 8]; [] for none; None when they are not gears."""
-    if raw in (None, "", []):
-        return []
-    parts = raw if isinstance(raw, list) else str(raw).replace(" ", "").split(",")
-    if not all((isinstance(p, int) and not isinstance(p, bool)) or (isinstance(p, str) and p.isdigit() and len(p) < 6)
-               for p in parts):  # fmt: skip
-        return None
-    gears = sorted({int(p) for p in parts})
-    if not 2 <= len(gears) <= 100 or len(gears) != len(parts) or not 1 <= gears[0] <= gears[-1] <= MAX_GEAR:
-        return None
-    return gears
 
 
 def check_om_config(text: str, max_instances: int = MAX_INSTANCE_COUNT) -> str:
