@@ -13,7 +13,7 @@ from django.contrib import messages
 from django.core.exceptions import ValidationError
 from django.shortcuts import redirect
 
-from apps.deployments import tuning_jobs
+from apps.deployments import scheduler, tuning_jobs
 from apps.deployments.tuning_models import TuningJob
 from apps.fleet.models import Pool
 from apps.monitoring import retune
@@ -151,14 +151,11 @@ def handle(view, request, version: ModelVersion, operation: str):
         if not form.is_valid():
             return view.render_to_response(view.get_context_data(tuning_form=form), status=400)
         data = form.cleaned_data
-        pool = (
-            Pool.objects.usable_by_team(view.team).filter(name=data["pool"]).first() if data["pool"] else None
-        )
         try:
             job = tuning_jobs.start_tuning(
                 actor=request.user,
                 version=version,
-                pool=pool,
+                pool=scheduler.usable_pool(view.team, data["pool"]),
                 budget_s=data["budget_s"],
                 max_candidates=data["max_candidates"],
                 max_instances=data["max_instances"],

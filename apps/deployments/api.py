@@ -19,7 +19,7 @@ from rest_framework.parsers import BaseParser, FormParser, MultiPartParser
 from rest_framework.response import Response
 
 from apps.core.body_limits import PLAYGROUND_HINT, RequestTooLarge, limit_body, too_large_message
-from apps.deployments import autoscaling, calling, services
+from apps.deployments import autoscaling, calling, scheduler, services
 from apps.deployments.models import (
     Deployment,
     DeploymentEvent,
@@ -457,12 +457,7 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamSc
 
     def _pool(self, name: str | None) -> Pool | None:
         """The named pool if this team may use it; unknown and another team's pools read alike (a 400)."""
-        if not name:
-            return None
-        pool = Pool.objects.usable_by_team(self.team).filter(name=name).first()
-        if pool is None:
-            raise ValidationError({"pool": [f"No pool '{name}' that team {self.team.slug} may use."]})
-        return pool
+        return scheduler.usable_pool(self.team, name)
 
     @extend_schema(request=SwitchSerializer, responses={200: DeploymentDetailSerializer, 400: ERROR})
     @action(detail=True, methods=["post"])

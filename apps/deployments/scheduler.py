@@ -76,6 +76,17 @@ def check_intent(team, *, replicas: int, pool: Pool | None, spread: str) -> None
         raise ValidationError({"spread": [f"'{spread}' is not a spread; use {' or '.join(Spread.values)}."]})
 
 
+def usable_pool(team, name: str | None) -> Pool | None:
+    """The named pool if ``team`` may use it (None for no name); unknown and another team's pools read alike:
+    a 400 naming ``pool``."""
+    if not name:
+        return None
+    pool = Pool.objects.usable_by_team(team).filter(name=name).first()
+    if pool is None:
+        raise ValidationError({"pool": [f"No pool '{name}' that team {team.slug} may use."]})
+    return pool
+
+
 # --- Reading the fleet --------------------------------------------------------------------------------
 
 

@@ -10,10 +10,9 @@ from rest_framework import mixins, serializers, status
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
-from apps.deployments import tuning_jobs
+from apps.deployments import scheduler, tuning_jobs
 from apps.deployments.api import ERROR
 from apps.deployments.tuning_models import TuningJob
-from apps.fleet.models import Pool
 from apps.registry.models import RegisteredModel
 from apps.teams.models import Action
 from apps.teams.viewsets import TeamScopedViewSet
@@ -148,17 +147,10 @@ class TuningViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamScoped
         version = model.versions.select_related("model__team").filter(number=data["version"]).first()
         if version is None:
             raise ValidationError({"version": [f"{model} has no version {data['version']}."]})
-        pool = None
-        if data.get("pool"):
-            pool = Pool.objects.usable_by_team(self.team).filter(name=data["pool"]).first()
-            if pool is None:
-                raise ValidationError(
-                    {"pool": [f"No pool '{data['pool']}' that team {self.team.slug} may use."]}
-                )
         job = tuning_jobs.start_tuning(
             actor=request.user,
             version=version,
-            pool=pool,
+            pool=scheduler.usable_pool(self.team, data.get("pool")),
             budget_s=data["budget_s"],
             max_candidates=data["max_candidates"],
             max_instances=data["max_instances"],
