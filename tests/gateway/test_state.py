@@ -6,10 +6,10 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from apps.deployments.models import Deployment, PlacementState
+from apps.deployments.models import Deployment, PlacementState, Rollout
 from apps.fleet import services as fleet_services
 from apps.gateway.state import backend_name, desired_state
-from tests.support.models import add_instance, serving_rows
+from tests.support.models import add_instance, make_version, serving_rows
 
 pytestmark = pytest.mark.django_db
 
@@ -71,6 +71,40 @@ def test_the_queries_of_a_sync_do_not_grow_with_the_deployments(team, owner, sha
     assert len(state.backends) == 5 and state.backends[backend_name(first.pk)]
     # Only the READY placement on ``instance`` is a server; the unloaded ones on ``other`` are not.
     assert all(len(servers) == 1 for servers in state.backends.values())
+
+
+def test_a_sync_reads_no_field_row_by_row(team, owner, shared_host):
+    """A sync reads only the columns it needs (``DEPLOYMENT_FIELDS`` ...): every path through it - a rollout
+    with its canary placements, scale to zero with a failed wake-up, priority levels - makes the same
+    queries for one deployment of each kind as for three, none per row."""
+    instance = add_instance(shared_host, "cpu-0", port=18100)
+    other = add_instance(shared_host, "cpu-1", port=18200)
+
+    def add_each_kind(n: int) -> None:
+        rolled = serving_rows(team, owner, f"rolled{n}", instance)
+        canary = make_version(rolled.model, 2)
+        canary.config_text = 'name: "x"\ndynamic_batching { priority_levels: 2 }\n'
+        canary.save(update_fields=["config_text"])
+        rolled.placements.update(canary_version=canary)
+        Rollout.objects.create(deployment=rolled, stable_version=rolled.active_version, canary_version=canary,
+                               current_weight=10)  # fmt: skip
+        asleep = serving_rows(team, owner, f"asleep{n}", instance)
+        Deployment.objects.filter(pk=asleep.pk).update(min_replicas=0, replicas=1, pinned=False)
+        asleep.placements.update(state=PlacementState.FAILED, last_error="load failed", served_version=None)
+        rolled.placements.create(instance=other, state="READY", served_version=rolled.active_version,
+                                 retiring_reason="drain", unload=True, routed=True)  # fmt: skip
+
+    add_each_kind(0)
+    with CaptureQueriesContext(connection) as one:
+        desired_state()
+    add_each_kind(1)
+    add_each_kind(2)
+    with CaptureQueriesContext(connection) as three:
+        state = desired_state()
+    assert len(three.captured_queries) == len(one.captured_queries)
+    assert len(state.backends) == 9  # 3 x (stable, canary, asleep)
+    assert sum(1 for key in state.priority_levels if key.endswith("/2")) == 3
+    assert len(state.wake_failures) == 3
 
 
 def test_the_models_index_lists_each_teams_callable_models_ready_or_asleep(
