@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from django.db.models import Q
+from django.db.models import F, Q
 from django.http import FileResponse, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET, require_POST
 
@@ -30,6 +30,7 @@ from apps.deployments.models import (
     Deployment,
     DeploymentInstance,
     DeploymentState,
+    PlacementState,
     Rollout,
     TuningJob,
     TuningState,
@@ -76,13 +77,15 @@ def version_manifest_cached(version: ModelVersion) -> list[dict] | None:
     return cached
 
 
-def _live_placements(host, **filters) -> list[DeploymentInstance]:
-    placements = list(
-        DeploymentInstance.objects.filter(instance__host=host, **filters)
-        .exclude(deployment__state=DeploymentState.UNDEPLOYED)
-        .select_related("deployment__model__team", "instance")
-        .order_by("pk")
+def _live_placements(host, done_unloading: bool = True, **filters) -> list[DeploymentInstance]:
+    """The host's placements of deployments not undeployed; without those whose unload their agent
+    confirmed (UNLOADED at the decision's generation) unless ``done_unloading``."""
+    rows = DeploymentInstance.objects.filter(instance__host=host, **filters).exclude(
+        deployment__state=DeploymentState.UNDEPLOYED
     )
+    if not done_unloading:
+        rows = rows.exclude(state=PlacementState.UNLOADED, applied_generation=F("generation"))
+    placements = list(rows.select_related("deployment__model__team", "instance").order_by("pk"))
     for placement in placements:
         placement.instance.host = host  # its label names the host: no join for a row the caller holds
     return placements
@@ -163,7 +166,10 @@ def _beside(placement: DeploymentInstance, canaries: dict[int, int], steps: set[
 
 
 def desired_state_of(host) -> dict:
-    live = _live_placements(host)
+    # A replica its agent reported unloaded (asleep, evicted, retired) is left out, with its versions: its
+    # agent has nothing to do for it, and one that is absent is not served either. A dense host keeps a row
+    # for every model that ever slept there (300 models: 219 entries for 6 loaded, ~120 ms a fetch).
+    live = _live_placements(host, done_unloading=False)
     canaries = _canaries({p.deployment_id for p in live})
     steps = ensembles.step_model_ids({p.deployment.model_id for p in live})
     placements = [placement_entry(p, _beside(p, canaries, steps), _reused(p, live)) for p in live]

@@ -22,11 +22,12 @@ import logging
 import selectors
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
 
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import close_old_connections, connection
 
 from apps.deployments import draining, routing
 from apps.fleet import services as fleet
@@ -307,18 +308,39 @@ def _accept_all(listener: socket.socket) -> None:
         pass
 
 
+def _wake_loop(gateway: Gateway, listener: socket.socket, *stops: threading.Event) -> None:
+    """The wake-ups of held requests, on a thread of their own: read as soon as wake.lua connects to the wake
+    socket (and every ``GATEWAY_WAKE_POLL_MS`` in any case), never behind a sync of the whole state - under a
+    stream of cold starts the syncs ran back to back and a wake-up waited for the one in progress."""
+    step = settings.GATEWAY_WAKE_POLL_MS / 1000
+    try:
+        with selectors.DefaultSelector() as selector:
+            selector.register(listener, selectors.EVENT_READ)
+            while not any(s.is_set() for s in stops):
+                if selector.select(timeout=step):
+                    _accept_all(listener)
+                if any(s.is_set() for s in stops):
+                    break
+                try:
+                    poll_wakeups(gateway.process.admin, gateway.o, gateway.routed_at)
+                except Exception:
+                    log.exception("reading the gateway's wake-ups failed")
+                finally:
+                    close_old_connections()
+    finally:
+        connection.close()
+
+
 def run_gateway(stop, interval: float | None = None) -> None:
-    """The gateway command's loop: start HAProxy, then sync on every poke or interval until ``stop`` is set."""
+    """The gateway command's loop: start HAProxy, then sync on every poke or interval until ``stop`` is set;
+    the wake-ups of held requests are read on a thread of their own (``_wake_loop``)."""
     interval = settings.GATEWAY_SYNC_INTERVAL_MS / 1000 if interval is None else interval
     gateway = Gateway()
     gateway.o.make_directory()
     poke_path, wake_path = poke_socket_path(), gateway.o.wake_socket
     poke_path.unlink(missing_ok=True)
     wake_path.unlink(missing_ok=True)
-    # Between syncs the loop reads the wake-ups of held requests (a sleeping model's first request waits for
-    # them) as soon as wake.lua connects to the wake socket, and every GATEWAY_WAKE_POLL_MS in any case; it
-    # syncs on a poke or once the interval has passed.
-    step = min(interval, settings.GATEWAY_WAKE_POLL_MS / 1000)
+    waker, ending = None, threading.Event()
     with (
         socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as poke,
         socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake,
@@ -327,28 +349,24 @@ def run_gateway(stop, interval: float | None = None) -> None:
         poke.bind(str(poke_path))
         wake.bind(str(wake_path))
         wake.listen(64)
-        for sock, name in ((poke, "poke"), (wake, "wake")):
-            sock.setblocking(False)
-            selector.register(sock, selectors.EVENT_READ, name)
+        poke.setblocking(False)
+        wake.setblocking(False)
+        selector.register(poke, selectors.EVENT_READ)
         try:
             gateway.start()
             gateway.report_routes()
+            waker = threading.Thread(
+                target=_wake_loop, args=(gateway, wake, stop, ending), name="gateway-wake", daemon=True
+            )
+            waker.start()
             log.info("gateway listening on %s (gRPC %s)", settings.GATEWAY_BIND, settings.GATEWAY_GRPC_BIND)
             next_sync = time.monotonic() + interval
             while not stop.is_set():
-                poked = False
-                for key, _ in selector.select(timeout=step):
-                    if key.data == "poke":
-                        _drain_datagrams(poke)
-                        poked = True
-                    else:
-                        _accept_all(wake)
+                poked = bool(selector.select(timeout=max(0.0, next_sync - time.monotonic())))
+                if poked:
+                    _drain_datagrams(poke)
                 if stop.is_set():
                     break
-                try:
-                    poll_wakeups(gateway.process.admin, gateway.o, gateway.routed_at)
-                except Exception:
-                    log.exception("reading the gateway's wake-ups failed")
                 if not poked and time.monotonic() < next_sync:
                     continue
                 next_sync = time.monotonic() + interval
@@ -363,6 +381,9 @@ def run_gateway(stop, interval: float | None = None) -> None:
                 finally:
                     close_old_connections()
         finally:
+            ending.set()
+            if waker is not None:
+                waker.join(settings.GATEWAY_WAKE_POLL_MS / 1000 + 30)
             gateway.stop()
             poke_path.unlink(missing_ok=True)
             wake_path.unlink(missing_ok=True)

@@ -226,3 +226,24 @@ def test_an_asleep_replica_still_marked_routed_is_not_waited_for(owner, serving)
     assert entry["undeploy"] is True and entry["generation"] > placement.applied_generation
     assert not placement.routed and placement.draining_since is None
     assert unloaded_by_its_agent(placement).state == DeploymentState.UNDEPLOYED
+
+
+def test_a_replica_its_agent_reported_unloaded_leaves_its_hosts_desired_state(owner, serving):
+    """A dense host keeps a placement row for every model that ever slept there: once its agent confirmed
+    the unload, the row (and its version) is no longer in the host's desired state; woken, it is again."""
+    placement = serving.placements.get()
+    host = placement.instance.host
+    version = serving.active_version_id
+
+    def entries() -> tuple[set[int], set[str]]:
+        state = agent_api.desired_state_of(Host.objects.get(pk=host.pk))
+        return {e["id"] for e in state["placements"]}, set(state["versions"])
+
+    autoscaling.sleep(actor=owner, deployment=serving)
+    placement.refresh_from_db()
+    assert entries() == ({placement.pk}, {str(version)})  # to unload: its agent must see it
+    assert reports.placement_unloaded(placement.pk, placement.generation, "unloaded")
+    assert entries() == (set(), set())
+
+    assert autoscaling.wake(serving.pk)
+    assert entries() == ({placement.pk}, {str(version)})
