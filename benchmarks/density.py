@@ -14,9 +14,10 @@ loaded (warm), the instances' peak memory above their idle size (tritonserver + 
 budget - and the same stream for the same memory with everything pinned (autoscaling off: the models that fit
 load, the others cannot be served). ``--json FILE`` writes the figures.
 
-Everything real and local: a scratch database (or ``--database-url``), the platform's web server for the agent
-API, ``--hosts`` ``python -m hostagent`` processes each with one tritonserver, the gateway (``manage.py
-gateway``), and the beat's scheduler and autoscaler ticks in this process (every ``--tick`` s).
+Everything real and local, with production settings (DEBUG off): a scratch database (or ``--database-url``),
+the platform's web server for the agent API (gunicorn, as the Procfile runs it), ``--hosts`` ``python -m
+hostagent`` processes each with one tritonserver, the gateway (``manage.py gateway``), and the beat's scheduler
+and autoscaler ticks in this process (every ``--tick`` s).
 
     .venv/bin/python benchmarks/density.py [--models 300] [--resident 40] [--requests 3000] [--json FILE] [--smoke]
 """
@@ -292,7 +293,7 @@ def single(args: argparse.Namespace) -> int:
     """``--single``: the seed's MLP deployed with scale to zero on one CPU instance, put to sleep and called
     ``--wakeups`` times. Prints the first answer's latency (the client's clock) beside Triton's own load time of
     the same loads (its log), and each hop's p50/p99."""
-    scratch = setup_environment(args, "density-single")
+    scratch = setup_environment(args, "density-single", production=True)
     from django.contrib.auth import get_user_model
 
     from apps.deployments import autoscaling, services
@@ -408,8 +409,12 @@ class Processes:
         ))  # fmt: skip
 
     def web(self) -> int:
+        """The platform's web server as production runs it (the Procfile's gunicorn: 2 processes of 64
+        threads, production settings)."""
         port = free_port()
-        self.spawn("web", ["manage.py", "runserver", f"127.0.0.1:{port}", "--noreload"])
+        self.spawn("web", ["-m", "gunicorn", "serving_platform.wsgi", "--config", "python:serving_platform.gunicorn_hooks",
+                           "--bind", f"127.0.0.1:{port}", "--workers", "2", "--threads", "64", "--worker-class", "gthread",
+                           "--timeout", "120"])  # fmt: skip
         wait(lambda: port_open(port), 60, "the web server")
         return port
 
@@ -448,7 +453,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.resident % args.hosts:
         raise SystemExit("--resident must be a multiple of --hosts (each instance holds the same number)")
-    scratch = setup_environment(args, "density")
+    scratch = setup_environment(args, "density", production=True)
     from django.contrib.auth import get_user_model
     from django.db import connections
 

@@ -58,10 +58,24 @@ def free_port() -> int:
     return pick()
 
 
-def setup_environment(args: argparse.Namespace, name: str = "rollout-drill") -> Path:
+# Production settings for a run's processes: DEBUG off (it keeps every query in memory and wraps each
+# cursor), plain HTTP on loopback.
+PRODUCTION_ENV = {
+    "DEBUG": "0",
+    "SECRET_KEY": "benchmark-" + "x" * 50,
+    "ALLOWED_HOSTS": "127.0.0.1,localhost",
+    "SECURE_SSL_REDIRECT": "0",
+    "SESSION_COOKIE_SECURE": "0",
+    "CSRF_COOKIE_SECURE": "0",
+    "STATIC_MANIFEST": "0",
+}
+
+
+def setup_environment(args: argparse.Namespace, name: str = "rollout-drill", production: bool = False) -> Path:
+    """A scratch directory and the settings of a run (``production``: ``PRODUCTION_ENV``, else DEBUG on)."""
     scratch = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    os.environ.update(PRODUCTION_ENV if production else {"DEBUG": "1"})
     os.environ.update(
-        DEBUG="1",
         VAR_DIR=str(scratch),
         DATABASE_URL=args.database_url or f"sqlite:///{scratch / 'db.sqlite3'}",
         CELERY_BROKER_URL="filesystem://",
