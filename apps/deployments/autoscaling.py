@@ -297,10 +297,17 @@ def _sample(deployment: Deployment, at: float) -> None:
     deployment.scaling_memory["sampled"] = now
 
 
-def wake(deployment_id: int, now: float | None = None, held_at_ms: int | None = None) -> bool:
+def wake(
+    deployment_id: int,
+    now: float | None = None,
+    held_at_ms: int | None = None,
+    placed: list[DeploymentInstance] | None = None,
+) -> bool:
     """A request for a sleeping deployment is held at the gateway (since ``held_at_ms``, epoch): place its
     replicas now. Returns whether it was asleep (a second signal for the same wake-up changes nothing). The
-    cold start's first marks are kept in the scaling memory (``cold``) until the gateway records it."""
+    cold start's first marks are kept in the scaling memory (``cold``) until the gateway records it.
+    ``placed``: the caller collects the placements and tells their hosts itself (``scheduler.enqueue``) - the
+    wake-ups read together reach each host as one change of its desired state, one fetch."""
     now = time.time() if now is None else now
     with transaction.atomic():
         deployment = Deployment.objects.select_for_update().filter(pk=deployment_id).first()
@@ -322,13 +329,16 @@ def wake(deployment_id: int, now: float | None = None, held_at_ms: int | None = 
             message=f"0 -> {wanted} replicas: a request is held at the gateway{slept}",
             details={"to": wanted},
         )
-        placed = scheduler.place_replicas(deployment, make_room=make_room)
+        decided = scheduler.place_replicas(deployment, make_room=make_room)
         marks = {"signal_at": round(now * 1000), "placed_at": round(time.time() * 1000)}
         if held_at_ms is not None:
             marks["held_at"] = held_at_ms
         deployment.scaling_memory["cold"] = marks
         deployment.save(update_fields=["scaling_memory"])
-        transaction.on_commit(lambda: scheduler.enqueue(placed))
+        if placed is not None:
+            placed.extend(decided)
+        else:
+            transaction.on_commit(lambda: scheduler.enqueue(decided))
     return True
 
 

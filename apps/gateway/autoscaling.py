@@ -22,7 +22,7 @@ import urllib.request
 
 from django.conf import settings
 
-from apps.deployments import autoscaling, cold_start
+from apps.deployments import autoscaling, cold_start, scheduler
 from apps.gateway.haproxy import AdminSocket, Options
 from apps.gateway.metrics import read_slot_owners
 
@@ -108,16 +108,22 @@ def poll_wakeups(
 ) -> int:
     """Wake the deployments whose requests are held, record finished cold starts (``routed_at``: deployment
     id -> epoch ms its first server entered the rotation). Returns the wake-ups."""
-    woken = 0
+    woken, placed = 0, []
     for name in names:
         path = o.map_file(name)
         entries = parse_map(admin.ask(f"show map {path}"))
-        for key, value in entries.items():
-            admin.ask(f"del map {path} {key}")
-            deployment_id = int(key[1:])
-            if name == "wakeups":
-                woken += autoscaling.wake(deployment_id, held_at_ms=cold_start.held_at_ms(value))
-            else:
-                routed = (routed_at or {}).get(deployment_id)
-                autoscaling.record_cold_start(deployment_id, value, routed)
+        try:
+            for key, value in entries.items():
+                admin.ask(f"del map {path} {key}")
+                deployment_id = int(key[1:])
+                if name == "wakeups":
+                    held_at = cold_start.held_at_ms(value)
+                    woken += autoscaling.wake(deployment_id, held_at_ms=held_at, placed=placed)
+                else:
+                    routed = (routed_at or {}).get(deployment_id)
+                    autoscaling.record_cold_start(deployment_id, value, routed)
+        finally:
+            # Every wake-up read at once reaches each host as one change of its desired state.
+            scheduler.enqueue(placed)
+            placed = []
     return woken

@@ -360,7 +360,7 @@ def run_gateway(stop, interval: float | None = None) -> None:
             )
             waker.start()
             log.info("gateway listening on %s (gRPC %s)", settings.GATEWAY_BIND, settings.GATEWAY_GRPC_BIND)
-            next_sync = time.monotonic() + interval
+            next_sync, rested_at = time.monotonic() + interval, 0.0
             while not stop.is_set():
                 poked = bool(selector.select(timeout=max(0.0, next_sync - time.monotonic())))
                 if poked:
@@ -369,7 +369,14 @@ def run_gateway(stop, interval: float | None = None) -> None:
                     break
                 if not poked and time.monotonic() < next_sync:
                     continue
+                # At most half of a core: after a sync that took T, the next one starts T later at the
+                # earliest, and the pokes meanwhile are folded into it (under a stream of cold starts, pokes
+                # came faster than syncs and the loop synced back to back, a core that loads needed).
+                if stop.wait(max(0.0, rested_at - time.monotonic())):
+                    break
+                _drain_datagrams(poke)
                 next_sync = time.monotonic() + interval
+                began = time.monotonic()
                 try:
                     outcome = gateway.sync()
                     if outcome not in ("unchanged", "runtime"):
@@ -380,6 +387,7 @@ def run_gateway(stop, interval: float | None = None) -> None:
                     log.exception("gateway sync failed")
                 finally:
                     close_old_connections()
+                    rested_at = 2 * time.monotonic() - began
         finally:
             ending.set()
             if waker is not None:

@@ -1,0 +1,94 @@
+"""The wake-ups the gateway's Lua action signals (``apps.gateway.autoscaling.poll_wakeups``), on the rows: the
+wake-ups read together are placed and reach each host as one change of its desired state."""
+
+from __future__ import annotations
+
+import pytest
+from django.utils import timezone
+
+from apps.deployments import autoscaling, reports, services
+from apps.deployments.models import Deployment, PlacementState
+from apps.fleet.models import Host, Pool
+from apps.gateway.autoscaling import poll_wakeups
+from apps.gateway.state import options
+from apps.registry.models import RegisteredModel
+from tests.support.models import add_instance, make_version
+
+pytestmark = pytest.mark.django_db
+
+POLICY = {"min_replicas": 0, "max_replicas": 1, "scale_down_window_s": 0, "idle_period_s": 60}
+
+
+class FakeAdmin:
+    """HAProxy's runtime API as ``poll_wakeups`` uses it: ``show map`` and ``del map`` of two maps."""
+
+    def __init__(self, maps: dict[str, dict[str, int]]) -> None:
+        self.maps = maps
+
+    def ask(self, command: str) -> str:
+        verb, _, path, *key = command.split(" ")
+        name = path.rsplit("/", 1)[-1].removesuffix(".map")
+        if verb == "show":
+            return "".join(f"0x{i:x} {k} {v}\n" for i, (k, v) in enumerate(self.maps.get(name, {}).items()))
+        self.maps.get(name, {}).pop(key[0], None)
+        return ""
+
+
+@pytest.fixture
+def asleep(owner, team):
+    """Three scale-to-zero deployments asleep on one host with room for all."""
+    pool = Pool.objects.create(name="cpu", memory_budget_mb=1000)
+    host = Host.objects.create(name="h0", address="127.0.0.1", last_heartbeat_at=timezone.now(), pool=pool)
+    add_instance(host, "cpu-0", 18200)
+    deployments = []
+    for slug in ("a", "b", "c"):
+        model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)
+        version = make_version(model)
+        d = services.deploy_version(actor=owner, model=model, version=version, replicas=1, pool=pool)
+        placement = d.placements.get()
+        assert reports.placement_loaded(placement.pk, placement.generation, version)
+        autoscaling.configure(actor=owner, deployment=d, values=POLICY)
+        autoscaling.sleep(actor=owner, deployment=Deployment.objects.get(pk=d.pk))
+        placement.refresh_from_db()
+        assert reports.placement_unloaded(placement.pk, placement.generation, "unloaded")
+        deployments.append(Deployment.objects.get(pk=d.pk))
+    return host, deployments
+
+
+def test_wake_ups_read_together_are_placed_and_reach_their_host_as_one_change(asleep):
+    host, deployments = asleep
+    before = Host.objects.get(pk=host.pk).desired_generation
+    held_at = int(timezone.now().timestamp() * 1000) - 50
+    admin = FakeAdmin({"wakeups": {f"d{d.pk}": held_at for d in deployments}})
+
+    assert poll_wakeups(admin, options()) == 3
+
+    assert admin.maps["wakeups"] == {}  # read once: removed
+    for d in deployments:
+        d.refresh_from_db()
+        assert d.replicas == 1 and d.asleep_since is None
+        assert d.placements.get().state == PlacementState.PENDING
+        assert d.scaling_memory["cold"]["held_at"] == held_at
+    assert Host.objects.get(pk=host.pk).desired_generation == before + 1
+    # The same signals again (a second held request of each): nothing changes, the host is not told again.
+    admin.maps["wakeups"] = {f"d{d.pk}": held_at for d in deployments}
+    assert poll_wakeups(admin, options()) == 0
+    assert Host.objects.get(pk=host.pk).desired_generation == before + 1
+
+
+def test_a_wake_up_that_fails_still_lets_the_others_reach_their_host(asleep, monkeypatch):
+    host, deployments = asleep
+    before = Host.objects.get(pk=host.pk).desired_generation
+    real_wake = autoscaling.wake
+
+    def wake(deployment_id, **kwargs):
+        if deployment_id == deployments[1].pk:
+            raise RuntimeError("the database went away")
+        return real_wake(deployment_id, **kwargs)
+
+    monkeypatch.setattr(autoscaling, "wake", wake)
+    admin = FakeAdmin({"wakeups": {f"d{d.pk}": 1 for d in deployments}})
+    with pytest.raises(RuntimeError):
+        poll_wakeups(admin, options())
+    assert Deployment.objects.get(pk=deployments[0].pk).replicas == 1
+    assert Host.objects.get(pk=host.pk).desired_generation == before + 1
