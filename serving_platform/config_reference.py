@@ -410,7 +410,7 @@ SECTIONS: dict[str, tuple[Variable, ...]] = {
             "GATEWAY_WAKE_POLL_MS",
             "int",
             200,
-            "how often the gateway command reads the wake-ups its Lua action signals (between syncs)",
+            "how often the gateway command's wake thread reads the wake-ups its Lua action signals (it also reads them at once on the Lua action's signal)",
             20,
         ),
         _v(

@@ -303,8 +303,8 @@ def placement_report(request, placement_id: int):
         )
     elif result == PlacementResult.UNLOADED:
         accepted = reports.placement_unloaded(placement.pk, generation, message)
-        if accepted and placement.evicted_for_id is not None:
-            _place_in_freed_room(placement.evicted_for_id)
+        if accepted:
+            _place_in_freed_room(placement.evicted_for_id, request.host.pool_id)
     else:
         accepted = reports.placement_lost(placement.pk, generation, err, reloading=report.reloading)
     # Only this instance's placements of the model decide the answer (``_reused``): a host with many
@@ -321,13 +321,15 @@ def placement_report(request, placement_id: int):
     return JsonResponse({"accepted": accepted, "placement": entry})
 
 
-def _place_in_freed_room(deployment_id: int) -> None:
-    """An evicted replica freed its memory: the replica it was evicted for (a woken model whose request is
-    held at the gateway) is placed now instead of at the scheduler's next tick - that one only, so a report
-    costs one decision however many deployments wait. Best effort: the tick places it anyway, so a failure
-    here never fails the report."""
+def _place_in_freed_room(evicted_for: int | None, pool_id: int | None) -> None:
+    """A replica freed its memory: the replica it was evicted for (a woken model whose request is held at
+    the gateway), else the one waiting longest for room in its pool, is placed now instead of at the
+    scheduler's next tick (a wake-up does not queue behind the tick). One deployment, so a report costs one
+    decision however many wait. Best effort: the tick places it anyway, so a failure never fails the report."""
     try:
-        healing.place_short([deployment_id])
+        wanted = [evicted_for] if evicted_for is not None else healing.waiting_for_room(pool_id)
+        if wanted:
+            healing.place_short(wanted)
     except Exception:
         log.exception("placing the replicas waiting for room after an unload failed")
 

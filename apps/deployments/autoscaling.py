@@ -433,17 +433,29 @@ def choose_evictions(
     return []
 
 
-def _residents(pool, instance_ids: list[int], exclude: int) -> list[Resident]:
+def _holds_a_request(memory: dict | None, now: float) -> bool:
+    """Woken for a request the gateway still holds (its cold start, ``cold``, not recorded yet; within the
+    activation timeout): its replica is about to serve it, whatever the idle period says."""
+    marks = (memory or {}).get("cold")
+    signal_at = marks.get("signal_at") if isinstance(marks, dict) else None
+    return (
+        isinstance(signal_at, int | float) and now - signal_at / 1000 < settings.GATEWAY_ACTIVATION_TIMEOUT_S
+    )
+
+
+def _residents(pool, instance_ids: list[int], exclude: int, now: float) -> list[Resident]:
     live_rollouts = Rollout.objects.live().values_list("deployment_id", flat=True)
     rows = list(
         DeploymentInstance.objects.filter(
             instance_id__in=instance_ids,
             retiring_reason="",
+            # Serving: a replica still loading was woken by a request held at the gateway, however long ago
+            # its last traffic was (under a stream a load can outlast the idle period).
+            state=PlacementState.READY,
             deployment__min_replicas=0,
             deployment__pinned=False,
             deployment__state=DeploymentState.SERVING,
         )
-        .exclude(state=PlacementState.UNLOADED)
         .exclude(deployment_id=exclude)
         .exclude(deployment_id__in=live_rollouts)
         .values_list(
@@ -464,6 +476,7 @@ def _residents(pool, instance_ids: list[int], exclude: int) -> list[Resident]:
             min_idle_s=settings.SCHEDULER_EVICTION_MIN_IDLE_S or None,
         )
         for deployment_id, instance_id, active, target, memory, idle, low in rows
+        if not _holds_a_request(memory, now)
     ]
 
 
@@ -500,7 +513,7 @@ def make_room(deployment: Deployment, pool, candidates: list[scheduler.Candidate
     free = {c.instance_id: c.free_mb + freeing.get(c.instance_id, 0) for c in open_}
     if any(f >= need_mb for f in free.values()):
         return "waiting for evicted replicas to unload"
-    victims = choose_evictions(_residents(pool, ids, deployment.pk), free, need_mb, now)
+    victims = choose_evictions(_residents(pool, ids, deployment.pk, now), free, need_mb, now)
     evicted = [v for v in victims if _evict(v, deployment, pool, now)]
     if not evicted:
         return ""
@@ -521,7 +534,7 @@ def _evict(resident: Resident, for_deployment: Deployment, pool, now: float) -> 
     memory = Memory.load(victim.scaling_memory)
     fresh = Resident(resident.deployment_id, resident.instance_id, resident.need_mb, memory.last_traffic_at,
                      victim.idle_period_s, victim.min_replicas, settings.SCHEDULER_EVICTION_MIN_IDLE_S)  # fmt: skip
-    if not fresh.evictable(now):
+    if not fresh.evictable(now) or _holds_a_request(victim.scaling_memory, now):
         return False
     current = victim.replicas
     memory.recommendations = []

@@ -25,7 +25,7 @@ from django.db.models import Case, Count, F, Q, Value, When
 from apps.deployments import autoscaling, draining, ensembles, reserved, scheduler, services, tuning_jobs
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet import pools
-from apps.fleet.models import Host, TritonInstance
+from apps.fleet.models import Host, Pool, TritonInstance
 from apps.registry.models import ModelKind
 
 
@@ -127,14 +127,15 @@ def ensembles_first():
     return Case(When(model__kind=ModelKind.ENSEMBLE, then=Value(0)), default=Value(1))
 
 
-def short_of_replicas() -> list[int]:
-    """Scheduled live deployments with fewer counted replicas than they ask for (ensembles first)."""
+def short_of_replicas(**filters) -> list[int]:
+    """Scheduled live deployments with fewer counted replicas than they ask for (ensembles first);
+    ``filters``: of these deployments only."""
     counted = Count(
         "placements",
         filter=Q(placements__retiring_reason="") & ~Q(placements__state=PlacementState.UNLOADED),
     )
     return list(
-        Deployment.objects.filter(pinned=False)
+        Deployment.objects.filter(pinned=False, **filters)
         .exclude(state__in=scheduler.GONE)
         .annotate(counted=counted)
         .filter(counted__lt=F("replicas"))
@@ -162,9 +163,7 @@ def place_short(deployment_ids: list[int] | None = None) -> int:
     evicting idle ones: ``make_room``). The tick's step 3; also run for the deployment an evicted replica
     made room for as soon as its agent reports it unloaded, rather than at the next tick."""
     count = 0
-    wanted = short_of_replicas()
-    if deployment_ids is not None:
-        wanted = [pk for pk in wanted if pk in set(deployment_ids)]
+    wanted = short_of_replicas() if deployment_ids is None else short_of_replicas(pk__in=deployment_ids)
     for deployment_id in wanted:
         with transaction.atomic():
             deployment = _locked(deployment_id)
@@ -174,6 +173,20 @@ def place_short(deployment_ids: list[int] | None = None) -> int:
             transaction.on_commit(lambda placed=placed: scheduler.enqueue(placed))
         count += len(placed)
     return count
+
+
+def waiting_for_room(pool_id: int | None, limit: int = 1) -> list[int]:
+    """Deployments that may use the pool, short of a replica because no instance had room (a pending reason
+    is set), the longest waiting first: the ones an unload in that pool may let in."""
+    pool = Pool.objects.filter(pk=pool_id).first()
+    if pool is None:
+        return []
+    # A deployment without a pool of its own may use the shared pools and its team's dedicated ones.
+    anywhere = Q(pool__isnull=True) if pool.team_id is None else Q(pool__isnull=True, team_id=pool.team_id)
+    rows = Deployment.objects.filter(Q(pool=pool) | anywhere).exclude(pending_reason="")
+    short = set(short_of_replicas(pk__in=rows.values("pk")))
+    order = rows.filter(pk__in=short).order_by("updated_at", "pk")
+    return list(order.values_list("pk", flat=True)[:limit])
 
 
 def tick() -> dict[str, int]:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from django.utils import timezone
 
-from apps.deployments import autoscaling, healing, reserved, services
+from apps.deployments import agent_api, autoscaling, healing, reports, reserved, services
 from apps.deployments.autoscaling import Resident, choose_evictions
-from apps.deployments.models import Deployment, DeploymentState, PlacementState
+from apps.deployments.models import Deployment, DeploymentEvent, DeploymentState, PlacementState
 from apps.fleet.models import Host, Pool
 from apps.registry.models import RegisteredModel
 from tests.support.models import add_instance, make_version
@@ -230,3 +230,66 @@ def test_a_second_waiting_replica_evicts_for_itself_instead_of_queueing_behind_t
     assert not Deployment.objects.get(pk=cold2.pk).placements.exists()
     healing.tick()  # ...the others at the tick
     assert all(Deployment.objects.get(pk=w.pk).placements.count() == 1 for w in (cold, cold2))
+
+
+def test_an_unload_in_a_full_pool_places_the_replica_waiting_longest_there_at_once(owner, team, full_pool):
+    """A replica that went to sleep by itself (evicted for nobody) frees room: the unload report places the
+    deployment waiting longest for room in that pool at once, not at the next tick - and only one that may
+    use the pool."""
+    pool, d = full_pool
+    served(d["old"], 10)
+    served(d["recent"], 10)  # both within their idle period: nothing may be evicted
+    version = d["cold"]
+    cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
+    other_pool = Pool.objects.create(name="elsewhere", memory_budget_mb=250)
+    model = RegisteredModel.objects.create(team=team, name="far", slug="far", created_by=owner)
+    far = services.deploy_version(actor=owner, model=model, version=make_version(model), replicas=1,
+                                  pool=other_pool)  # fmt: skip
+    assert "no instance" in Deployment.objects.get(pk=cold.pk).pending_reason
+    assert Deployment.objects.get(pk=far.pk).pending_reason
+    assert healing.waiting_for_room(pool.pk) == [cold.pk]
+
+    old = autoscaling.sleep(actor=owner, deployment=Deployment.objects.get(pk=d["old"].pk))
+    placement = old.placements.get()
+    assert not Deployment.objects.get(pk=cold.pk).placements.exists()  # its memory counts until unloaded
+    assert reports.placement_unloaded(placement.pk, placement.generation, "unloaded")
+    agent_api._place_in_freed_room(placement.evicted_for_id, pool.pk)  # what the unload report does next
+
+    assert Deployment.objects.get(pk=cold.pk).placements.filter(state=PlacementState.PENDING).count() == 1
+    assert not Deployment.objects.get(pk=far.pk).placements.exists()
+    assert healing.waiting_for_room(pool.pk) == []
+
+
+def test_a_woken_replica_still_loading_or_not_yet_serving_its_held_request_is_never_evicted(owner, full_pool):
+    """Under a stream a load can outlast the idle period: a replica woken for a request the gateway still
+    holds is not evicted while it loads, nor once READY until that request went on (its cold start
+    recorded) - evicting it stranded the held request for another wake-up."""
+    pool, d = full_pool
+    served(d["old"], 600)
+    served(d["recent"], 600)  # both idle long past their period
+    now = timezone.now().timestamp()
+    woken = {"cold": {"signal_at": round((now - 30) * 1000)}}
+    for name in ("old", "recent"):
+        memory = {**Deployment.objects.get(pk=d[name].pk).scaling_memory, **woken}
+        Deployment.objects.filter(pk=d[name].pk).update(scaling_memory=memory)
+    d["old"].placements.update(state=PlacementState.LOADING)
+    version = d["cold"]
+    cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
+    healing.tick()
+    assert not DeploymentEvent.objects.filter(kind="evicted").exists()
+    assert Deployment.objects.get(pk=d["recent"].pk).replicas == 1
+
+    # The held request went on (the gateway recorded the cold start): "recent" is idle again and may go;
+    # "old" is still loading and stays.
+    autoscaling.record_cold_start(d["recent"].pk, 900)
+    healing.tick()
+    assert Deployment.objects.get(pk=d["recent"].pk).replicas == 0
+    assert Deployment.objects.get(pk=d["old"].pk).replicas == 1
+    assert Deployment.objects.get(pk=cold.pk).placements.count() == 0  # waits for the unload
+
+    # A cold start never recorded (a gateway restarted) protects it only for the activation timeout.
+    stale = {"cold": {"signal_at": round((now - 3600) * 1000)}}
+    memory = {**Deployment.objects.get(pk=d["old"].pk).scaling_memory, **stale}
+    Deployment.objects.filter(pk=d["old"].pk).update(scaling_memory=memory)
+    d["old"].placements.update(state=PlacementState.READY)
+    assert autoscaling._holds_a_request(memory, now) is False
