@@ -330,7 +330,9 @@ def wake(
             details={"to": wanted},
         )
         decided = scheduler.place_replicas(deployment, make_room=make_room)
-        marks = {"signal_at": round(now * 1000), "placed_at": round(time.time() * 1000)}
+        marks = {"signal_at": round(now * 1000)}
+        if decided:  # else it waits for room: ``note_placed`` marks when the scheduler places it
+            marks["placed_at"] = round(time.time() * 1000)
         if held_at_ms is not None:
             marks["held_at"] = held_at_ms
         deployment.scaling_memory["cold"] = marks
@@ -340,6 +342,15 @@ def wake(
         else:
             transaction.on_commit(lambda: scheduler.enqueue(decided))
     return True
+
+
+def note_placed(deployment: Deployment, placed: list[DeploymentInstance]) -> None:
+    """The scheduler placed a replica of a deployment woken while no instance had room (the caller holds its
+    row lock): the cold start's "placed" mark is now, so the wait for room shows in that hop."""
+    marks = (deployment.scaling_memory or {}).get("cold")
+    if placed and isinstance(marks, dict) and "placed_at" not in marks:
+        marks["placed_at"] = round(time.time() * 1000)
+        deployment.save(update_fields=["scaling_memory"])
 
 
 def note_loaded(

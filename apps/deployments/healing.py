@@ -170,6 +170,8 @@ def place_short(deployment_ids: list[int] | None = None) -> int:
             placed = (
                 scheduler.place_replicas(deployment, make_room=autoscaling.make_room) if deployment else []
             )
+            if placed:
+                autoscaling.note_placed(deployment, placed)
             transaction.on_commit(lambda placed=placed: scheduler.enqueue(placed))
         count += len(placed)
     return count

@@ -293,3 +293,24 @@ def test_a_woken_replica_still_loading_or_not_yet_serving_its_held_request_is_ne
     Deployment.objects.filter(pk=d["old"].pk).update(scaling_memory=memory)
     d["old"].placements.update(state=PlacementState.READY)
     assert autoscaling._holds_a_request(memory, now) is False
+
+
+def test_a_wake_up_that_waits_for_room_is_marked_placed_when_it_is_placed(owner, full_pool):
+    pool, d = full_pool
+    served(d["old"], 10)
+    served(d["recent"], 10)
+    version = d["cold"]
+    cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
+    autoscaling.configure(actor=owner, deployment=cold, values={"min_replicas": 0, "max_replicas": 1})
+    autoscaling.sleep(actor=owner, deployment=Deployment.objects.get(pk=cold.pk))
+    assert autoscaling.wake(cold.pk, held_at_ms=1)
+    marks = Deployment.objects.get(pk=cold.pk).scaling_memory["cold"]
+    assert "signal_at" in marks and "placed_at" not in marks  # no room yet: not placed
+
+    old = autoscaling.sleep(actor=owner, deployment=Deployment.objects.get(pk=d["old"].pk))
+    placement = old.placements.get()
+    assert reports.placement_unloaded(placement.pk, placement.generation, "unloaded")
+    agent_api._place_in_freed_room(None, pool.pk)
+    marks = Deployment.objects.get(pk=cold.pk).scaling_memory["cold"]
+    assert marks["placed_at"] >= marks["signal_at"]
+    assert Deployment.objects.get(pk=cold.pk).placements.filter(state=PlacementState.PENDING).count() == 1
