@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import smoke  # noqa: E402
+from benchmarks.rollout_drill import PRODUCTION_ENV  # noqa: E402
 from hostagent.client import PlatformClient  # noqa: E402
 from hostagent.protocol import PlacementReport, PlacementResult  # noqa: E402
 
@@ -142,17 +143,14 @@ def start_web(scratch: Path, *, threads: int, workers: int = 1) -> tuple[subproc
 
     port = free_port()
     log = (scratch / "web.log").open("wb")
-    # Production settings: DEBUG off (it keeps every query in memory), plain HTTP on loopback.
-    env = os.environ.copy() | {
-        "DEBUG": "0",
-        "SECRET_KEY": "fleet-bench-" + "x" * 50,
-        "ALLOWED_HOSTS": "127.0.0.1",
-        "SECURE_SSL_REDIRECT": "0",
-        "SESSION_COOKIE_SECURE": "0",
-        "CSRF_COOKIE_SECURE": "0",
-        # The platform holds at most WEB_THREADS - 16 polls per process (AGENT_LONG_POLL_MAX_WAITERS).
-        "WEB_THREADS": str(threads),
-    }
+    env = (
+        os.environ.copy()
+        | PRODUCTION_ENV
+        | {
+            # The platform holds at most WEB_THREADS - 16 polls per process (AGENT_LONG_POLL_MAX_WAITERS).
+            "WEB_THREADS": str(threads),
+        }
+    )
     web = subprocess.Popen(
         [sys.executable, "-m", "gunicorn", "serving_platform.wsgi", "--config", "python:serving_platform.gunicorn_hooks", "--bind", f"127.0.0.1:{port}",
          "--workers", str(workers), "--threads", str(threads), "--worker-class", "gthread", "--timeout", "120"],

@@ -71,7 +71,9 @@ PRODUCTION_ENV = {
 }
 
 
-def setup_environment(args: argparse.Namespace, name: str = "rollout-drill", production: bool = False) -> Path:
+def setup_environment(
+    args: argparse.Namespace, name: str = "rollout-drill", production: bool = False
+) -> Path:
     """A scratch directory and the settings of a run (``production``: ``PRODUCTION_ENV``, else DEBUG on)."""
     scratch = Path(tempfile.mkdtemp(prefix=f"{name}-"))
     os.environ.update(PRODUCTION_ENV if production else {"DEBUG": "1"})
