@@ -19,8 +19,10 @@ from __future__ import annotations
 import logging
 import re
 import urllib.request
+from concurrent.futures import Executor
 
 from django.conf import settings
+from django.db import close_old_connections
 
 from apps.deployments import autoscaling, cold_start, scheduler
 from apps.gateway.haproxy import AdminSocket, Options
@@ -104,26 +106,47 @@ def parse_map(text: str) -> dict[str, int]:
 
 
 def poll_wakeups(
-    admin: AdminSocket, o: Options, routed_at: dict[int, float] | None = None, names=("wakeups", "coldstart")
+    admin: AdminSocket,
+    o: Options,
+    routed_at: dict[int, float] | None = None,
+    names=("wakeups", "coldstart"),
+    pool: Executor | None = None,
 ) -> int:
     """Wake the deployments whose requests are held, record finished cold starts (``routed_at``: deployment
-    id -> epoch ms its first server entered the rotation). Returns the wake-ups."""
+    id -> epoch ms its first server entered the rotation). Returns the wake-ups. With ``pool`` the wake-ups
+    read together run side by side (each its own transaction: one waiting for a row or pool lock does not
+    hold back the others); their hosts are told once for all of them."""
     woken, placed = 0, []
     for name in names:
         path = o.map_file(name)
         entries = parse_map(admin.ask(f"show map {path}"))
+        for key in entries:
+            admin.ask(f"del map {path} {key}")
+        ids = {int(key[1:]): value for key, value in entries.items()}
+        if name == "coldstart":
+            for deployment_id, held_ms in ids.items():
+                autoscaling.record_cold_start(deployment_id, held_ms, (routed_at or {}).get(deployment_id))
+            continue
         try:
-            for key, value in entries.items():
-                admin.ask(f"del map {path} {key}")
-                deployment_id = int(key[1:])
-                if name == "wakeups":
-                    held_at = cold_start.held_at_ms(value)
-                    woken += autoscaling.wake(deployment_id, held_at_ms=held_at, placed=placed)
-                else:
-                    routed = (routed_at or {}).get(deployment_id)
-                    autoscaling.record_cold_start(deployment_id, value, routed)
+            if pool is None or len(ids) < 2:
+                for deployment_id, value in ids.items():
+                    woken += _wake(deployment_id, value, placed)
+            else:
+                futures = [pool.submit(_wake_apart, pk, value, placed) for pk, value in ids.items()]
+                woken += sum(future.result() for future in futures)
         finally:
             # Every wake-up read at once reaches each host as one change of its desired state.
             scheduler.enqueue(placed)
-            placed = []
     return woken
+
+
+def _wake(deployment_id: int, value: int, placed: list) -> bool:
+    return autoscaling.wake(deployment_id, held_at_ms=cold_start.held_at_ms(value), placed=placed)
+
+
+def _wake_apart(deployment_id: int, value: int, placed: list) -> bool:
+    """``_wake`` on a thread of the pool, which keeps its own database connection between wake-ups."""
+    try:
+        return _wake(deployment_id, value, placed)
+    finally:
+        close_old_connections()

@@ -24,6 +24,7 @@ import shutil
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from django.conf import settings
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 # More changes than this at once (e.g. thousands of tokens created by a script) go through a reload.
 MAX_RUNTIME_COMMANDS = 500
+# Wake-ups read together are placed side by side by this many threads of the gateway command.
+WAKE_WORKERS = 4
 # Servers kept in maintenance after they left (``apps.gateway.runtime``: never deleted): past this many, a
 # reload (a new worker) forgets them. Slots times instances bounds them; this only caps a very large fleet.
 MAX_PARKED_SERVERS = 5000
@@ -314,7 +317,10 @@ def _wake_loop(gateway: Gateway, listener: socket.socket, *stops: threading.Even
     stream of cold starts the syncs ran back to back and a wake-up waited for the one in progress."""
     step = settings.GATEWAY_WAKE_POLL_MS / 1000
     try:
-        with selectors.DefaultSelector() as selector:
+        with (
+            selectors.DefaultSelector() as selector,
+            ThreadPoolExecutor(WAKE_WORKERS, thread_name_prefix="gateway-wake") as pool,
+        ):
             selector.register(listener, selectors.EVENT_READ)
             while not any(s.is_set() for s in stops):
                 if selector.select(timeout=step):
@@ -322,7 +328,7 @@ def _wake_loop(gateway: Gateway, listener: socket.socket, *stops: threading.Even
                 if any(s.is_set() for s in stops):
                     break
                 try:
-                    poll_wakeups(gateway.process.admin, gateway.o, gateway.routed_at)
+                    poll_wakeups(gateway.process.admin, gateway.o, gateway.routed_at, pool=pool)
                 except Exception:
                     log.exception("reading the gateway's wake-ups failed")
                 finally:

@@ -92,3 +92,17 @@ def test_a_wake_up_that_fails_still_lets_the_others_reach_their_host(asleep, mon
         poll_wakeups(admin, options())
     assert Deployment.objects.get(pk=deployments[0].pk).replicas == 1
     assert Host.objects.get(pk=host.pk).desired_generation == before + 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_wake_ups_read_together_are_placed_side_by_side_on_the_pool(asleep):
+    from concurrent.futures import ThreadPoolExecutor
+
+    host, deployments = asleep
+    before = Host.objects.get(pk=host.pk).desired_generation
+    admin = FakeAdmin({"wakeups": {f"d{d.pk}": 1 for d in deployments}})
+    with ThreadPoolExecutor(4) as pool:
+        assert poll_wakeups(admin, options(), pool=pool) == 3
+    for d in deployments:
+        assert Deployment.objects.get(pk=d.pk).placements.get().state == PlacementState.PENDING
+    assert Host.objects.get(pk=host.pk).desired_generation == before + 1
