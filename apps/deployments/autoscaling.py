@@ -233,12 +233,14 @@ def _apply(deployment: Deployment, observation: Observation) -> str:
         "target": deployment.target_in_flight,
         "recommended": decision.recommended,
     }
-    if (
-        wanted == 0 < current
-        and not scheduler.counted(deployment).filter(state=PlacementState.READY).exists()
+    if wanted == 0 < current and (
+        _holds_a_request(deployment.scaling_memory, observation.at)
+        or not scheduler.counted(deployment).filter(state=PlacementState.READY).exists()
     ):
-        # Woken and still loading: the request that woke it is held at the gateway, where the backend's
-        # figures do not see it. Its idle period counts from when a replica serves.
+        # Woken and still loading, or serving but the request that woke it not released yet (the gateway
+        # routes it at its next sync): that request is held at the gateway, where the backend's figures do
+        # not see it. Its idle period counts from when it went on - under a stream a wake-up can wait for
+        # room and load for longer than the idle period, and sleeping at once made it load twice.
         decision.memory.last_traffic_at, wanted = observation.at, current
     saved = decision.memory.dump()
     saved["figures"] = {**figures, "at": observation.at, "replicas": current}
@@ -450,7 +452,8 @@ def _holds_a_request(memory: dict | None, now: float) -> bool:
     marks = (memory or {}).get("cold")
     signal_at = marks.get("signal_at") if isinstance(marks, dict) else None
     return (
-        isinstance(signal_at, int | float) and now - signal_at / 1000 < settings.GATEWAY_ACTIVATION_TIMEOUT_S
+        isinstance(signal_at, int | float)
+        and abs(now - signal_at / 1000) < settings.GATEWAY_ACTIVATION_TIMEOUT_S
     )
 
 

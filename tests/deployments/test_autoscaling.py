@@ -275,3 +275,23 @@ def test_the_autoscalers_figures_alone_do_not_poke_the_gateway(
         scheduled.replicas = 2
         scheduled.save(update_fields=["replicas", "updated_at"])
     assert pokes == [1]
+
+
+def test_a_woken_deployment_does_not_sleep_before_the_request_that_woke_it_went_on(owner, scheduled):
+    """Under a stream a wake-up can wait for room and load for longer than the idle period: serving, but
+    with the waking request still held at the gateway (its cold start not recorded), it stays awake - it
+    went back to sleep the moment its replica served and the held request needed a second load."""
+    autoscaling.configure(actor=owner, deployment=scheduled, values={
+        "min_replicas": 0, "max_replicas": 1, "scale_down_window_s": 0, "idle_period_s": 5})  # fmt: skip
+    autoscaling.sleep(actor=owner, deployment=Deployment.objects.get(pk=scheduled.pk))
+    woken_at = time.time()
+    assert autoscaling.wake(scheduled.pk, now=woken_at)
+    deployment = Deployment.objects.get(pk=scheduled.pk)
+    deployment.placements.filter(unload=False).update(state=PlacementState.READY)
+
+    autoscaling.evaluate({scheduled.pk: (0, 10)}, now=woken_at + 20)  # idle "for 20 s", request still held
+    assert Deployment.objects.get(pk=scheduled.pk).replicas == 1
+    autoscaling.record_cold_start(scheduled.pk, 20_000)  # it went on
+    autoscaling.evaluate({scheduled.pk: (0, 11)}, now=woken_at + 21)  # served it
+    autoscaling.evaluate({scheduled.pk: (0, 11)}, now=woken_at + 27)  # then idle for its idle period
+    assert Deployment.objects.get(pk=scheduled.pk).replicas == 0
