@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import re
 import urllib.request
-from concurrent.futures import Executor
+from concurrent.futures import Executor, wait
 
 from django.conf import settings
 from django.db import close_old_connections
@@ -133,7 +133,11 @@ def poll_wakeups(
                     woken += _wake(deployment_id, value, placed)
             else:
                 futures = [pool.submit(_wake_apart, pk, value, placed) for pk, value in ids.items()]
-                woken += sum(future.result() for future in futures)
+                wait(futures)  # all of them, before their hosts are told (a failed one raises below)
+                woken += sum(future.result() for future in futures if future.exception() is None)
+                failed = next((future.exception() for future in futures if future.exception()), None)
+                if failed is not None:
+                    raise failed
         finally:
             # Every wake-up read at once reaches each host as one change of its desired state.
             scheduler.enqueue(placed)

@@ -106,3 +106,24 @@ def test_wake_ups_read_together_are_placed_side_by_side_on_the_pool(asleep):
     for d in deployments:
         assert Deployment.objects.get(pk=d.pk).placements.get().state == PlacementState.PENDING
     assert Host.objects.get(pk=host.pk).desired_generation == before + 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_side_by_side_a_failed_wake_up_is_raised_after_the_others_reached_their_host(asleep, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    host, deployments = asleep
+    before = Host.objects.get(pk=host.pk).desired_generation
+    real_wake = autoscaling.wake
+
+    def wake(deployment_id, **kwargs):
+        if deployment_id == deployments[0].pk:
+            raise RuntimeError("the database went away")
+        return real_wake(deployment_id, **kwargs)
+
+    monkeypatch.setattr(autoscaling, "wake", wake)
+    admin = FakeAdmin({"wakeups": {f"d{d.pk}": 1 for d in deployments}})
+    with ThreadPoolExecutor(4) as pool, pytest.raises(RuntimeError):
+        poll_wakeups(admin, options(), pool=pool)
+    assert [Deployment.objects.get(pk=d.pk).replicas for d in deployments] == [0, 1, 1]
+    assert Host.objects.get(pk=host.pk).desired_generation == before + 1
