@@ -76,17 +76,22 @@ def test_wake_ups_read_together_are_placed_and_reach_their_host_as_one_change(as
     assert Host.objects.get(pk=host.pk).desired_generation == before + 1
 
 
-def test_a_wake_up_that_fails_still_lets_the_others_reach_their_host(asleep, monkeypatch):
-    host, deployments = asleep
-    before = Host.objects.get(pk=host.pk).desired_generation
+def failing_wake(monkeypatch, deployment) -> None:
+    """``autoscaling.wake`` fails for ``deployment`` (its database went away), works for the others."""
     real_wake = autoscaling.wake
 
     def wake(deployment_id, **kwargs):
-        if deployment_id == deployments[1].pk:
+        if deployment_id == deployment.pk:
             raise RuntimeError("the database went away")
         return real_wake(deployment_id, **kwargs)
 
     monkeypatch.setattr(autoscaling, "wake", wake)
+
+
+def test_a_wake_up_that_fails_still_lets_the_others_reach_their_host(asleep, monkeypatch):
+    host, deployments = asleep
+    before = Host.objects.get(pk=host.pk).desired_generation
+    failing_wake(monkeypatch, deployments[1])
     admin = FakeAdmin({"wakeups": {f"d{d.pk}": 1 for d in deployments}})
     with pytest.raises(RuntimeError):
         poll_wakeups(admin, options())
@@ -114,14 +119,7 @@ def test_side_by_side_a_failed_wake_up_is_raised_after_the_others_reached_their_
 
     host, deployments = asleep
     before = Host.objects.get(pk=host.pk).desired_generation
-    real_wake = autoscaling.wake
-
-    def wake(deployment_id, **kwargs):
-        if deployment_id == deployments[0].pk:
-            raise RuntimeError("the database went away")
-        return real_wake(deployment_id, **kwargs)
-
-    monkeypatch.setattr(autoscaling, "wake", wake)
+    failing_wake(monkeypatch, deployments[0])
     admin = FakeAdmin({"wakeups": {f"d{d.pk}": 1 for d in deployments}})
     with ThreadPoolExecutor(4) as pool, pytest.raises(RuntimeError):
         poll_wakeups(admin, options(), pool=pool)
