@@ -11,7 +11,8 @@ Under memory pressure (``make_room``, which the scheduler asks when a pool has n
 least recently used replica of a scale-to-zero deployment on the pool that has served nothing for its idle
 period (or for ``SCHEDULER_EVICTION_MIN_IDLE_S``, if an operator set it shorter) is evicted - its deployment goes to sleep
 now instead of at the next evaluation, and wakes like any sleeping one. A replica that served more recently,
-and a deployment with ``min_replicas`` above zero, are never evicted. The room counts once the evicted
+one not READY, one woken for a request the gateway still holds, and a deployment with ``min_replicas`` above
+zero are never evicted. The room counts once the evicted
 replicas are reported unloaded (memory is never overcommitted; the evicted placement records whom it was
 evicted for, so another waiting replica evicts for itself); that report places the waiting replica at once.
 

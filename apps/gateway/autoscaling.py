@@ -8,8 +8,8 @@
   (``apps.deployments.scaling_policy.window_in_flight``), not the snapshot alone.
 * ``poll_wakeups``: ``wake.lua`` writes ``<d12> <epoch ms>`` into ``wakeups.map`` while it holds a request
   for a sleeping deployment (when it began holding it), and ``<d12> <ms>`` into ``coldstart.map`` once the
-  request went on. The gateway command reads both at once when the Lua action connects to its wake socket,
-  and between syncs every ``GATEWAY_WAKE_POLL_MS`` in any case; it removes what it read and hands it to
+  request went on. The gateway command's wake thread reads both at once when the Lua action connects to its
+  wake socket, and every ``GATEWAY_WAKE_POLL_MS`` in any case; it removes what it read and hands it to
   ``apps.deployments.autoscaling``, with when it put each deployment's first server in rotation (the cold
   start's breakdown, ``apps.deployments.cold_start``).
 """
