@@ -579,6 +579,7 @@ class ModelJob:
     model: str  # the Triton model name it loads or unloads
     run: Callable[[], None]
     after: frozenset[str] = frozenset()  # models to load first (an ensemble's steps)
+    unload: bool = False  # an unload: it runs in the unloads' own lane, never taking a load's slot
 
 
 def _version_steps(version: VersionSpec | None) -> frozenset[str]:
@@ -598,58 +599,94 @@ def run_per_model(
     jobs: Callable[[], list[ModelJob]],
     *,
     until: float | None = None,
+    extend: Callable[[frozenset[str]], float | None] | None = None,
 ) -> int:
-    """Run the jobs ``jobs()`` lists, up to ``--parallel-loads`` at once: Triton loads models on its own
+    """Run the jobs ``jobs()`` lists, up to ``--parallel-loads`` loads at once: Triton loads models on its own
     threads (``--model-load-thread-count``, the same figure), and on a CPU host most of a load is a python
-    stub starting, which runs beside the others. Never two jobs of one model at once (a switch's steps, an
-    undeploy and a deploy of the same Triton name stay in order), never an ensemble before the models it
-    chains. ``jobs()`` is asked again whenever one finishes, so a decision made meanwhile (a burst of
-    activations) starts as soon as a slot frees instead of after the whole batch. No job starts after
-    ``until`` (monotonic) or once the server died; the running ones finish. Returns how many ran.
+    stub starting, which runs beside the others. Unloads have a lane of their own of the same width: most of
+    an unload is waiting for Triton to finalize the model (a python stub exits about a second later), and a
+    load queued behind it would wait for nothing - while the unload frees the room another load waits for.
+    Never two jobs of one model at once (a switch's steps, an undeploy and a deploy of the same Triton name
+    stay in order), never an ensemble before the models it chains. ``jobs()`` is asked again whenever one
+    finishes, so a decision made meanwhile (a burst of activations) starts as soon as a slot frees instead of
+    after the whole batch.
+
+    No job starts after ``until`` (monotonic) or once the server died; the running ones finish. At ``until``
+    the pass may go on instead: ``extend(busy)`` (the models whose jobs run) returns the next deadline, or
+    None to end - so under a stream of decisions the slots stay full instead of draining at each deadline.
+    Returns how many ran.
 
     Each job reads its placement when it starts and reports its own result with that placement's generation,
     so a decision superseded meanwhile is dropped as in a serial pass. The caller holds ``proc.lock``."""
     limit = max(1, agent.config.parallel_loads)
-    running: dict[str, Future] = {}
+    running: dict[str, tuple[Future, bool]] = {}  # model -> (its job, an unload)
     seen: set[tuple] = set()
     ran = 0
-    with ThreadPoolExecutor(max_workers=limit, thread_name_prefix=f"load-{proc.instance_id}") as pool:
+    with ThreadPoolExecutor(max_workers=2 * limit, thread_name_prefix=f"load-{proc.instance_id}") as pool:
         while True:
+            if until is not None and time.monotonic() >= until and extend is not None and proc.running():
+                later = extend(frozenset(running))
+                if later is None:
+                    extend = None  # the pass ends: the deadline stands
+                else:
+                    until = later
             submitted = False
-            if (until is None or time.monotonic() < until) and proc.running() and len(running) < limit:
+            in_lane = {False: 0, True: 0}
+            for _, unload in running.values():
+                in_lane[unload] += 1
+            may_start = (until is None or time.monotonic() < until) and proc.running()
+            if may_start and min(in_lane.values()) < limit:
                 waiting = [job for job in jobs() if job.key not in seen]
                 waiting_models = {job.model for job in waiting}
+                passed: set[str] = set()  # models a job of which waits: their later jobs wait behind it
                 for job in waiting:
-                    if len(running) >= limit:
-                        break
-                    if job.model in running or job.after & (set(running) | (waiting_models - {job.model})):
+                    if (
+                        in_lane[job.unload] >= limit
+                        or job.model in running
+                        or job.model in passed
+                        or job.after & (set(running) | (waiting_models - {job.model}))
+                    ):
+                        passed.add(job.model)
                         continue
                     seen.add(job.key)
-                    running[job.model] = pool.submit(_run_job, job)
+                    running[job.model] = (pool.submit(_run_job, job), job.unload)
+                    in_lane[job.unload] += 1
                     submitted, ran = True, ran + 1
                 if not running and not submitted:
                     break  # nothing left that may start (or only jobs blocked on each other): next pass
             elif not running:
                 break
-            wait(list(running.values()), timeout=0.25, return_when=FIRST_COMPLETED)
-            for model in [model for model, future in running.items() if future.done()]:
+            futures = [future for future, _ in running.values()]
+            wait(futures, timeout=0.25, return_when=FIRST_COMPLETED)
+            for model in [model for model, (future, _) in running.items() if future.done()]:
                 del running[model]
     return ran
 
 
-def reconcile_instance(agent: AgentState, instance: InstanceSpec, proc: InstanceProcess) -> None:
+def reconcile_instance(
+    agent: AgentState,
+    instance: InstanceSpec,
+    proc: InstanceProcess,
+    *,
+    hold: Callable[[], bool] | None = None,
+) -> None:
     """Make Triton match the placements, and the placements say what Triton serves: apply decisions not yet
     applied (e.g. made while the instance was down), check every served version against Triton's repository
     index (reload what is missing, report what cannot be), unload what no live placement wants. Loads of
     different models run in parallel (``run_per_model``): after a restart of the server every model comes
     back in a fraction of the time one after another would take.
 
+    The decisions are applied for one reconcile interval; while ``hold()`` says the instance may keep the
+    agent's attention (nothing else waits for it: see ``HostAgent.reconcile``), the pass goes on for another
+    interval with the check run beside the jobs in flight, so a stream of decisions (wake-ups and the
+    evictions that make room for them) never waits for the slots to drain at each interval.
+
     The caller holds ``proc.lock``, so no other pass loads or unloads meanwhile; everything is read after the
     pending decisions were applied. A decision made concurrently (by the platform) is left to its own task."""
     if not proc.running():
         return  # stopped while the caller waited for the lock; the next pass reports it down
-    server = proc.server
     desired = agent.desired
+    interval = agent.config.reconcile_interval_ms / 1000
 
     def pending() -> list[ModelJob]:
         jobs = []
@@ -664,22 +701,42 @@ def reconcile_instance(agent: AgentState, instance: InstanceSpec, proc: Instance
                     model=deployment.triton_model_name(),
                     run=functools.partial(_apply_locked, agent, proc, placement.pk),
                     after=frozenset() if placement.undeploy else _version_steps(target),
+                    unload=placement.undeploy,
                 )
             )
         return jobs
 
+    reloads: list[ModelJob] = []
+
+    def go_on(busy: frozenset[str]) -> float | None:
+        if hold is None or not hold():
+            return None
+        reloads.extend(_check(agent, instance, proc, busy) or [])
+        return time.monotonic() + interval
+
     # Bounded: with a long queue of deploys the check below must still run about once per interval. What
     # is left stays pending (kept loaded, never unloaded) for its own task or the next pass.
-    run_per_model(agent, proc, pending, until=time.monotonic() + agent.config.reconcile_interval_ms / 1000)
+    run_per_model(agent, proc, lambda: pending() + reloads, until=time.monotonic() + interval, extend=go_on)
+    found = _check(agent, instance, proc, frozenset())
+    if found:
+        run_per_model(agent, proc, lambda: found)
+
+
+def _check(
+    agent: AgentState, instance: InstanceSpec, proc: InstanceProcess, busy: frozenset[str]
+) -> list[ModelJob] | None:
+    """Compare Triton's repository index with the applied placements: report what it serves, unload what no
+    live placement wants, remove stale model directories; returns the reloads of what is missing (None when
+    the index cannot be read). Models in ``busy`` (a job of theirs runs) are left alone."""
     try:
-        index = server.repository_index()
+        index = proc.server.repository_index()
     except TritonError as exc:
         log.warning("%s: repository index failed: %s", instance, exc)
-        return
+        return None
     entries = {(entry.get("name"), str(entry.get("version", ""))): entry for entry in index}
-    keep: set[str] = set()
+    keep: set[str] = set(busy)
     reloads: list[ModelJob] = []
-    live = [p for p in desired.placements_on(instance.pk) if not p.undeploy]
+    live = [p for p in agent.desired.placements_on(instance.pk) if not p.undeploy]
     for placement in live:
         name = placement.deployment.triton_model_name()
         if not placement.is_applied():
@@ -688,6 +745,8 @@ def reconcile_instance(agent: AgentState, instance: InstanceSpec, proc: Instance
         if placement.served_version is None:
             continue  # nothing to serve (a first deploy that failed)
         keep.add(name)
+        if name in busy:
+            continue  # a job of its model runs: its state is that job's to report
         entry = entries.get((name, str(placement.served_version.number)))
         if placement.canary_version is not None:
             canary_entry = entries.get((name, str(placement.canary_version.number)))
@@ -700,21 +759,32 @@ def reconcile_instance(agent: AgentState, instance: InstanceSpec, proc: Instance
             ModelJob(
                 key=("reload", placement.pk, placement.generation),
                 model=name,
-                run=functools.partial(_verify, agent, proc, placement, name, entry),
+                run=functools.partial(_reload_if_current, agent, proc, placement, name, entry),
                 after=_version_steps(placement.served_version) | _version_steps(placement.canary_version),
             )
         )
-    run_per_model(agent, proc, lambda: reloads)
     tuning = getattr(agent, "tuning", None)  # a tuning job's scratch replica is its own to unload
     keep |= tuning.names_on(instance.pk) if tuning is not None else set()
     for name in {entry.get("name") for entry in index if entry.get("state") == "READY"} - keep:
         try:
-            server.unload_model(name)
+            proc.server.unload_model(name)
         except TritonError as exc:
             log.warning("%s: unloading %s: %s", instance, name, exc)
     for stale in proc.repository.iterdir() if proc.repository.is_dir() else []:
         if stale.name not in keep and not stale.name.startswith("."):
             shutil.rmtree(stale, ignore_errors=True)
+    return reloads
+
+
+def _reload_if_current(
+    agent: AgentState, proc: InstanceProcess, placement: PlacementSpec, name: str, entry: dict | None
+) -> None:
+    """``_verify`` of what a check found missing, unless a decision about the placement came since (it may
+    have unloaded the model on purpose: a reload would bring back what the platform just took away)."""
+    now = agent.desired.placement(placement.pk)
+    if now is None or now.generation != placement.generation or not now.is_applied() or now.undeploy:
+        return
+    _verify(agent, proc, placement, name, entry)
 
 
 def report_instance_down(agent: AgentState, instance: InstanceSpec, state: str, last_error: str) -> None:

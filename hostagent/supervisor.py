@@ -42,6 +42,9 @@ from hostagent.tuning_runner import TuningRunner
 
 log = logging.getLogger(__name__)
 
+# A pass applying a stream of decisions keeps its instance's lock for at most this many reconcile intervals.
+HOLD_INTERVALS = 6
+
 
 class HostAgent:
     """Supervises the instances of one host. ``start()`` runs its threads; ``stop()`` stops every instance
@@ -497,7 +500,7 @@ class HostAgent:
             if not proc.lock.acquire(timeout=self.reconcile_every):
                 continue
             try:
-                placement.reconcile_instance(self, instance, proc)
+                placement.reconcile_instance(self, instance, proc, hold=self._holder(instance.pk, proc))
             finally:
                 proc.lock.release()
         self.tuning.sync()
@@ -506,6 +509,34 @@ class HostAgent:
             # A queue of decisions (a burst of deploys): go on with the next one at once instead of waiting
             # for the interval; a pass that made no progress waits as usual.
             self.poke()
+
+    def _holder(self, instance_id: int, proc: InstanceProcess):
+        """Whether a pass applying a stream of decisions on the instance may go on for another interval
+        (``placement.reconcile_instance``): not when the agent stops or was revoked, the instance is to stop
+        or has a new command (they wait for its lock), another instance of the host has decisions waiting
+        (the pass goes over the instances one after another), or after ``HOLD_INTERVALS`` intervals (the
+        tuning jobs start between passes)."""
+        until = time.monotonic() + HOLD_INTERVALS * self.reconcile_every
+
+        def hold() -> bool:
+            instance = self.desired.instance(instance_id)
+            if self._stop.is_set() or self.revoked.is_set() or instance is None or time.monotonic() > until:
+                return False
+            if (
+                instance.desired_state != DesiredInstanceState.RUNNING
+                or instance.command_seq > proc.command_seq
+            ):
+                return False
+            return not self._instances_waiting() - {instance_id}
+
+        return hold
+
+    def _instances_waiting(self) -> set[int]:
+        """The running instances with decisions not applied yet."""
+        running = {pk for pk, proc in self.processes.items() if proc.running()}
+        with self.desired.lock:
+            placements = list(self.desired.placements.values())
+        return {p.instance_id for p in placements if not p.is_applied() and p.instance_id in running}
 
     def _pending(self) -> set[tuple[int, int]]:
         """(placement, generation) of decisions not applied yet on a running instance."""
