@@ -29,7 +29,8 @@ class RestartPolicy:
 class LoadOverlap:
     """Which loads on one instance overlapped in time. Loads run in parallel (``--parallel-loads``), and a
     footprint read around one load (device memory used, the server's RSS) also counts the others that ran
-    meanwhile: the meter asks whether its load ran alone."""
+    meanwhile (and the unloads, whose memory leaves meanwhile: they count as loads here): the meter asks
+    whether its load ran alone."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

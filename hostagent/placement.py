@@ -377,9 +377,12 @@ def _undeploy(agent: AgentState, proc: InstanceProcess, placement: PlacementSpec
     if not reused:
         if server is not None and server.is_model_ready(name):
             try:
-                with final_counts_reported(agent, proc, name):
-                    server.unload_model(name)
-                wait_model_unloaded(server, name)
+                # Memory leaving the server while a load beside it is metered: that load's footprint is not
+                # its own (unloads run beside loads, in a lane of their own).
+                with proc.loads.loading():
+                    with final_counts_reported(agent, proc, name):
+                        server.unload_model(name)
+                    wait_model_unloaded(server, name)
             except TritonError as exc:
                 log.warning("unloading %s: %s", name, exc)
         remove_model(proc.repository, name)

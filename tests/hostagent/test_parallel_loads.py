@@ -8,6 +8,7 @@ footprint meters. Threads and clocks only: the live tests
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from types import SimpleNamespace
@@ -340,3 +341,22 @@ def test_a_pass_holds_its_instance_only_while_nothing_else_waits_for_it(tmp_path
     assert not agent._holder(3, procs[3])()  # bounded: tuning jobs start between passes
     agent._stop.set()
     assert not hold()
+
+
+def test_an_unload_beside_a_metered_load_means_the_load_did_not_run_alone(tmp_path, monkeypatch):
+    from hostagent import placement as placing
+
+    monkeypatch.setattr(placing, "final_counts_reported", lambda *args: contextlib.nullcontext())
+    server = SimpleNamespace(
+        is_model_ready=lambda name: True, unload_model=lambda name: None, repository_index=lambda: []
+    )
+    proc = SimpleNamespace(instance_id=3, server=server, repository=tmp_path, loads=LoadOverlap())
+    unloaded = []
+    agent = SimpleNamespace(
+        reports=SimpleNamespace(placement_unloaded=lambda *args: unloaded.append(args[0]))
+    )
+    spec = SimpleNamespace(pk=1, generation=2, instance="h/cpu-3", keep_model=False)
+    mark = proc.loads.mark()
+    with proc.loads.loading():  # the metered load
+        placing._undeploy(agent, proc, spec, "t__old")
+    assert unloaded == [1] and not proc.loads.alone_since(mark)
