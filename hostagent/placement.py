@@ -717,8 +717,9 @@ def reconcile_instance(
         reloads.extend(_check(agent, instance, proc, busy) or [])
         return time.monotonic() + interval
 
-    # Bounded: with a long queue of deploys the check below must still run about once per interval. What
-    # is left stays pending (kept loaded, never unloaded) for its own task or the next pass.
+    # Bounded: with a long queue of deploys the check must still run about once per interval (beside the
+    # jobs while the pass is extended, after them at its end). What is left stays pending (kept loaded,
+    # never unloaded) for its own task or the next pass.
     run_per_model(agent, proc, lambda: pending() + reloads, until=time.monotonic() + interval, extend=go_on)
     found = _check(agent, instance, proc, frozenset())
     if found:

@@ -533,14 +533,15 @@ class HostAgent:
 
     def _instances_waiting(self) -> set[int]:
         """The running instances with decisions not applied yet."""
-        running = {pk for pk, proc in self.processes.items() if proc.running()}
-        with self.desired.lock:
-            placements = list(self.desired.placements.values())
-        return {p.instance_id for p in placements if not p.is_applied() and p.instance_id in running}
+        return {p.instance_id for p in self._waiting_placements()}
 
     def _pending(self) -> set[tuple[int, int]]:
         """(placement, generation) of decisions not applied yet on a running instance."""
+        return {(p.pk, p.generation) for p in self._waiting_placements()}
+
+    def _waiting_placements(self) -> list:
+        """The placements on a running instance whose decision is not applied yet."""
         running = {pk for pk, proc in self.processes.items() if proc.running()}
         with self.desired.lock:
             placements = list(self.desired.placements.values())
-        return {(p.pk, p.generation) for p in placements if not p.is_applied() and p.instance_id in running}
+        return [p for p in placements if not p.is_applied() and p.instance_id in running]
