@@ -32,7 +32,6 @@ from datetime import UTC, datetime
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.db.models import Q
 
 from apps.audit.services import record
 from apps.deployments import cold_start, scheduler
@@ -45,6 +44,7 @@ from apps.deployments.models import (
     ReplicaSample,
     Rollout,
 )
+from apps.deployments.room import Ledger, footprints
 from apps.deployments.scaling_policy import Memory, Observation, Policy, decide
 
 FIELDS = ("min_replicas", "max_replicas", "target_in_flight", "scale_down_window_s", "idle_period_s")
@@ -325,7 +325,10 @@ def wake(
         deployment.scaling_memory = {**deployment.scaling_memory, **memory.dump(), "woken_at": now}
         asleep = deployment.asleep_since
         deployment.replicas, deployment.asleep_since = wanted, None
-        deployment.save(update_fields=["replicas", "asleep_since", "scaling_memory", "updated_at"])
+        # A wait for room that began before its sleep is over: this wake-up's begins now.
+        deployment.pending_reason, deployment.waiting_since = "", None
+        deployment.save(update_fields=[
+            "replicas", "asleep_since", "scaling_memory", "pending_reason", "waiting_since", "updated_at"])  # fmt: skip
         slept = f" (asleep since {asleep:%Y-%m-%d %H:%M:%S} UTC)" if asleep else ""
         deployment.events.create(
             kind="woken",
@@ -478,7 +481,7 @@ def _residents(pool, instance_ids: list[int], exclude: int, now: float) -> list[
             "deployment__scaling_memory", "deployment__idle_period_s", "deployment__min_replicas",
         )
     )  # fmt: skip
-    sizes = scheduler.footprints([v for row in rows for v in row[2:4]])
+    sizes = footprints([v for row in rows for v in row[2:4]])
     return [
         Resident(
             deployment_id=deployment_id,
@@ -495,37 +498,17 @@ def _residents(pool, instance_ids: list[int], exclude: int, now: float) -> list[
     ]
 
 
-def _being_unloaded(instance_ids: list[int], for_deployment: Deployment) -> dict[int, int]:
-    """Memory that replicas told to unload still hold, per instance: room that is coming - for this
-    deployment, unless they were evicted for another one that still waits for it (that room is the other's:
-    counting it here would make this one wait behind it instead of evicting for itself)."""
-    claimed = (
-        Q(evicted_for__isnull=False) & ~Q(evicted_for=for_deployment) & ~Q(evicted_for__pending_reason="")
-    )
-    rows = list(
-        DeploymentInstance.objects.filter(instance_id__in=instance_ids, unload=True)
-        .exclude(state=PlacementState.UNLOADED)
-        .exclude(deployment__state=DeploymentState.UNDEPLOYED)
-        .exclude(claimed)
-        .values_list("instance_id", "deployment__active_version_id", "deployment__target_version_id")
-    )
-    sizes = scheduler.footprints([v for _, a, t in rows for v in (a, t)])
-    freeing: dict[int, int] = defaultdict(int)
-    for instance_id, active, target in rows:
-        freeing[instance_id] += sum(sizes.get(v, 0) for v in {active, target} if v)
-    return freeing
-
-
 def make_room(deployment: Deployment, pool, candidates: list[scheduler.Candidate], need_mb: int,
-              now: float | None = None) -> str:  # fmt: skip
+              ledger: Ledger, now: float | None = None) -> str:  # fmt: skip
     """The scheduler found no room for a replica of ``deployment`` in ``pool``: evict what
-    ``choose_evictions`` picks. Returns a note for the pending reason."""
+    ``choose_evictions`` picks, unless the room being unloaded that is this deployment's (``ledger``: room
+    evicted for it, or nobody's that the ones waiting longer do not take) will do. Returns a note for the
+    pending reason."""
     now = time.time() if now is None else now
     taken = set(scheduler.counted(deployment).values_list("instance_id", flat=True))
     open_ = [c for c in candidates if c.instance_id not in taken]
     ids = [c.instance_id for c in open_]
-    freeing = _being_unloaded(ids, deployment)
-    free = {c.instance_id: c.free_mb + freeing.get(c.instance_id, 0) for c in open_}
+    free = {c.instance_id: c.free_mb + ledger.coming.get(c.instance_id, 0) for c in open_}
     if any(f >= need_mb for f in free.values()):
         return "waiting for evicted replicas to unload"
     victims = choose_evictions(_residents(pool, ids, deployment.pk, now), free, need_mb, now)

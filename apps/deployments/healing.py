@@ -22,7 +22,16 @@ from __future__ import annotations
 from django.db import transaction
 from django.db.models import Case, Count, F, Q, Value, When
 
-from apps.deployments import autoscaling, draining, ensembles, reserved, scheduler, services, tuning_jobs
+from apps.deployments import (
+    autoscaling,
+    draining,
+    ensembles,
+    reserved,
+    room,
+    scheduler,
+    services,
+    tuning_jobs,
+)
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet import pools
 from apps.fleet.models import Host, Pool, TritonInstance
@@ -139,7 +148,8 @@ def short_of_replicas(**filters) -> list[int]:
         .exclude(state__in=scheduler.GONE)
         .annotate(counted=counted)
         .filter(counted__lt=F("replicas"))
-        .order_by(ensembles_first(), "pk")
+        # Those waiting for room longest first: the room held for them (``room``) is theirs this tick.
+        .order_by(ensembles_first(), F("waiting_since").asc(nulls_last=True), "pk")
         .values_list("pk", flat=True)
     )
 
@@ -183,11 +193,9 @@ def waiting_for_room(pool_id: int | None, limit: int = 1) -> list[int]:
     pool = Pool.objects.filter(pk=pool_id).first()
     if pool is None:
         return []
-    # A deployment without a pool of its own may use the shared pools and its team's dedicated ones.
-    anywhere = Q(pool__isnull=True) if pool.team_id is None else Q(pool__isnull=True, team_id=pool.team_id)
-    rows = Deployment.objects.filter(Q(pool=pool) | anywhere).exclude(pending_reason="")
+    rows = room.waiting_in(pool)
     short = set(short_of_replicas(pk__in=rows.values("pk")))
-    order = rows.filter(pk__in=short).order_by("updated_at", "pk")
+    order = rows.filter(pk__in=short)
     return list(order.values_list("pk", flat=True)[:limit])
 
 

@@ -81,6 +81,9 @@ class Deployment(models.Model):
     pending_reason = models.TextField(
         blank=True, help_text="Why some replicas are not placed (the scheduler's last word)."
     )
+    # Since when replicas wait for room (set with the first pending reason, cleared when all are placed): the
+    # waiting replicas take freed room in this order (``apps.deployments.room``).
+    waiting_since = models.DateTimeField(null=True, blank=True)
     # Autoscaling (apps.deployments.autoscaling): on while min_replicas is set; replicas then follows the
     # gateway's in-flight requests between min and max. min_replicas 0: scale to zero after the idle period.
     min_replicas = models.PositiveSmallIntegerField(null=True, blank=True)

@@ -37,7 +37,7 @@ from django.db.models import Count, F, IntegerField, Min, Q, Subquery, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from apps.deployments import draining, ensemble_placing, ensembles
+from apps.deployments import draining, ensemble_placing, ensembles, room
 from apps.deployments.choice import ALTERNATIVES_SHOWN, Candidate, Choice, choose, gib, most_free
 from apps.deployments.models import (
     Deployment,
@@ -47,9 +47,9 @@ from apps.deployments.models import (
     PlacementState,
     Spread,
 )
+from apps.deployments.room import Ledger, footprints
 from apps.fleet.models import DesiredInstanceState, Host, InstanceState, PlacementPolicy, Pool, TritonInstance
 from apps.fleet.services import notify_hosts
-from apps.registry.models import ModelVersion
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +88,6 @@ def usable_pool(team, name: str | None) -> Pool | None:
 
 
 # --- Reading the fleet --------------------------------------------------------------------------------
-
-
-def footprints(version_ids: Iterable[int]) -> dict[int, int]:
-    ids = {pk for pk in version_ids if pk}
-    rows = ModelVersion.objects.filter(pk__in=ids).only("pk", "footprint_mb", "size_bytes")
-    return {v.pk: v.footprint_estimate_mb() for v in rows}
 
 
 def replica_held_mb(deployment: Deployment) -> int:
@@ -244,9 +238,10 @@ def counted(deployment: Deployment):
 
 
 # Asked when a pool has no room: (deployment, pool, its candidates as the decision left them, memory one
-# replica needs) -> a note for the pending reason. ``apps.deployments.autoscaling.make_room`` evicts idle
-# replicas of scale-to-zero deployments there; what they free counts once their hosts report them unloaded.
-MakeRoom = Callable[[Deployment, Pool, list[Candidate], int], str]
+# replica needs, the room it may count on) -> a note for the pending reason.
+# ``apps.deployments.autoscaling.make_room`` evicts idle replicas of scale-to-zero deployments there; what
+# they free counts once their hosts report them unloaded.
+MakeRoom = Callable[[Deployment, Pool, list[Candidate], int, Ledger], str]
 
 
 def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None) -> list[DeploymentInstance]:
@@ -280,8 +275,7 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
     pools = pools_for(deployment)
     for pool in pools:
         need_of = ensemble_placing.need_with_steps(steps, need, pool) if steps is not None else None
-        choice, candidates = _choose_in(
-            pool,
+        intent = dict(
             need_mb=need,
             count=missing - len(decided),
             spread=deployment.spread,
@@ -292,6 +286,15 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
             policy=pool.placement_policy,
             need_of=need_of,
         )
+        choice, candidates = _choose_in(pool, **intent)
+        ledger = None
+        if choice.reason or room.waiting_in(pool).exclude(pk=deployment.pk).exists():
+            # Others wait for room here: the room they are owed is not this deployment's (``room``).
+            everything = candidates_in(pool, lock=False)
+            ledger = room.ledger(deployment, pool, everything)
+            if ledger.held:  # chosen again on what is left, the whole pool read
+                candidates = ledger.free_for(everything)
+                choice = choose(candidates, **intent)
         for candidate in choice.chosen:
             needs[candidate.instance_id] = need_of(candidate) if need_of else need
             decided.append((candidate, pool, choice))
@@ -299,8 +302,10 @@ def place_replicas(deployment: Deployment, *, make_room: MakeRoom | None = None)
             taken_instances.add(candidate.instance_id)
         if choice.reason:
             reasons.append(choice.reason)
+            if ledger is not None and ledger.held:
+                reasons.append(f"{gib(sum(ledger.held.values()))} free is held for replicas waiting longer")
             if make_room is not None:
-                note = make_room(deployment, pool, candidates, need)
+                note = make_room(deployment, pool, candidates, need, ledger)
                 reasons.extend([note] if note else [])
         if len(decided) == missing:
             break
@@ -425,8 +430,12 @@ def _set_pending(deployment: Deployment, reason: str, **details) -> None:
     """Record why replicas are pending; an event only when the reason changes (the beat retries often)."""
     if reason == deployment.pending_reason:
         return
-    deployment.pending_reason = reason
     fields = ["pending_reason", "updated_at"]
+    if not reason or not deployment.pending_reason or deployment.waiting_since is None:
+        # A wait begins (or ends); a reason that changes while it waits keeps the replica's turn.
+        deployment.waiting_since = timezone.now() if reason else None
+        fields.append("waiting_since")
+    deployment.pending_reason = reason
     if reason and not deployment.placements.exists() and deployment.state == DeploymentState.DEPLOYING:
         deployment.state = DeploymentState.PENDING
         fields.append("state")

@@ -232,6 +232,117 @@ def test_a_second_waiting_replica_evicts_for_itself_instead_of_queueing_behind_t
     assert all(Deployment.objects.get(pk=w.pk).placements.count() == 1 for w in (cold, cold2))
 
 
+def test_room_a_sleep_frees_is_the_longest_waiting_ones_and_the_next_wake_up_evicts_for_itself(
+    owner, team, full_pool
+):
+    """Room nobody claimed (a replica gone to sleep by itself) goes to the replica waiting longest: a later
+    wake-up that counted it too waited behind that one, each wake-up one unload behind the last under a
+    stream; it evicts an idle replica for itself instead."""
+    pool, d = full_pool
+    served(d["recent"], 600)  # idle past its period: evictable
+    autoscaling.sleep(actor=owner, deployment=Deployment.objects.get(pk=d["old"].pk))
+    version = d["cold"]
+    cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
+    healing.tick()
+    reason = Deployment.objects.get(pk=cold.pk).pending_reason
+    assert "waiting for evicted replicas to unload" in reason, reason
+    assert not DeploymentEvent.objects.filter(kind="evicted").exists()
+
+    model = RegisteredModel.objects.create(team=team, name="cold2", slug="cold2", created_by=owner)
+    version2 = make_version(model)
+    version2.footprint_mb = 100
+    version2.save(update_fields=["footprint_mb"])
+    cold2 = services.deploy_version(actor=owner, model=model, version=version2, replicas=1, pool=pool)
+    healing.tick()
+    recent = Deployment.objects.get(pk=d["recent"].pk)
+    assert recent.replicas == 0 and recent.placements.get().evicted_for_id == cold2.pk
+    assert "evicting 1 idle replica" in Deployment.objects.get(pk=cold2.pk).pending_reason
+
+    began = Deployment.objects.get(pk=cold2.pk).waiting_since
+    assert began is not None and Deployment.objects.get(pk=cold.pk).waiting_since < began
+    healing.tick()  # each counts the room coming for it: nothing more is evicted
+    assert DeploymentEvent.objects.filter(kind="evicted").count() == 1
+    reason = Deployment.objects.get(pk=cold.pk).pending_reason
+    assert "waiting for evicted replicas to unload" in reason, reason
+    # Its reason changed ("evicting" -> "waiting"): its turn did not.
+    waiting = Deployment.objects.get(pk=cold2.pk)
+    assert "waiting for evicted replicas to unload" in waiting.pending_reason
+    assert waiting.waiting_since == began
+
+
+def small_model(team, owner, slug: str):
+    model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)
+    version = make_version(model)
+    version.footprint_mb = 100
+    version.save(update_fields=["footprint_mb"])
+    return model, version
+
+
+def test_room_evicted_for_a_waiting_replica_is_its_own_once_free_and_a_newcomer_evicts_for_itself(
+    owner, team, full_pool
+):
+    """Between the unload report and the placement it triggers, the freed room is free for every decision:
+    a wake-up arriving then took it, and the replica it was evicted for waited on and evicted again."""
+    pool, d = full_pool
+    served(d["old"], 600)
+    served(d["recent"], 300)
+    version = d["cold"]
+    cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
+    healing.tick()
+    old = Deployment.objects.get(pk=d["old"].pk)
+    placement = old.placements.get()
+    assert placement.evicted_for_id == cold.pk
+    assert reports.placement_unloaded(placement.pk, placement.generation, "unloaded")  # room free now
+
+    model, version2 = small_model(team, owner, "newcomer")
+    newcomer = services.deploy_version(actor=owner, model=model, version=version2, replicas=1, pool=pool)
+    waiting = Deployment.objects.get(pk=newcomer.pk)
+    assert not waiting.placements.exists()  # not into cold's room
+    assert "0.1 GiB free is held for replicas waiting longer" in waiting.pending_reason, waiting.pending_reason
+    healing.tick()
+    assert Deployment.objects.get(pk=cold.pk).placements.filter(state=PlacementState.PENDING).count() == 1
+    recent = Deployment.objects.get(pk=d["recent"].pk)
+    assert recent.replicas == 0 and recent.placements.get().evicted_for_id == newcomer.pk
+
+
+def test_room_evicted_for_a_replica_is_its_own_even_when_others_wait_longer(owner, team, full_pool):
+    pool, d = full_pool
+    served(d["old"], 10)
+    served(d["recent"], 10)
+    model, version = small_model(team, owner, "longest")
+    longest = services.deploy_version(actor=owner, model=model, version=version, replicas=1, pool=pool)
+    version = d["cold"]
+    cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
+    assert Deployment.objects.get(pk=longest.pk).waiting_since < Deployment.objects.get(pk=cold.pk).waiting_since
+    old = autoscaling.sleep(actor=owner, deployment=Deployment.objects.get(pk=d["old"].pk))
+    placement = old.placements.get()
+    placement.evicted_for_id = cold.pk  # as if evicted for it
+    placement.save(update_fields=["evicted_for"])
+    assert reports.placement_unloaded(placement.pk, placement.generation, "unloaded")
+
+    assert healing.place_short([cold.pk]) == 1  # the room it made is its own
+    assert healing.waiting_for_room(pool.pk) == [longest.pk]
+
+
+def test_room_nobody_claimed_goes_to_the_replica_waiting_longest_not_to_a_newcomer(owner, team, full_pool):
+    pool, d = full_pool
+    served(d["old"], 10)
+    served(d["recent"], 10)  # within their idle period: nothing may be evicted
+    version = d["cold"]
+    cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
+    assert Deployment.objects.get(pk=cold.pk).pending_reason
+    old = autoscaling.sleep(actor=owner, deployment=Deployment.objects.get(pk=d["old"].pk))
+    placement = old.placements.get()
+    assert reports.placement_unloaded(placement.pk, placement.generation, "unloaded")
+
+    model, version2 = small_model(team, owner, "newcomer")
+    newcomer = services.deploy_version(actor=owner, model=model, version=version2, replicas=1, pool=pool)
+    assert not Deployment.objects.get(pk=newcomer.pk).placements.exists()
+    assert healing.place_short([newcomer.pk]) == 0  # the room is the longest waiting one's...
+    assert healing.place_short([cold.pk]) == 1  # ...and it gets it
+    assert healing.waiting_for_room(pool.pk) == [newcomer.pk]
+
+
 def test_an_unload_in_a_full_pool_places_the_replica_waiting_longest_there_at_once(owner, team, full_pool):
     """A replica that went to sleep by itself (evicted for nobody) frees room: the unload report places the
     deployment waiting longest for room in that pool at once, not at the next tick - and only one that may
