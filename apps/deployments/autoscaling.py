@@ -325,10 +325,8 @@ def wake(
         deployment.scaling_memory = {**deployment.scaling_memory, **memory.dump(), "woken_at": now}
         asleep = deployment.asleep_since
         deployment.replicas, deployment.asleep_since = wanted, None
-        # A wait for room that began before its sleep is over: this wake-up's begins now.
-        deployment.pending_reason, deployment.waiting_since = "", None
-        deployment.save(update_fields=[
-            "replicas", "asleep_since", "scaling_memory", "pending_reason", "waiting_since", "updated_at"])  # fmt: skip
+        ended = scheduler.end_wait(deployment)  # a wait from before its sleep: this wake-up's begins now
+        deployment.save(update_fields=["replicas", "asleep_since", "scaling_memory", "updated_at", *ended])
         slept = f" (asleep since {asleep:%Y-%m-%d %H:%M:%S} UTC)" if asleep else ""
         deployment.events.create(
             kind="woken",

@@ -426,6 +426,21 @@ def _retire_steps_with(ensemble: Deployment, placements: list[DeploymentInstance
     return retired
 
 
+def end_wait(deployment: Deployment) -> list[str]:
+    """A wait for room that ended without its replicas (the deployment went to sleep and is woken again, a
+    new wait beginning): clear it. Returns the fields to save."""
+    if deployment.pending_reason:
+        _release_claims(deployment)
+    deployment.pending_reason, deployment.waiting_since = "", None
+    return ["pending_reason", "waiting_since"]
+
+
+def _release_claims(deployment: Deployment) -> None:
+    """Its wait is over: room evicted for it and not taken is nobody's now (``room``), and a later wait of
+    this deployment does not count on it."""
+    DeploymentInstance.objects.filter(evicted_for=deployment).update(evicted_for=None)
+
+
 def _set_pending(deployment: Deployment, reason: str, **details) -> None:
     """Record why replicas are pending; an event only when the reason changes (the beat retries often)."""
     if reason == deployment.pending_reason:
@@ -435,6 +450,8 @@ def _set_pending(deployment: Deployment, reason: str, **details) -> None:
         # A wait begins (or ends); a reason that changes while it waits keeps the replica's turn.
         deployment.waiting_since = timezone.now() if reason else None
         fields.append("waiting_since")
+    if not reason and deployment.pending_reason:
+        _release_claims(deployment)
     deployment.pending_reason = reason
     if reason and not deployment.placements.exists() and deployment.state == DeploymentState.DEPLOYING:
         deployment.state = DeploymentState.PENDING

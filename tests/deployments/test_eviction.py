@@ -303,6 +303,8 @@ def test_room_evicted_for_a_waiting_replica_is_its_own_once_free_and_a_newcomer_
     assert Deployment.objects.get(pk=cold.pk).placements.filter(state=PlacementState.PENDING).count() == 1
     recent = Deployment.objects.get(pk=d["recent"].pk)
     assert recent.replicas == 0 and recent.placements.get().evicted_for_id == newcomer.pk
+    # Cold's wait is over: the room evicted for it is nobody's any more (a later wait does not count on it).
+    assert Deployment.objects.get(pk=d["old"].pk).placements.get().evicted_for_id is None
 
 
 def test_room_evicted_for_a_replica_is_its_own_even_when_others_wait_longer(owner, team, full_pool):
