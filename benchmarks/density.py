@@ -65,6 +65,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # At 10 requests/s over 300 Zipf(1.1) models, 5 s hold about 28 models (at most 37) for room for 40; 20 s
     # hold about 76.
     parser.add_argument("--idle-period", type=int, default=5, help="the deployments' idle period (s)")
+    parser.add_argument(
+        "--eviction-floor", type=int, default=0,
+        help="SCHEDULER_EVICTION_MIN_IDLE_S: under memory pressure a replica idle this long may be evicted "
+        "within its idle period (0, the platform's default: only after it)",
+    )  # fmt: skip
     parser.add_argument("--tick", type=float, default=1.0, help="scheduler and autoscaler ticks (s)")
     parser.add_argument("--skip-pinned", action="store_true", help="no second run with everything pinned")
     parser.add_argument("--seed", type=int, default=23)
@@ -453,6 +458,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.resident % args.hosts:
         raise SystemExit("--resident must be a multiple of --hosts (each instance holds the same number)")
+    # Before the settings are read: this process's beat and the servers it starts decide on it.
+    os.environ["SCHEDULER_EVICTION_MIN_IDLE_S"] = str(args.eviction_floor)
     scratch = setup_environment(args, "density", production=True)
     from django.contrib.auth import get_user_model
     from django.db import connections
@@ -607,7 +614,7 @@ def main() -> int:
     s2z = figures["scale_to_zero"]
     print(f"\nDensity ({args.models} small models, min_replicas 0, {args.hosts} CPU instances whose budget holds "
           f"{args.resident}; Zipf {args.zipf}, {args.requests} requests at {args.rate:g}/s, idle period "
-          f"{args.idle_period} s)")  # fmt: skip
+          f"{args.idle_period} s, eviction floor {args.eviction_floor or 'off'})")  # fmt: skip
     print(f"deployed and put to sleep: {args.models} in {deploy_s:.1f} s")
     mean_set, most_set = working_set(args)
     print(f"working set: {mean_set:.1f} models called within an idle period (at most {most_set}) for room for "
@@ -635,6 +642,7 @@ def main() -> int:
         "hosts": args.hosts,
         "resident": args.resident,
         "requests": args.requests,
+        "eviction_floor_s": args.eviction_floor,
         "answered": s2z["answered"],
         "failed": s2z["failed"],
         "cold_start_p50_ms": s2z["cold_start_p50_ms"],
