@@ -98,6 +98,14 @@ def full_pool(owner, team):
     return pool, deployments
 
 
+def small_model(team, owner, slug: str):
+    model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)
+    version = make_version(model)
+    version.footprint_mb = 100
+    version.save(update_fields=["footprint_mb"])
+    return model, version
+
+
 def served(deployment, seconds_ago: float) -> None:
     memory = {**deployment.scaling_memory, "last_traffic_at": timezone.now().timestamp() - seconds_ago}
     Deployment.objects.filter(pk=deployment.pk).update(scaling_memory=memory)
@@ -203,10 +211,7 @@ def test_a_second_waiting_replica_evicts_for_itself_instead_of_queueing_behind_t
     served(d["recent"], 300)
     version = d["cold"]
     cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
-    model = RegisteredModel.objects.create(team=team, name="cold2", slug="cold2", created_by=owner)
-    version2 = make_version(model)
-    version2.footprint_mb = 100
-    version2.save(update_fields=["footprint_mb"])
+    model, version2 = small_model(team, owner, "cold2")
     cold2 = services.deploy_version(actor=owner, model=model, version=version2, replicas=1, pool=pool)
     healing.tick()
     # The room "old" frees is cold's (it was evicted for it): cold2 does not wait for it but evicts "recent".
@@ -248,10 +253,7 @@ def test_room_a_sleep_frees_is_the_longest_waiting_ones_and_the_next_wake_up_evi
     assert "waiting for evicted replicas to unload" in reason, reason
     assert not DeploymentEvent.objects.filter(kind="evicted").exists()
 
-    model = RegisteredModel.objects.create(team=team, name="cold2", slug="cold2", created_by=owner)
-    version2 = make_version(model)
-    version2.footprint_mb = 100
-    version2.save(update_fields=["footprint_mb"])
+    model, version2 = small_model(team, owner, "cold2")
     cold2 = services.deploy_version(actor=owner, model=model, version=version2, replicas=1, pool=pool)
     healing.tick()
     recent = Deployment.objects.get(pk=d["recent"].pk)
@@ -268,14 +270,6 @@ def test_room_a_sleep_frees_is_the_longest_waiting_ones_and_the_next_wake_up_evi
     waiting = Deployment.objects.get(pk=cold2.pk)
     assert "waiting for evicted replicas to unload" in waiting.pending_reason
     assert waiting.waiting_since == began
-
-
-def small_model(team, owner, slug: str):
-    model = RegisteredModel.objects.create(team=team, name=slug, slug=slug, created_by=owner)
-    version = make_version(model)
-    version.footprint_mb = 100
-    version.save(update_fields=["footprint_mb"])
-    return model, version
 
 
 def test_room_evicted_for_a_waiting_replica_is_its_own_once_free_and_a_newcomer_evicts_for_itself(
@@ -298,7 +292,9 @@ def test_room_evicted_for_a_waiting_replica_is_its_own_once_free_and_a_newcomer_
     newcomer = services.deploy_version(actor=owner, model=model, version=version2, replicas=1, pool=pool)
     waiting = Deployment.objects.get(pk=newcomer.pk)
     assert not waiting.placements.exists()  # not into cold's room
-    assert "0.1 GiB free is held for replicas waiting longer" in waiting.pending_reason, waiting.pending_reason
+    assert "0.1 GiB free is held for replicas waiting longer" in waiting.pending_reason, (
+        waiting.pending_reason
+    )
     healing.tick()
     assert Deployment.objects.get(pk=cold.pk).placements.filter(state=PlacementState.PENDING).count() == 1
     recent = Deployment.objects.get(pk=d["recent"].pk)
@@ -315,7 +311,9 @@ def test_room_evicted_for_a_replica_is_its_own_even_when_others_wait_longer(owne
     longest = services.deploy_version(actor=owner, model=model, version=version, replicas=1, pool=pool)
     version = d["cold"]
     cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
-    assert Deployment.objects.get(pk=longest.pk).waiting_since < Deployment.objects.get(pk=cold.pk).waiting_since
+    assert (
+        Deployment.objects.get(pk=longest.pk).waiting_since < Deployment.objects.get(pk=cold.pk).waiting_since
+    )
     old = autoscaling.sleep(actor=owner, deployment=Deployment.objects.get(pk=d["old"].pk))
     placement = old.placements.get()
     placement.evicted_for_id = cold.pk  # as if evicted for it
