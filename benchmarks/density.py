@@ -70,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="SCHEDULER_EVICTION_MIN_IDLE_S: under memory pressure a replica idle this long may be evicted "
         "within its idle period (0, the platform's default: only after it)",
     )  # fmt: skip
+    parser.add_argument(
+        "--headroom-mib", type=int, default=0,
+        help="SCHEDULER_EVICTION_HEADROOM_MB: memory kept free on each instance by evicting idle replicas "
+        "ahead of the wake-ups (0, the platform's default: evict only when a replica needs the room)",
+    )  # fmt: skip
     parser.add_argument("--tick", type=float, default=1.0, help="scheduler and autoscaler ticks (s)")
     parser.add_argument("--skip-pinned", action="store_true", help="no second run with everything pinned")
     parser.add_argument("--seed", type=int, default=23)
@@ -460,6 +465,7 @@ def main() -> int:
         raise SystemExit("--resident must be a multiple of --hosts (each instance holds the same number)")
     # Before the settings are read: this process's beat and the servers it starts decide on it.
     os.environ["SCHEDULER_EVICTION_MIN_IDLE_S"] = str(args.eviction_floor)
+    os.environ["SCHEDULER_EVICTION_HEADROOM_MB"] = str(args.headroom_mib)
     scratch = setup_environment(args, "density", production=True)
     from django.contrib.auth import get_user_model
     from django.db import connections
@@ -614,7 +620,8 @@ def main() -> int:
     s2z = figures["scale_to_zero"]
     print(f"\nDensity ({args.models} small models, min_replicas 0, {args.hosts} CPU instances whose budget holds "
           f"{args.resident}; Zipf {args.zipf}, {args.requests} requests at {args.rate:g}/s, idle period "
-          f"{args.idle_period} s, eviction floor {args.eviction_floor or 'off'})")  # fmt: skip
+          f"{args.idle_period} s, eviction floor {args.eviction_floor or 'off'}, headroom "
+          f"{f'{args.headroom_mib} MiB' if args.headroom_mib else 'off'})")  # fmt: skip
     print(f"deployed and put to sleep: {args.models} in {deploy_s:.1f} s")
     mean_set, most_set = working_set(args)
     print(f"working set: {mean_set:.1f} models called within an idle period (at most {most_set}) for room for "
@@ -643,6 +650,7 @@ def main() -> int:
         "resident": args.resident,
         "requests": args.requests,
         "eviction_floor_s": args.eviction_floor,
+        "headroom_mib": args.headroom_mib,
         "answered": s2z["answered"],
         "failed": s2z["failed"],
         "cold_start_p50_ms": s2z["cold_start_p50_ms"],

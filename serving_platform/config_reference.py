@@ -317,6 +317,16 @@ SECTIONS: dict[str, tuple[Variable, ...]] = {
             0,
         ),
         _v(
+            "SCHEDULER_EVICTION_HEADROOM_MB",
+            "int",
+            0,
+            "memory (MiB) the autoscaler keeps free on each instance by evicting, ahead of the wake-ups, the "
+            "idle scale-to-zero replicas that memory pressure could evict (see SCHEDULER_EVICTION_MIN_IDLE_S): "
+            "a wake-up into a full pool finds room instead of waiting about 2 s for an eviction; 0: evict only "
+            "when a replica needs the room",
+            0,
+        ),
+        _v(
             "AUTOSCALE_TICK_S",
             "int",
             3,

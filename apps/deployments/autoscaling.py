@@ -34,7 +34,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from apps.audit.services import record
-from apps.deployments import cold_start, scheduler
+from apps.deployments import cold_start, room, scheduler
 from apps.deployments.models import (
     ACTIVE_STATES,
     Deployment,
@@ -46,6 +46,7 @@ from apps.deployments.models import (
 )
 from apps.deployments.room import Ledger, footprints
 from apps.deployments.scaling_policy import Memory, Observation, Policy, decide
+from apps.fleet.models import Pool
 
 FIELDS = ("min_replicas", "max_replicas", "target_in_flight", "scale_down_window_s", "idle_period_s")
 BOUNDS = {
@@ -459,7 +460,7 @@ def _holds_a_request(memory: dict | None, now: float) -> bool:
     )
 
 
-def _residents(pool, instance_ids: list[int], exclude: int, now: float) -> list[Resident]:
+def _residents(pool, instance_ids: list[int], exclude: int | None, now: float) -> list[Resident]:
     live_rollouts = Rollout.objects.live().values_list("deployment_id", flat=True)
     rows = list(
         DeploymentInstance.objects.filter(
@@ -516,9 +517,9 @@ def make_room(deployment: Deployment, pool, candidates: list[scheduler.Candidate
     return f"evicting {len(evicted)} idle replica(s) of scale-to-zero deployments to make room"
 
 
-def _evict(resident: Resident, for_deployment: Deployment, pool, now: float) -> bool:
-    """Put the resident's deployment to sleep now. Its row is taken only if nobody holds it (a deployment
-    being woken or decided at this moment is not idle)."""
+def _evict(resident: Resident, for_deployment: Deployment | None, pool, now: float) -> bool:
+    """Put the resident's deployment to sleep now, for ``for_deployment`` (None: to keep the headroom). Its
+    row is taken only if nobody holds it (a deployment being woken or decided at this moment is not idle)."""
     victim = (
         Deployment.objects.select_for_update(skip_locked=True, of=("self",))
         .select_related("model")
@@ -538,17 +539,59 @@ def _evict(resident: Resident, for_deployment: Deployment, pool, now: float) -> 
     victim.replicas, victim.asleep_since = 0, datetime.fromtimestamp(now, UTC)
     victim.save(update_fields=["replicas", "asleep_since", "scaling_memory", "updated_at"])
     idle_s = now - (memory.last_traffic_at or now)
+    why = (
+        f"to make room for {for_deployment.model.slug}"
+        if for_deployment is not None
+        else f"to keep {settings.SCHEDULER_EVICTION_HEADROOM_MB} MiB free for wake-ups"
+    )
     victim.events.create(
         kind="evicted",
         message=(
-            f"{current} -> 0 replicas: evicted to make room for {for_deployment.model.slug} in {pool.name} "
+            f"{current} -> 0 replicas: evicted {why} in {pool.name} "
             f"(least recently used; no request for {idle_s:.0f} s, idle period {victim.idle_period_s} s)"
         ),
         instance_id=resident.instance_id,
-        details={"from": current, "to": 0, "for_deployment": for_deployment.pk, "idle_s": round(idle_s)},
+        details={
+            "from": current,
+            "to": 0,
+            "for_deployment": for_deployment.pk if for_deployment is not None else None,
+            "idle_s": round(idle_s),
+        },
     )
     removed = scheduler.remove_replicas(
         victim, 0, "asleep (evicted under memory pressure)", evicted_for=for_deployment
     )
     transaction.on_commit(lambda: scheduler.enqueue(removed))
     return True
+
+
+def keep_headroom(now: float | None = None) -> int:
+    """Evict ahead of the wake-ups: on every instance that will have less than
+    ``SCHEDULER_EVICTION_HEADROOM_MB`` free, the least recently used replicas ``make_room`` could evict go
+    now, so that the next wake-up finds room instead of waiting for an eviction (the drain and an unload,
+    about 2 s) - under a stream of wake-ups into a full pool, that wait was most of a cold start. What they
+    free is nobody's: it goes to the replicas waiting longest, then to whoever asks (``room``). Returns the
+    replicas evicted. 0 (the default): evict only when a replica needs the room."""
+    headroom = settings.SCHEDULER_EVICTION_HEADROOM_MB
+    if headroom <= 0:
+        return 0
+    now = time.time() if now is None else now
+    evicted = 0
+    for pool in Pool.objects.filter(hosts__isnull=False).distinct().order_by("pk"):
+        with transaction.atomic():
+            short = room.headroom_short(pool, scheduler.candidates_in(pool, lock=True), headroom)
+            if not short:
+                continue
+            residents = _residents(pool, sorted(short), None, now)
+            for instance_id, lack in sorted(short.items()):
+                ordered = sorted(
+                    (r for r in residents if r.instance_id == instance_id and r.evictable(now)),
+                    key=lambda r: (r.last_served_at, r.deployment_id),
+                )
+                for resident in ordered:
+                    if lack <= 0:
+                        break
+                    if _evict(resident, None, pool, now):
+                        lack -= resident.need_mb
+                        evicted += 1
+    return evicted

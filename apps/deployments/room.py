@@ -148,6 +148,35 @@ def ledger(deployment: Deployment, pool: Pool, candidates: list[Candidate]) -> L
     return result
 
 
+def headroom_short(pool: Pool, candidates: list[Candidate], headroom_mb: int) -> dict[int, int]:
+    """Per instance of ``candidates`` that will have less than ``headroom_mb`` free, how much more must be
+    freed: counted once the room being unloaded there is free and the deployments waiting in the pool took
+    what they need (longest waiting first, each the first instance where it fits)."""
+    ids = [c.instance_id for c in candidates]
+    unloading = list(
+        DeploymentInstance.objects.filter(instance_id__in=ids, unload=True)
+        .exclude(state=PlacementState.UNLOADED)
+        .exclude(deployment__state=DeploymentState.UNDEPLOYED)
+        .values_list("instance_id", "deployment__active_version_id", "deployment__target_version_id")
+    )
+    waiting = list(waiting_in(pool).values_list("pk", "active_version_id", "target_version_id"))
+    sizes = footprints([v for row in unloading + waiting for v in row[1:]])
+
+    def size(active, target) -> int:
+        return sum(sizes.get(v, 0) for v in {active, target} if v)
+
+    free = {c.instance_id: c.free_mb for c in candidates}
+    for instance_id, active, target in unloading:
+        free[instance_id] += size(active, target)
+    taken = _counted_on(waiting, ids)
+    for pk, active, target in waiting:
+        need = size(active, target) or 1
+        spot = _first_fit(free, need, taken.get(pk, set()))
+        if spot is not None:
+            free[spot] -= need
+    return {i: headroom_mb - mb for i, mb in free.items() if mb < headroom_mb}
+
+
 def _first_fit(room: dict[int, int], need: int, excluded: set[int]) -> int | None:
     return next((i for i in sorted(room) if i not in excluded and room[i] >= need), None)
 

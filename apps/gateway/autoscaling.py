@@ -97,7 +97,9 @@ def autoscale() -> dict[str, int]:
     load = read_load()
     if load is None:
         return {"skipped": 1}
-    return autoscaling.evaluate(load)
+    counts = autoscaling.evaluate(load)
+    counts["evicted_ahead"] = autoscaling.keep_headroom()
+    return counts
 
 
 def parse_map(text: str) -> dict[str, int]:
@@ -141,6 +143,9 @@ def poll_wakeups(
         finally:
             # Every wake-up read at once reaches each host as one change of its desired state.
             scheduler.enqueue(placed)
+    if woken:
+        # The room these wake-ups took is made again now, not at the autoscaler's next tick.
+        autoscaling.keep_headroom()
     return woken
 
 

@@ -425,3 +425,61 @@ def test_a_wake_up_that_waits_for_room_is_marked_placed_when_it_is_placed(owner,
     marks = Deployment.objects.get(pk=cold.pk).scaling_memory["cold"]
     assert marks["placed_at"] >= marks["signal_at"]
     assert Deployment.objects.get(pk=cold.pk).placements.filter(state=PlacementState.PENDING).count() == 1
+
+
+# --- Headroom: evicted ahead of the wake-ups ---------------------------------------------------------------
+
+
+def test_the_headroom_evicts_the_lru_idle_replica_before_a_wake_up_needs_the_room(owner, full_pool, settings):
+    settings.SCHEDULER_EVICTION_MIN_IDLE_S = 5
+    settings.SCHEDULER_EVICTION_HEADROOM_MB = 100
+    pool, d = full_pool
+    served(d["old"], 30)
+    served(d["recent"], 2)  # within the floor: kept
+    assert autoscaling.keep_headroom() == 1
+    old = Deployment.objects.get(pk=d["old"].pk)
+    assert old.replicas == 0 and old.placements.get().unload is True
+    event = old.events.get(kind="evicted")
+    assert "evicted to keep 100 MiB free for wake-ups in cpu" in event.message
+    assert event.details["for_deployment"] is None
+    assert Deployment.objects.get(pk=d["recent"].pk).replicas == 1
+    # The room being unloaded counts: no second eviction meanwhile, nor once it is free.
+    served(d["recent"], 30)
+    assert autoscaling.keep_headroom() == 0
+    old.placements.update(state=PlacementState.UNLOADED)
+    reserved.refresh_reserved([old.placements.get().instance_id])
+    assert autoscaling.keep_headroom() == 0
+    # A wake-up into the pool finds its room at once: placed, nothing evicted for it.
+    version = d["cold"]
+    cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
+    assert cold.placements.filter(state=PlacementState.PENDING).count() == 1
+    assert Deployment.objects.get(pk=d["recent"].pk).replicas == 1
+
+
+def test_no_headroom_by_default_and_never_a_replica_within_the_floor(owner, full_pool, settings):
+    pool, d = full_pool
+    served(d["old"], 600)
+    assert autoscaling.keep_headroom() == 0  # 0 MiB: evict only when a replica needs the room
+    settings.SCHEDULER_EVICTION_MIN_IDLE_S = 5
+    settings.SCHEDULER_EVICTION_HEADROOM_MB = 200
+    served(d["old"], 4)
+    served(d["recent"], 1)
+    assert autoscaling.keep_headroom() == 0
+    assert Deployment.objects.filter(pk__in=[d["old"].pk, d["recent"].pk], replicas=1).count() == 2
+
+
+def test_room_a_waiting_replica_will_take_is_not_headroom(owner, full_pool, settings):
+    settings.SCHEDULER_EVICTION_MIN_IDLE_S = 5
+    pool, d = full_pool
+    served(d["old"], 600)
+    served(d["recent"], 2)
+    version = d["cold"]
+    cold = services.deploy_version(actor=owner, model=version.model, version=version, replicas=1, pool=pool)
+    healing.tick()  # the cold one evicts "old" for itself and waits for it to unload
+    assert Deployment.objects.get(pk=d["old"].pk).replicas == 0
+    assert Deployment.objects.get(pk=cold.pk).pending_reason
+    settings.SCHEDULER_EVICTION_HEADROOM_MB = 100
+    # 50 free + 100 coming, of which the waiting replica takes 100: 50 short, and "recent" is evictable now.
+    served(d["recent"], 30)
+    assert autoscaling.keep_headroom() == 1
+    assert Deployment.objects.get(pk=d["recent"].pk).replicas == 0
