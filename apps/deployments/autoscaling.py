@@ -15,6 +15,8 @@ one not READY, one woken for a request the gateway still holds, and a deployment
 zero are never evicted. The room counts once the evicted
 replicas are reported unloaded (memory is never overcommitted; the evicted placement records whom it was
 evicted for, so another waiting replica evicts for itself); that report places the waiting replica at once.
+With ``SCHEDULER_EVICTION_HEADROOM_MB`` set, ``keep_headroom`` evicts by the same rules ahead of the
+wake-ups, at every tick, so that each instance keeps that much free.
 
 Writes: the deployment's replica count, its autoscaling settings and memory, asleep_since and the cold
 start, one event per decision with its figures, and a replica sample (desired, ready) when they changed - an

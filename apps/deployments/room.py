@@ -15,6 +15,7 @@ only after the deployments that wait longer were served (``Ledger``):
   waits for it instead of evicting more).
 
 Pure reads, a few queries, and only when others wait in the pool (no waiting deployment: nothing held).
+``headroom_short`` counts the same way what an instance will have free, for the autoscaler's headroom.
 """
 
 from __future__ import annotations

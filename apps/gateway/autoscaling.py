@@ -143,9 +143,6 @@ def poll_wakeups(
         finally:
             # Every wake-up read at once reaches each host as one change of its desired state.
             scheduler.enqueue(placed)
-    if woken:
-        # The room these wake-ups took is made again now, not at the autoscaler's next tick.
-        autoscaling.keep_headroom()
     return woken
 
 
