@@ -571,7 +571,7 @@ def keep_headroom(now: float | None = None) -> int:
     """Evict ahead of the wake-ups: on every instance that will have less than
     ``SCHEDULER_EVICTION_HEADROOM_MB`` free, the least recently used replicas ``make_room`` could evict go
     now, so that the next wake-up finds room instead of waiting for an eviction (the drain and an unload,
-    about 2 s) - under a stream of wake-ups into a full pool, that wait was most of a cold start. What they
+    about 2 s) - under a stream of wake-ups into a full pool, that wait was half of a cold start. What they
     free is nobody's: it goes to the replicas waiting longest, then to whoever asks (``room``). Returns the
     replicas evicted. 0 (the default): evict only when a replica needs the room."""
     headroom = settings.SCHEDULER_EVICTION_HEADROOM_MB
