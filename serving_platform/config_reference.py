@@ -320,10 +320,8 @@ SECTIONS: dict[str, tuple[Variable, ...]] = {
             "SCHEDULER_EVICTION_HEADROOM_MB",
             "int",
             0,
-            "memory (MiB) the autoscaler keeps free on each instance by evicting, ahead of the wake-ups, the "
-            "idle scale-to-zero replicas that memory pressure could evict (see SCHEDULER_EVICTION_MIN_IDLE_S): "
-            "a wake-up into a full pool finds room instead of waiting about 2 s for an eviction; 0: evict only "
-            "when a replica needs the room",
+            "MiB the autoscaler keeps free on each instance by evicting, at every tick, what memory pressure "
+            "could evict (a wake-up finds room instead of waiting ~2 s); 0: evict only when a replica needs it",
             0,
         ),
         _v(
