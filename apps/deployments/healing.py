@@ -26,6 +26,7 @@ from apps.deployments import (
     autoscaling,
     draining,
     ensembles,
+    lost,
     reserved,
     room,
     scheduler,
@@ -204,10 +205,10 @@ def tick() -> dict[str, int]:
     # The reserved memory the decisions read is kept by the writers of placements; a figure that drifted (a
     # row changed behind their back) is recomputed before this tick decides anything on it.
     counts["reserved_repaired"] = reserved.repair_reserved()
-    lost = scheduler.lost_placements()
-    order = Deployment.objects.filter(pk__in=list(lost)).order_by(ensembles_first(), "pk")
+    gone = lost.lost_placements()
+    order = Deployment.objects.filter(pk__in=list(gone)).order_by(ensembles_first(), "pk")
     for deployment_id in order.values_list("pk", flat=True):
-        counts["retired"] += _retire(deployment_id, lost[deployment_id])
+        counts["retired"] += _retire(deployment_id, gone[deployment_id])
     counts["drained"] = drain_next()
     counts["removed_instances"] = remove_unwanted_instances()
     counts["placed"] = place_short()

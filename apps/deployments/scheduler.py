@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import connection
-from django.db.models import Count, F, IntegerField, Min, Q, Subquery, Value
+from django.db.models import Count, F, IntegerField, Subquery, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -48,7 +47,7 @@ from apps.deployments.models import (
     Spread,
 )
 from apps.deployments.room import Ledger, footprints
-from apps.fleet.models import DesiredInstanceState, Host, InstanceState, PlacementPolicy, Pool, TritonInstance
+from apps.fleet.models import DesiredInstanceState, InstanceState, PlacementPolicy, Pool, TritonInstance
 from apps.fleet.services import notify_hosts
 
 log = logging.getLogger(__name__)
@@ -541,61 +540,6 @@ def remove_replicas(
 def enqueue(placements: Iterable[DeploymentInstance]) -> None:
     """After commit: the placements' hosts fetch the new decisions on their next desired-state poll."""
     notify_hosts({placement.instance.host_id for placement in placements})
-
-
-def listening_since(now=None):
-    """Since when the platform has been hearing its fleet: the earliest start of a current run of heartbeats
-    (``Host.heard_since``) among the hosts heard within the grace; ``now`` when it hears none.
-
-    A host is lost once it has been silent for the grace *while the platform listened*: after the platform
-    itself was deaf (web restarted, its database down - every host's heartbeats failed at once), each host gets
-    a fresh grace from when the platform hears again, instead of all being taken for lost together (as
-    Kubernetes' node lifecycle stops evicting in a full disruption). A host that died meanwhile is lost one
-    grace after the platform hears its other hosts again; with no host heard at all nothing is moved."""
-    now = now or timezone.now()
-    heard = Host.objects.filter(revoked_at__isnull=True, last_heartbeat_at__gte=now - grace())
-    if not heard.exists():
-        return now
-    if heard.filter(heard_since__isnull=True).exists():
-        return None  # a run older than anyone counted: the platform has been listening all along
-    return heard.aggregate(since=Min("heard_since"))["since"]
-
-
-def lost_placements(now=None) -> dict[int, list[tuple[int, str]]]:
-    """Replicas of scheduled deployments whose instance can no longer serve them, per deployment:
-    [(placement id, why)]. A host unheard of past the grace while the platform listened (``listening_since``),
-    a revoked host, a quarantined instance."""
-    now = now or timezone.now()
-    since = listening_since(now)
-    # Silent for the grace while the platform listened: not before it has listened for a whole grace.
-    deaf = since is not None and since > now - grace()
-    silence = Q(instance__host__last_heartbeat_at__lt=now - grace()) | Q(
-        instance__host__last_heartbeat_at__isnull=True
-    )
-    if deaf:
-        silence = Q(pk__in=[])
-    rows = (
-        DeploymentInstance.objects.filter(retiring_reason="", deployment__pinned=False)
-        .exclude(state=PlacementState.UNLOADED)
-        .exclude(deployment__state__in=GONE)
-        .filter(
-            Q(instance__host__revoked_at__isnull=False) | silence | Q(instance__state=InstanceState.QUARANTINED)
-        )
-        .values_list(
-            "pk", "deployment_id", "instance__host__name", "instance__host__revoked_at",
-            "instance__host__last_heartbeat_at", "instance__state",
-        )
-    )  # fmt: skip
-    found: dict[int, list[tuple[int, str]]] = defaultdict(list)
-    for pk, deployment_id, host, revoked, beat, state in rows:
-        if revoked is not None:
-            why = f"host {host} was revoked"
-        elif not deaf and (beat is None or beat < now - grace()):
-            why = f"host {host} sent no heartbeat for more than {settings.SCHEDULER_HOST_GRACE_S} s"
-        else:
-            why = f"its instance is {state}"
-        found[deployment_id].append((pk, why))
-    return found
 
 
 # --- Reading for the pages --------------------------------------------------------------------------------

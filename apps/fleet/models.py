@@ -204,7 +204,7 @@ class Host(models.Model):
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
     # Since when the platform has heard this host without a break (a gap of more than half the scheduler's
     # grace starts a new run): how the scheduler tells a host that went silent from a platform that was not
-    # listening (``apps.deployments.scheduler.listening_since``). Empty: since before anyone counted.
+    # listening (``apps.deployments.lost.listening_since``). Empty: since before anyone counted.
     heard_since = models.DateTimeField(null=True, blank=True, editable=False)
     created_at = models.DateTimeField(auto_now_add=True)
     credential_hash = models.CharField(max_length=64, blank=True, db_index=True, editable=False)

@@ -1,6 +1,6 @@
 """A host is lost after the grace *while the platform listened*: a platform that was deaf (restarted, its
 database down: every host's heartbeats failed together) gives every host a fresh grace from when it hears them
-again, and moves nothing while it hears none (``scheduler.listening_since``); a host silent while the others
+again, and moves nothing while it hears none (``lost.listening_since``); a host silent while the others
 were heard is lost as before. Heartbeats go through ``fleet.services.record_heartbeat`` as the agent API's do."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 from django.utils import timezone
 
-from apps.deployments import scheduler
+from apps.deployments import lost
 from apps.fleet import services as fleet
 from apps.fleet.models import Host
 from tests.deployments.test_reserved_memory import deploy, pool, report, sized  # noqa: F401 - the fixture
@@ -35,10 +35,10 @@ def beat_all(*names: str) -> None:
 
 
 def lost_hosts() -> set[str]:
-    lost = scheduler.lost_placements()
+    found = lost.lost_placements()
     from apps.deployments.models import DeploymentInstance
 
-    pks = [pk for items in lost.values() for pk, _ in items]
+    pks = [pk for items in found.values() for pk, _ in items]
     return set(DeploymentInstance.objects.filter(pk__in=pks).values_list("instance__host__name", flat=True))
 
 
