@@ -282,6 +282,38 @@ def single_mlp_version(team, owner, scratch: Path):
     return version
 
 
+def eviction_hops(events) -> dict:
+    """From each ``evicted`` event to its replica's ``drained`` (the gateway sends it nothing more) and
+    ``unloaded`` (its agent reported the memory free: the room a waiting wake-up takes) events, in ms;
+    ``events``: (deployment id, kind, created_at) in order."""
+    evicted_at, drained_at = {}, {}
+    hops = {"drained_ms": [], "unloaded_ms": [], "room_ms": []}
+    for deployment_id, kind, at in events:
+        if kind == "evicted":
+            evicted_at[deployment_id] = at
+            drained_at.pop(deployment_id, None)
+        elif kind == "drained" and deployment_id in evicted_at:
+            drained_at[deployment_id] = at
+        elif kind == "unloaded" and deployment_id in evicted_at:
+            start, drained = evicted_at.pop(deployment_id), drained_at.pop(deployment_id, None)
+            hops["room_ms"].append((at - start).total_seconds() * 1000)
+            if drained is not None:
+                hops["drained_ms"].append((drained - start).total_seconds() * 1000)
+                hops["unloaded_ms"].append((at - drained).total_seconds() * 1000)
+    return {
+        hop: {"p50": round(percentile(values, 0.5)), "p99": round(percentile(values, 0.99)), "n": len(values)}
+        for hop, values in hops.items()
+        if values
+    }
+
+
+EVICTION_HOPS = (
+    ("drained_ms", "evicted -> drained at the gateway"),
+    ("unloaded_ms", "drained -> agent reported it unloaded"),
+    ("room_ms", "evicted -> its room free"),
+)
+
+
 def print_hops(breakdowns: list[dict], indent: str = "") -> dict:
     """p50/p99 of each hop of the cold starts' breakdowns (``apps.deployments.cold_start``); the figures."""
     try:
@@ -569,6 +601,11 @@ def main() -> int:
         cold_events = list(DeploymentEvent.objects.filter(kind="cold_start", deployment__team=team))
         colds = [e.details.get("held_ms", 0) for e in cold_events]
         breakdowns = [e.details.get("hops") or {} for e in cold_events]
+        evictions = eviction_hops(
+            DeploymentEvent.objects.filter(deployment__team=team, kind__in=("evicted", "drained", "unloaded"))
+            .order_by("created_at", "pk")
+            .values_list("deployment_id", "kind", "created_at")
+        )
         figures["scale_to_zero"] = {
             "answered": run["answered"],
             "failed": run["failed"],
@@ -636,6 +673,11 @@ def main() -> int:
           f"p50 {s2z['cold_start_p50_ms']} ms  p99 {s2z['cold_start_p99_ms']} ms; "
           f"Triton's own load time {direct_load_ms:.0f} ms")  # fmt: skip
     hops = print_hops(breakdowns, "  ")
+    print("eviction (from the events):")
+    for hop, label in EVICTION_HOPS:
+        if hop in evictions:
+            e = evictions[hop]
+            print(f"  {label:<44} p50 {e['p50']:>7} ms  p99 {e['p99']:>7} ms  ({e['n']})")
     print(f"warm share: {s2z['warm_share'] * 100:.1f} % of answered requests; latency p50 {s2z['latency_p50_ms']} ms "
           f"p99 {s2z['latency_p99_ms']} ms")  # fmt: skip
     print(f"peak memory above idle: {s2z['peak_memory_mib']} MiB against a budget of {budget_mib} MiB "
@@ -660,6 +702,7 @@ def main() -> int:
         "peak_memory_mib": s2z["peak_memory_mib"],
         "budget_mib": budget_mib,
         "hops": hops,
+        "eviction_hops": evictions,
         **({"pinned": figures["pinned"]} if "pinned" in figures else {}),
     }
     if args.json:

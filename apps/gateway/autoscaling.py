@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import re
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import Executor, wait
 
 from django.conf import settings
@@ -113,11 +114,13 @@ def poll_wakeups(
     routed_at: dict[int, float] | None = None,
     names=("wakeups", "coldstart"),
     pool: Executor | None = None,
+    held: Callable[[set[int]], None] | None = None,
 ) -> int:
     """Wake the deployments whose requests are held, record finished cold starts (``routed_at``: deployment
     id -> epoch ms its first server entered the rotation). Returns the wake-ups. With ``pool`` the wake-ups
     read together run side by side (each its own transaction: one waiting for a row or pool lock does not
-    hold back the others); their hosts are told once for all of them."""
+    hold back the others); their hosts are told once for all of them. ``held`` hears which deployments have
+    a request held, before they are woken."""
     woken, placed = 0, []
     for name in names:
         path = o.map_file(name)
@@ -125,6 +128,8 @@ def poll_wakeups(
         for key in entries:
             admin.ask(f"del map {path} {key}")
         ids = {int(key[1:]): value for key, value in entries.items()}
+        if name == "wakeups" and held is not None and ids:
+            held(set(ids))
         if name == "coldstart":
             for deployment_id, held_ms in ids.items():
                 autoscaling.record_cold_start(deployment_id, held_ms, (routed_at or {}).get(deployment_id))

@@ -19,6 +19,7 @@ of them holds a request.
 from __future__ import annotations
 
 import logging
+import re
 import selectors
 import shutil
 import socket
@@ -38,7 +39,7 @@ from apps.gateway.haproxy import GatewayError, GatewayState, Options, Slots, wri
 from apps.gateway.metrics import record_worker_started
 from apps.gateway.process import HAProxyProcess
 from apps.gateway.runtime import Plan, in_flight, runtime_plan, unreachable_servers
-from apps.gateway.state import Tracked, desired_state, options
+from apps.gateway.state import Tracked, desired_state, options, with_deployments
 
 log = logging.getLogger(__name__)
 
@@ -49,21 +50,24 @@ WAKE_WORKERS = 4
 # Servers kept in maintenance after they left (``apps.gateway.runtime``: never deleted): past this many, a
 # reload (a new worker) forgets them. Slots times instances bounds them; this only caps a very large fleet.
 MAX_PARKED_SERVERS = 5000
+# A poke naming the deployment whose change it announces.
+POKE_NAMING = re.compile(rb"d[0-9]{1,18}")
 
 
 def poke_socket_path() -> Path:
     return Path(settings.GATEWAY_DIR) / "poke.sock"
 
 
-def poke_gateway() -> None:
-    """Ask a running gateway to sync now (best effort: without one, nothing happens)."""
+def poke_gateway(deployment_id: int | None = None) -> None:
+    """Ask a running gateway to sync now (best effort: without one, nothing happens). ``deployment_id``: the
+    change is this deployment's - if a request is held for it, the gateway syncs it on its own first."""
     path = poke_socket_path()
     if not path.exists():
         return
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
             sock.setblocking(False)
-            sock.sendto(b"sync", str(path))
+            sock.sendto(b"sync" if deployment_id is None else b"d%d" % deployment_id, str(path))
     except OSError:
         pass  # no gateway listening, or it is already busy with a sync: it syncs again shortly anyway
 
@@ -103,6 +107,23 @@ class Gateway:
         # Deployment id -> epoch ms a sync put its first server in rotation (a cold start's "routed" mark).
         self.routed_at: dict[int, float] = {}
         self._in_rotation: set[int] = set()
+        # Deployment id -> when (monotonic) the wake thread last read a held request's signal for it, until a
+        # server of it is in rotation: the deployments a poke naming them syncs on their own (``sync(only)``).
+        self.held: dict[int, float] = {}
+        self._held_lock = threading.Lock()
+
+    def note_held(self, ids: set[int]) -> None:
+        """The wake thread read requests held for these deployments."""
+        with self._held_lock:
+            self.held.update(dict.fromkeys(ids, time.monotonic()))
+
+    def held_among(self, ids: set[int]) -> set[int]:
+        """Those of ``ids`` with a request held for them now (a signal older than the activation timeout
+        is forgotten: that request was answered 503)."""
+        since = time.monotonic() - self.o.activation_timeout_s
+        with self._held_lock:
+            self.held = {pk: at for pk, at in self.held.items() if at >= since}
+            return {pk for pk in ids if pk in self.held}
 
     def _assign(self, state: GatewayState, previous: Slots, unavailable: set[str]) -> Slots:
         return previous.assign(state.backends, unavailable, settings.GATEWAY_SLOT_CHUNK)
@@ -116,11 +137,22 @@ class Gateway:
         record_worker_started(self.process.start())
         self._forget(state, slots)
 
-    def sync(self) -> str:
+    def sync(self, only: set[int] | None = None) -> str:
         """Bring HAProxy to the database's state; returns what it did: unchanged, runtime or reloaded. Marks
-        the placements it puts in rotation first, and confirms those it drained after."""
+        the placements it puts in rotation first, and confirms those it drained after.
+
+        ``only``: bring just these deployments in line (``with_deployments``), the rest as last applied - for
+        a deployment whose request is held while it wakes, its first server in rotation a few milliseconds
+        after its agent's report instead of after a sync of every deployment (at 300 deployments 75 ms idle,
+        several times that on busy cores, and the syncs rest between them). The next full sync follows
+        as before, and reconciles."""
         tracked = Tracked()
-        state = desired_state(tracked)
+        if only is None:
+            state = desired_state(tracked)
+        elif self.applied is None or not self.process.running():
+            return "unchanged"  # a start reads everything: the full sync does it
+        else:
+            state = with_deployments(self.applied, desired_state(tracked, only=only), only)
         if tracked.to_mark:
             marked = draining.placements_routed(set(tracked.to_mark))
             for pk, servers in tracked.to_mark.items():
@@ -131,7 +163,8 @@ class Gateway:
         self._remember_vacated(before)
         self._note_rotation()
         self.report_routes()
-        self.report_reachability()
+        if only is None:
+            self.report_reachability()
         # After a reload an old worker may still hold requests this one cannot see: no confirmation until it
         # has finished them and exited (or GATEWAY_DRAIN_TIMEOUT_S hands the replicas to their agents).
         if tracked.to_confirm and outcome != "reloaded" and not self.process.retiring_workers():
@@ -150,6 +183,8 @@ class Gateway:
         for pk in serving - self._in_rotation:
             self.routed_at[pk] = now_ms
         self._in_rotation = serving
+        with self._held_lock:
+            self.held = {pk: at for pk, at in self.held.items() if pk not in serving}
         self.routed_at = {pk: at for pk, at in self.routed_at.items() if pk in serving}
 
     def report_routes(self) -> None:
@@ -200,7 +235,7 @@ class Gateway:
         busy: dict[tuple[str, str], int] = {}
         by_backend: dict[str, list[tuple[str, str]]] = {}
         for logical, key in servers:
-            if logical in self.slots.owners.values():
+            if self.slots.holds(logical):
                 slot = self.slots.slot_of(logical)
                 backends = [slot, grpc_frontend.twin(slot)]
             elif logical in self.vacated:
@@ -293,12 +328,30 @@ class Gateway:
             self.unreachable = None
 
 
-def _drain_datagrams(sock: socket.socket) -> None:
+def _sync(gateway: Gateway, only: set[int] | None = None) -> None:
     try:
-        while True:  # several pokes at once are one sync
-            sock.recv(64)
+        outcome = gateway.sync(only)
+        if outcome not in ("unchanged", "runtime"):
+            log.info("gateway %s", outcome)
+    except (GatewayError, OSError) as exc:
+        log.error("gateway sync failed: %s", exc)
+    except Exception:
+        log.exception("gateway sync failed")
+    finally:
+        close_old_connections()
+
+
+def _drain_datagrams(sock: socket.socket) -> set[int]:
+    """Every poke waiting (several at once are one sync); returns the deployments they name (``d<id>``)."""
+    named = set()
+    try:
+        while True:
+            text = sock.recv(64)
+            if POKE_NAMING.fullmatch(text):
+                named.add(int(text[1:]))
     except (BlockingIOError, InterruptedError):
         pass
+    return named
 
 
 def _accept_all(listener: socket.socket) -> None:
@@ -328,7 +381,9 @@ def _wake_loop(gateway: Gateway, listener: socket.socket, *stops: threading.Even
                 if any(s.is_set() for s in stops):
                     break
                 try:
-                    poll_wakeups(gateway.process.admin, gateway.o, gateway.routed_at, pool=pool)
+                    poll_wakeups(
+                        gateway.process.admin, gateway.o, gateway.routed_at, pool=pool, held=gateway.note_held
+                    )
                 except Exception:
                     log.exception("reading the gateway's wake-ups failed")
                 finally:
@@ -366,34 +421,27 @@ def run_gateway(stop, interval: float | None = None) -> None:
             )
             waker.start()
             log.info("gateway listening on %s (gRPC %s)", settings.GATEWAY_BIND, settings.GATEWAY_GRPC_BIND)
-            next_sync, rested_at = time.monotonic() + interval, 0.0
+            next_sync, rested_at, asked = time.monotonic() + interval, 0.0, False
             while not stop.is_set():
-                poked = bool(selector.select(timeout=max(0.0, next_sync - time.monotonic())))
-                if poked:
-                    _drain_datagrams(poke)
-                if stop.is_set():
-                    break
-                if not poked and time.monotonic() < next_sync:
-                    continue
                 # At most half of a core: after a sync that took T, the next one starts T later at the
                 # earliest, and the pokes meanwhile are folded into it (under a stream of cold starts, pokes
-                # came faster than syncs and the loop synced back to back, a core that loads needed).
-                if stop.wait(max(0.0, rested_at - time.monotonic())):
+                # came faster than syncs and the loop synced back to back, a core that loads needed). A poke
+                # naming a deployment with a request held does not wait: that deployment syncs on its own.
+                due = max(rested_at, time.monotonic() if asked else next_sync)
+                if selector.select(timeout=max(0.0, due - time.monotonic())):
+                    held, asked = gateway.held_among(_drain_datagrams(poke)), True
+                    if held and not stop.is_set():
+                        _sync(gateway, held)
+                    continue
+                if stop.is_set():
                     break
-                _drain_datagrams(poke)
-                next_sync = time.monotonic() + interval
+                if time.monotonic() < due:
+                    continue
+                _drain_datagrams(poke)  # folded into this sync
+                next_sync, asked = time.monotonic() + interval, False
                 began = time.monotonic()
-                try:
-                    outcome = gateway.sync()
-                    if outcome not in ("unchanged", "runtime"):
-                        log.info("gateway %s", outcome)
-                except (GatewayError, OSError) as exc:
-                    log.error("gateway sync failed: %s", exc)
-                except Exception:
-                    log.exception("gateway sync failed")
-                finally:
-                    close_old_connections()
-                    rested_at = 2 * time.monotonic() - began
+                _sync(gateway)
+                rested_at = 2 * time.monotonic() - began
         finally:
             ending.set()
             if waker is not None:

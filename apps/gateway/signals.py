@@ -22,9 +22,15 @@ from apps.teams.models import ApiToken, Team
 UNROUTED_FIELDS = frozenset({"scaling_memory", "updated_at", "last_cold_start_ms", "last_cold_start"})
 
 
+@receiver(post_save, sender=DeploymentEvent, dispatch_uid="gateway-deployment-event")
+def _poke_for_deployment(instance: DeploymentEvent, **kwargs) -> None:
+    """A deployment's event names it: a deployment whose request is held syncs on its own at once."""
+    deployment_id = instance.deployment_id
+    transaction.on_commit(lambda: poke_gateway(deployment_id))
+
+
 @receiver(post_save, sender=AuditEvent, dispatch_uid="gateway-audit")
 @receiver(post_save, sender=Deployment, dispatch_uid="gateway-deployment")
-@receiver(post_save, sender=DeploymentEvent, dispatch_uid="gateway-deployment-event")
 @receiver(post_save, sender=Rollout, dispatch_uid="gateway-rollout")  # a weight step is a map change
 @receiver(post_save, sender=ApiToken, dispatch_uid="gateway-token")
 @receiver(post_save, sender=Team, dispatch_uid="gateway-team")

@@ -165,9 +165,10 @@ def _canary_servers(
     return in_rotation
 
 
-def _add_http_routes(state: GatewayState, tracked: Tracked) -> None:
+def _add_http_routes(state: GatewayState, tracked: Tracked, only: set[int] | None = None) -> None:
+    live = Deployment.objects.exclude(state__in=(DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED))
     deployments = (
-        Deployment.objects.exclude(state__in=(DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED))
+        (live if only is None else live.filter(pk__in=only))
         # model__team: the Triton model name is made of the model's team's slug (one query, not one a deployment).
         .select_related("team", "model__team", "active_version", "target_version")
         .only(*DEPLOYMENT_FIELDS)
@@ -381,11 +382,16 @@ def _add_tokens(state: GatewayState) -> None:
         state.tokens[f"{prefix}:{secret_hash}"] = f"{team}:{expires}:{own_class or team_class}"
 
 
-def desired_state(tracked: Tracked | None = None) -> GatewayState:
-    """``tracked``: filled with the placements to mark routed and to confirm drained."""
+def desired_state(tracked: Tracked | None = None, only: set[int] | None = None) -> GatewayState:
+    """``tracked``: filled with the placements to mark routed and to confirm drained. ``only``: just these
+    deployments' routes, backends and map entries (``with_deployments`` puts them into a whole state)."""
     state = GatewayState()
     tracked = tracked if tracked is not None else Tracked()
-    _add_http_routes(state, tracked)
+    _add_http_routes(state, tracked, only)
+    for models in state.index.values():
+        models.sort()  # one order, however the state was put together
+    if only is not None:
+        return state
     _track_undeploying(tracked)
     _add_grpc_routes(state)
     _add_tokens(state)
@@ -393,3 +399,39 @@ def desired_state(tracked: Tracked | None = None) -> GatewayState:
         slug: str(rps) for slug, rps in Team.objects.values_list("slug", "quota_requests_per_second")
     }
     return state
+
+
+def with_deployments(applied: GatewayState, part: GatewayState, ids: set[int]) -> GatewayState:
+    """``applied`` (the whole state a sync applied last) with the deployments ``ids`` as ``part`` has them
+    (``desired_state(only=ids)``: one read of a few rows), everything else as it was: what a full sync would
+    give for them, without reading the other deployments, the instances and the tokens again."""
+    ours = {backend_name(pk) for pk in ids}
+
+    def mine(logical: str) -> bool:
+        return logical.removesuffix("c") in ours
+
+    models = {model for model, route in applied.routes.items() if mine(route.backend)} | set(part.routes)
+    index: dict[str, list[str]] = {}
+    for team, entries in applied.index.items():
+        kept = [entry for entry in entries if entry.rsplit("/", 2)[0] not in models]
+        index[team] = sorted(kept + part.index.get(team, []))
+    index.update({team: entries for team, entries in part.index.items() if team not in index})
+    return replace(
+        applied,
+        backends={**{k: v for k, v in applied.backends.items() if not mine(k)}, **part.backends},
+        weights={**{k: w for k, w in applied.weights.items() if not mine(k[0])}, **part.weights},
+        routes={**{m: r for m, r in applied.routes.items() if m not in models}, **part.routes},
+        checks={**{k: c for k, c in applied.checks.items() if not mine(k)}, **part.checks},
+        awaiting_placement={k for k in applied.awaiting_placement if not mine(k[0])}
+        | part.awaiting_placement,
+        sleepy={**{m: k for m, k in applied.sleepy.items() if m not in models}, **part.sleepy},
+        index={team: entries for team, entries in index.items() if entries},
+        wake_failures={
+            **{k: w for k, w in applied.wake_failures.items() if not mine(k)},
+            **part.wake_failures,
+        },
+        priority_levels={
+            **{k: n for k, n in applied.priority_levels.items() if k.rsplit("/", 1)[0] not in models},
+            **part.priority_levels,
+        },
+    )

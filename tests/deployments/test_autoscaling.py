@@ -266,7 +266,7 @@ def test_the_autoscalers_figures_alone_do_not_poke_the_gateway(
     """The autoscaler saves each deployment's figures every tick; only a change of what is routed makes the
     gateway sync at once."""
     pokes = []
-    monkeypatch.setattr(signals, "poke_gateway", lambda: pokes.append(1))
+    monkeypatch.setattr(signals, "poke_gateway", lambda *named: pokes.append(1))
     with django_capture_on_commit_callbacks(execute=True):
         scheduled.scaling_memory = {"last_total": 3}
         scheduled.save(update_fields=["scaling_memory"])

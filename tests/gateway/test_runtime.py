@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import http.server
+import socket
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from apps.deployments import services
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet.models import InstanceState, TritonInstance
 from apps.gateway.haproxy import Slots
-from apps.gateway.services import Gateway
+from apps.gateway.services import Gateway, _drain_datagrams
 from backend_ge.runtime import API_KEY_HEADER, free_port
 from tests.conftest import wait_for
 from tests.support.models import add_instance, serving_rows
@@ -272,6 +273,59 @@ def test_a_replica_that_finished_loading_enters_the_rotation_at_once_and_the_gat
         assert Deployment.objects.get(pk=deployment.pk).waiting_for() == ""
     finally:
         readiness.close()
+
+
+def test_a_deployment_with_a_request_held_syncs_alone_and_the_full_sync_follows(
+    gateway, team, owner, shared_host
+):
+    """The wake thread read a held request for a deployment; its replica loaded. ``sync(only)`` puts that
+    replica in rotation (marked routed first, no health check to rise) and leaves every other deployment as
+    last applied; the next full sync applies the rest."""
+    readiness = ModelReadiness()
+    try:
+        instance = add_instance(shared_host, "cpu-0", port=readiness.port)
+        waking = serving_rows(team, owner, "waking", instance)
+        Deployment.objects.filter(pk=waking.pk).update(min_replicas=0, replicas=1, pinned=False)
+        waking.placements.update(served_version=None, state=PlacementState.LOADING)
+        other = serving_rows(team, owner, "other", instance)
+        gateway.start()
+        slots = {owner_: slot for slot, owner_ in owners(gateway).items()}
+        key = instance.api_key
+        assert status(gateway, slots[f"d{waking.pk}"], key) == "MAINT"
+        assert gateway.held_among({waking.pk, other.pk}) == set()
+        gateway.note_held({waking.pk})
+        assert gateway.held_among({waking.pk, other.pk}) == {waking.pk}
+
+        waking.placements.update(served_version=waking.active_version, state=PlacementState.READY)
+        other.placements.update(unload=True)  # not routed yet: out of rotation at the next full sync
+        assert gateway.sync(only={waking.pk}) == "runtime"
+        assert status(gateway, slots[f"d{waking.pk}"], key).startswith("UP")
+        assert waking.placements.get().routed  # marked before it entered the rotation
+        assert waking.pk in gateway.routed_at and gateway.held_among({waking.pk}) == set()
+        assert status(gateway, slots[f"d{other.pk}"], key) != "MAINT"  # not read: as last applied
+
+        assert gateway.sync() == "runtime"
+        assert status(gateway, slots[f"d{other.pk}"], key) == "MAINT"
+        assert status(gateway, slots[f"d{waking.pk}"], key).startswith("UP")
+        assert gateway.reloads == 0
+    finally:
+        readiness.close()
+
+
+def test_pokes_name_only_deployments_in_the_form_the_platform_sends(tmp_path):
+    """What reaches the poke socket is read as ``d<digits>`` or nothing: any other datagram only asks for a
+    full sync."""
+    path = str(tmp_path / "poke.sock")
+    with (
+        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock,
+        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender,
+    ):
+        sock.bind(path)
+        sock.setblocking(False)
+        for text in (b"d12", b"sync", b"d", b"dx1", b"d12 13", b"d-4", b"d" + b"9" * 40, b"d7\n", b"d30"):
+            sender.sendto(text, path)
+        assert _drain_datagrams(sock) == {12, 30}
+        assert _drain_datagrams(sock) == set()
 
 
 class HeldInstance(FakeInstance):

@@ -8,7 +8,7 @@ from django.test.utils import CaptureQueriesContext
 
 from apps.deployments.models import Deployment, PlacementState, Rollout
 from apps.fleet import services as fleet_services
-from apps.gateway.state import backend_name, desired_state
+from apps.gateway.state import Tracked, backend_name, desired_state, with_deployments
 from tests.support.models import add_instance, make_version, serving_rows
 
 pytestmark = pytest.mark.django_db
@@ -129,3 +129,66 @@ def test_the_models_index_lists_each_teams_callable_models_ready_or_asleep(
         "vision.1": "vision__ready/1/READY",
     }
     assert other_team.slug not in state.index
+
+
+def test_a_sync_of_some_deployments_gives_them_what_a_full_sync_gives_and_leaves_the_others(
+    team, owner, other_team, outsider, shared_host
+):
+    """A request held for a waking deployment: the gateway syncs that deployment alone when its replica
+    loaded (``with_deployments``). For the deployments named, the result is the full sync's - routes,
+    servers and weights, checks, the sleepy and wake-failure maps, priority levels, each team's index - and
+    nothing of the others changes, even where the database did."""
+    instance = add_instance(shared_host, "cpu-0", port=18100)
+    other = add_instance(shared_host, "cpu-1", port=18200)
+    plain = serving_rows(team, owner, "plain", instance)
+    waking = serving_rows(team, owner, "waking", instance)
+    Deployment.objects.filter(pk=waking.pk).update(min_replicas=0, replicas=1, pinned=False)
+    waking.placements.update(state=PlacementState.LOADING, served_version=None)
+    failing = serving_rows(team, owner, "failing", instance)
+    Deployment.objects.filter(pk=failing.pk).update(min_replicas=0, replicas=1, pinned=False)
+    failing.placements.update(state=PlacementState.LOADING, served_version=None)
+    rolled = serving_rows(other_team, outsider, "rolled", instance)
+    canary = make_version(rolled.model, 2)
+    canary.config_text = 'name: "x"\ndynamic_batching { priority_levels: 2 }\n'
+    canary.save(update_fields=["config_text"])
+    Rollout.objects.create(deployment=rolled, stable_version=rolled.active_version, canary_version=canary,
+                           current_weight=10)  # fmt: skip
+    applied = desired_state()
+    assert applied.index == {"vision": ["vision__failing/1/ASLEEP", "vision__plain/1/READY",
+                                        "vision__waking/1/ASLEEP"], "speech": ["speech__rolled/1/READY"]}  # fmt: skip
+
+    # The waking replica loaded; the failing one failed; the rollout's canary loaded on a second replica.
+    waking.placements.update(state=PlacementState.READY, served_version=waking.active_version)
+    failing.placements.update(state=PlacementState.FAILED, last_error="load failed: no memory")
+    rolled.placements.create(instance=other, state="READY", served_version=rolled.active_version,
+                             canary_version=canary)  # fmt: skip
+    # ... and a change of a deployment not named: the plain one's replica is told to unload.
+    plain.placements.update(unload=True, routed=True)
+    named = {waking.pk, failing.pk, rolled.pk}
+    tracked = Tracked()
+    merged = with_deployments(applied, desired_state(tracked, only=named), named)
+    full = desired_state()
+
+    assert merged != full  # the plain deployment's change waits for the full sync ...
+    assert merged.weights[(backend_name(plain.pk), instance.api_key)] == 100
+    assert full.weights[(backend_name(plain.pk), instance.api_key)] == 0
+    assert set(tracked.to_confirm) == set()  # ... and its drain too: it is not read here
+    assert with_deployments(merged, desired_state(only={plain.pk}), {plain.pk}) == full  # named too: the same
+    assert merged.weights[(backend_name(waking.pk), instance.api_key)] == 100
+    assert merged.wake_failures[backend_name(failing.pk)].startswith("load%20failed")
+    assert merged.backends[f"d{rolled.pk}c"] and merged.priority_levels == {"speech__rolled/2": "2"}
+    assert merged.index == {"vision": ["vision__failing/1/ASLEEP", "vision__plain/1/READY",
+                                       "vision__waking/1/READY"], "speech": ["speech__rolled/1,2/READY"]}  # fmt: skip
+    assert sorted(tracked.to_mark) == sorted(
+        p.pk for p in (*waking.placements.all(), *rolled.placements.all()) if not p.routed
+    )
+
+    # Undeployed meanwhile: its route, servers and map entries go, as in a full sync.
+    Deployment.objects.filter(pk__in=(rolled.pk, waking.pk)).update(state="UNDEPLOYING")
+    gone = with_deployments(full, desired_state(only={rolled.pk, waking.pk}), {rolled.pk, waking.pk})
+    assert gone == desired_state()
+    assert "speech" not in gone.index and not any(k.startswith(f"d{rolled.pk}") for k in gone.backends)
+    assert (
+        backend_name(waking.pk) not in gone.sleepy.values()
+        and backend_name(failing.pk) in gone.sleepy.values()
+    )

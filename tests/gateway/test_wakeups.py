@@ -61,9 +61,11 @@ def test_wake_ups_read_together_are_placed_and_reach_their_host_as_one_change(as
     held_at = int(timezone.now().timestamp() * 1000) - 50
     admin = FakeAdmin({"wakeups": {f"d{d.pk}": held_at for d in deployments}})
 
-    assert poll_wakeups(admin, options()) == 3
+    held = set()
+    assert poll_wakeups(admin, options(), held=held.update) == 3
 
     assert admin.maps["wakeups"] == {}  # read once: removed
+    assert held == {d.pk for d in deployments}  # the gateway syncs each alone once its replica loaded
     for d in deployments:
         d.refresh_from_db()
         assert d.replicas == 1 and d.asleep_since is None
