@@ -50,24 +50,26 @@ WAKE_WORKERS = 4
 # Servers kept in maintenance after they left (``apps.gateway.runtime``: never deleted): past this many, a
 # reload (a new worker) forgets them. Slots times instances bounds them; this only caps a very large fleet.
 MAX_PARKED_SERVERS = 5000
-# A poke naming the deployment whose change it announces.
-POKE_NAMING = re.compile(rb"d[0-9]{1,18}")
+# A poke naming the deployment whose change it announces (``!``: to be synced on its own at once).
+POKE_NAMING = re.compile(rb"d([0-9]{1,18})(!?)")
 
 
 def poke_socket_path() -> Path:
     return Path(settings.GATEWAY_DIR) / "poke.sock"
 
 
-def poke_gateway(deployment_id: int | None = None) -> None:
+def poke_gateway(deployment_id: int | None = None, urgent: bool = False) -> None:
     """Ask a running gateway to sync now (best effort: without one, nothing happens). ``deployment_id``: the
-    change is this deployment's - if a request is held for it, the gateway syncs it on its own first."""
+    change is this deployment's - if a request is held for it, or the change is ``urgent`` (a replica told to
+    unload: its room frees once it drained), the gateway syncs it on its own first."""
     path = poke_socket_path()
     if not path.exists():
         return
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
             sock.setblocking(False)
-            sock.sendto(b"sync" if deployment_id is None else b"d%d" % deployment_id, str(path))
+            text = b"sync" if deployment_id is None else b"d%d%s" % (deployment_id, b"!" if urgent else b"")
+            sock.sendto(text, str(path))
     except OSError:
         pass  # no gateway listening, or it is already busy with a sync: it syncs again shortly anyway
 
@@ -110,6 +112,7 @@ class Gateway:
         # Deployment id -> when (monotonic) the wake thread last read a held request's signal for it, until a
         # server of it is in rotation: the deployments a poke naming them syncs on their own (``sync(only)``).
         self.held: dict[int, float] = {}
+        self.files_behind = False  # a sync of a few deployments left the files to the next full sync
         self._held_lock = threading.Lock()
 
     def note_held(self, ids: set[int]) -> None:
@@ -130,6 +133,7 @@ class Gateway:
 
     def start(self) -> None:
         state = desired_state()
+        self.files_behind = False
         # The slots a previous run used (written beside the config): a restart keeps every deployment's slot.
         previous = Slots.read(self.o.map_file("slots"), settings.GATEWAY_SLOT_CHUNK)
         slots = self._assign(state, previous, set())
@@ -159,7 +163,7 @@ class Gateway:
                 if pk not in marked:  # told to unload since it was read: it stays out of rotation
                     state.weights.update(dict.fromkeys(servers, 0))
         before = self.slots
-        outcome = self._apply(state)
+        outcome = self._apply(state, write=only is None)
         self._remember_vacated(before)
         self._note_rotation()
         self.report_routes()
@@ -254,16 +258,23 @@ class Gateway:
                 busy[(logical, key)] = busy.get((logical, key), 0) + current.get(key, 0)
         return busy
 
-    def _apply(self, state: GatewayState) -> str:
+    def _apply(self, state: GatewayState, write: bool = True) -> str:
+        """``write=False`` (a sync of a few deployments): the files - what a restart or a reload reads - are
+        left to the next full sync unless this one reloads (rendering them is most of such a sync's time)."""
         if self.applied is None or not self.process.running():
             self.start()
             return "started"
         if state == self.applied and not self.draining:
+            if write and self.files_behind:
+                write_files(state, self.slots, self.o)
+                self.files_behind = False
             return "unchanged"
         # A slot freed now, or with servers still draining, is not given to anyone in this sync.
         freed = {slot for slot, owner in self.slots.owners.items() if owner not in state.backends}
         slots = self._assign(state, self.slots, freed | self._draining_slots())
-        write_files(state, slots, self.o)
+        if write:
+            write_files(state, slots, self.o)
+        self.files_behind = not write
         if state.structure() != self.applied.structure() or slots.size != self.slots.size:
             return self._reload(state, slots)
         plan = runtime_plan(self.applied, self.slots, state, slots, self.o, self.draining, self.parked)
@@ -272,7 +283,7 @@ class Gateway:
         errors = self._run(plan, state.servers(slots))
         self.applied, self.slots = state, slots
         if errors:
-            # The files already hold the new state: a reload applies it whatever the socket refused.
+            # The files hold the new state: a reload applies it whatever the socket refused.
             log.warning("runtime changes refused (%s); reloading", "; ".join(errors[:3]))
             return self._reload(state, slots)
         if len(self.parked) > MAX_PARKED_SERVERS:
@@ -281,6 +292,9 @@ class Gateway:
         return "runtime"
 
     def _reload(self, state: GatewayState, slots: Slots) -> str:
+        if self.files_behind:  # a new worker reads the files: they must hold this state
+            write_files(state, slots, self.o)
+            self.files_behind = False
         record_worker_started(self.process.reload())
         self.reloads += 1
         self._forget(state, slots)
@@ -341,17 +355,20 @@ def _sync(gateway: Gateway, only: set[int] | None = None) -> None:
         close_old_connections()
 
 
-def _drain_datagrams(sock: socket.socket) -> set[int]:
-    """Every poke waiting (several at once are one sync); returns the deployments they name (``d<id>``)."""
-    named = set()
+def _drain_datagrams(sock: socket.socket) -> tuple[set[int], set[int]]:
+    """Every poke waiting (several at once are one sync); returns the deployments they name (``d<id>``) and
+    those of them to sync at once (``d<id>!``)."""
+    named, urgent = set(), set()
     try:
         while True:
-            text = sock.recv(64)
-            if POKE_NAMING.fullmatch(text):
-                named.add(int(text[1:]))
+            match = POKE_NAMING.fullmatch(sock.recv(64))
+            if match:
+                named.add(int(match[1]))
+                if match[2]:
+                    urgent.add(int(match[1]))
     except (BlockingIOError, InterruptedError):
         pass
-    return named
+    return named, urgent
 
 
 def _accept_all(listener: socket.socket) -> None:
@@ -429,9 +446,11 @@ def run_gateway(stop, interval: float | None = None) -> None:
                 # naming a deployment with a request held does not wait: that deployment syncs on its own.
                 due = max(rested_at, time.monotonic() if asked else next_sync)
                 if selector.select(timeout=max(0.0, due - time.monotonic())):
-                    held, asked = gateway.held_among(_drain_datagrams(poke)), True
-                    if held and not stop.is_set():
-                        _sync(gateway, held)
+                    named, urgent = _drain_datagrams(poke)
+                    alone = gateway.held_among(named) | urgent
+                    asked = True
+                    if alone and not stop.is_set():
+                        _sync(gateway, alone)
                     continue
                 if stop.is_set():
                     break

@@ -20,13 +20,16 @@ from apps.teams.models import ApiToken, Team
 # A deployment's fields the gateway does not route by: the autoscaler saves its figures every few seconds for
 # each deployment, which is no reason for a sync.
 UNROUTED_FIELDS = frozenset({"scaling_memory", "updated_at", "last_cold_start_ms", "last_cold_start"})
+# Events after which the deployment syncs on its own before the next full sync: a replica told to unload.
+SYNC_AT_ONCE = frozenset({"replica_removed"})
 
 
 @receiver(post_save, sender=DeploymentEvent, dispatch_uid="gateway-deployment-event")
 def _poke_for_deployment(instance: DeploymentEvent, **kwargs) -> None:
-    """A deployment's event names it: a deployment whose request is held syncs on its own at once."""
-    deployment_id = instance.deployment_id
-    transaction.on_commit(lambda: poke_gateway(deployment_id))
+    """A deployment's event names it: a deployment whose request is held syncs on its own at once, and so
+    does one whose replica was told to unload (it drains at once: its room frees sooner for a wake-up)."""
+    deployment_id, urgent = instance.deployment_id, instance.kind in SYNC_AT_ONCE
+    transaction.on_commit(lambda: poke_gateway(deployment_id, urgent))
 
 
 @receiver(post_save, sender=AuditEvent, dispatch_uid="gateway-audit")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from apps.deployments import services
+from apps.deployments import draining, services
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet.models import InstanceState, TritonInstance
 from apps.gateway.haproxy import Slots
@@ -312,6 +312,40 @@ def test_a_deployment_with_a_request_held_syncs_alone_and_the_full_sync_follows(
         readiness.close()
 
 
+def test_a_replica_told_to_unload_is_confirmed_drained_by_a_sync_of_its_deployment_alone(
+    gateway, team, owner, shared_host
+):
+    """Evicted for a wake-up: its deployment's own sync takes it out of rotation and, with no request in
+    flight, confirms the drain - its agent unloads it without waiting for a sync of every deployment. The
+    files are left to the next full sync, which writes them even when nothing else changed."""
+    readiness = ModelReadiness()
+    readiness.loaded = True
+    try:
+        instance = add_instance(shared_host, "cpu-0", port=readiness.port)
+        evicted = serving_rows(team, owner, "evicted", instance)
+        gateway.start()
+        assert gateway.sync() == "unchanged"
+        placement = evicted.placements.get()
+        assert placement.routed
+        draining.tell_to_unload([placement.pk])
+        placement.refresh_from_db()
+        assert placement.draining_since is not None and placement.generation == 1  # not the agent's yet
+        config = (Path(gateway.o.directory) / "haproxy.cfg").read_text()
+
+        assert gateway.sync(only={evicted.pk}) == "runtime"
+        (slot,) = owners(gateway)
+        assert status(gateway, slot, instance.api_key) == "MAINT"
+        placement.refresh_from_db()
+        assert placement.generation == 2 and not placement.routed  # its agent unloads it now
+        assert evicted.events.filter(kind="drained").count() == 1
+        assert (Path(gateway.o.directory) / "haproxy.cfg").read_text() == config and gateway.files_behind
+
+        assert gateway.sync() == "unchanged"
+        assert (Path(gateway.o.directory) / "haproxy.cfg").read_text() != config and not gateway.files_behind
+    finally:
+        readiness.close()
+
+
 def test_pokes_name_only_deployments_in_the_form_the_platform_sends(tmp_path):
     """What reaches the poke socket is read as ``d<digits>`` or nothing: any other datagram only asks for a
     full sync."""
@@ -322,10 +356,14 @@ def test_pokes_name_only_deployments_in_the_form_the_platform_sends(tmp_path):
     ):
         sock.bind(path)
         sock.setblocking(False)
+        # (Fewer than 10 at a time: Linux queues 10 datagrams on a socket by default, then the sender waits.)
         for text in (b"d12", b"sync", b"d", b"dx1", b"d12 13", b"d-4", b"d" + b"9" * 40, b"d7\n", b"d30"):
             sender.sendto(text, path)
-        assert _drain_datagrams(sock) == {12, 30}
-        assert _drain_datagrams(sock) == set()
+        assert _drain_datagrams(sock) == ({12, 30}, set())
+        for text in (b"d5!", b"d6!!", b"d!", b"d8?", b"d9"):
+            sender.sendto(text, path)
+        assert _drain_datagrams(sock) == ({5, 9}, {5})
+        assert _drain_datagrams(sock) == (set(), set())
 
 
 class HeldInstance(FakeInstance):
