@@ -176,6 +176,51 @@ class Memory:
         self._thread.join(5)
 
 
+# Where the machine's CPU goes during the stream: each process by what its command line names (a python
+# stub's time is counted once its tritonserver reaped it, in that server's children's time).
+CPU_PARTS = (
+    (b"tritonserver", "tritonservers and their python stubs"),
+    (b"triton_python_backend_stub", "tritonservers and their python stubs"),
+    (b"hostagent", "host agents"),
+    (b"gunicorn", "web (agent API)"),
+    (b"haproxy", "HAProxy"),  # before the gateway command: its configuration's path names the gateway
+    (b"manage.py\x00gateway", "gateway command"),
+    (b"postgres", "PostgreSQL"),
+)
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far (user + system, own and reaped children's) per part, ``benchmark`` for this
+    process (the beat, the clients, the samplers), and ``machine`` (all of it, from /proc/stat)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = dict.fromkeys([label for _, label in CPU_PARTS] + ["benchmark"], 0.0)
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        used = sum(int(v) for v in fields[11:15]) / tick  # utime, stime, cutime, cstime
+        if int(proc.name) == os.getpid():
+            out["benchmark"] += used
+            continue
+        part = next((label for marker, label in CPU_PARTS if marker in cmdline), None)
+        if part is not None:
+            out[part] += used
+    with open("/proc/stat") as stat:
+        fields = stat.readline().split()[1:]
+    out["machine"] = (
+        sum(int(v) for v in fields) - int(fields[3]) - int(fields[4])
+    ) / tick  # not idle, iowait
+    return out
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {part: round(max(0.0, after[part] - before.get(part, 0.0)), 1) for part in after}
+
+
 def stream(port: int, token: str, slugs: list[str], team: str, args, memory: Memory) -> dict:
     """The Zipf stream: ``args.requests`` requests at ``args.rate`` per second from ``args.concurrency``
     clients, each request with a client timeout past the gateway's activation timeout."""
@@ -597,7 +642,9 @@ def main() -> int:
 
         wait(answered_once, 120, "the gateway to route (and wake) the first model")
         memory.peak_mib = idle_mib
+        cpu_before = cpu_seconds()
         run = stream(gateway_port, token, slugs, "density", args, memory)
+        cpu = cpu_used(cpu_before, cpu_seconds())
         cold_events = list(DeploymentEvent.objects.filter(kind="cold_start", deployment__team=team))
         colds = [e.details.get("held_ms", 0) for e in cold_events]
         breakdowns = [e.details.get("hops") or {} for e in cold_events]
@@ -673,6 +720,11 @@ def main() -> int:
           f"p50 {s2z['cold_start_p50_ms']} ms  p99 {s2z['cold_start_p99_ms']} ms; "
           f"Triton's own load time {direct_load_ms:.0f} ms")  # fmt: skip
     hops = print_hops(breakdowns, "  ")
+    print(f"CPU during the stream ({cpu['machine']} CPU-s of {os.cpu_count() * s2z['seconds']:.0f} the machine had; "
+          f"per activation):")  # fmt: skip
+    for part, used in sorted(cpu.items(), key=lambda item: -item[1]):
+        if part != "machine":
+            print(f"  {part:<44} {used:>7} s  {used / max(1, s2z['activations']):.3f} s")
     print("eviction (from the events):")
     for hop, label in EVICTION_HOPS:
         if hop in evictions:
@@ -703,6 +755,7 @@ def main() -> int:
         "budget_mib": budget_mib,
         "hops": hops,
         "eviction_hops": evictions,
+        "cpu_s": cpu,
         **({"pinned": figures["pinned"]} if "pinned" in figures else {}),
     }
     if args.json:
