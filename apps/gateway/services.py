@@ -443,7 +443,8 @@ def run_gateway(stop, interval: float | None = None) -> None:
                 # At most half of a core: after a sync that took T, the next one starts T later at the
                 # earliest, and the pokes meanwhile are folded into it (under a stream of cold starts, pokes
                 # came faster than syncs and the loop synced back to back, a core that loads needed). A poke
-                # naming a deployment with a request held does not wait: that deployment syncs on its own.
+                # naming a deployment with a request held, or one whose replica was told to unload (``d<id>!``),
+                # does not wait: that deployment syncs on its own at once, before the full sync.
                 due = max(rested_at, time.monotonic() if asked else next_sync)
                 if selector.select(timeout=max(0.0, due - time.monotonic())):
                     named, urgent = _drain_datagrams(poke)
