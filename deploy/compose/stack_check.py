@@ -566,7 +566,7 @@ def error_lines(stack: Stack) -> list[str]:
     found = []
     for name, text in stack.logs.items():
         for line in text.splitlines():
-            if any(mark in line for mark in ERROR_MARKS):
+            if any(mark in line for mark in ERROR_MARKS) and not images.expected_refusal(line):
                 found.append(f"{name}: {line[:300]}")
     return found
 

@@ -89,3 +89,17 @@ def test_the_stack_check_override_changes_only_what_this_machine_needs():
     assert web["DATABASE_URL"] == "postgres://platform:pw@127.0.0.1:41000/platform"
     assert web["WEB_BIND"] == "127.0.0.1:41002" and web["SECRET_KEY"] == "k" * 50
     assert "$$WEB_BIND" in checked["web"]["command"][-1]
+
+
+def test_the_stack_checks_pass_over_only_postgresqls_refusals_while_it_starts_or_stops():
+    """A log line at ERROR fails the stack checks; PostgreSQL's FATAL for a connection it refuses while it
+    starts (its readiness probe's, by design) is the one exception, and no other FATAL passes with it."""
+    spec = importlib.util.spec_from_file_location("deploy_images", ROOT / "deploy" / "images.py")
+    images = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(images)
+    prefix = "2026-12-07 16:43:12.516 UTC [16] "
+    assert images.expected_refusal(prefix + "FATAL:  the database system is starting up")
+    assert images.expected_refusal(prefix + "FATAL:  the database system is shutting down")
+    assert not images.expected_refusal(prefix + 'FATAL:  password authentication failed for user "platform"')
+    assert not images.expected_refusal(prefix + 'FATAL:  database "platform" does not exist')
+    assert not images.expected_refusal("ERROR apps.gateway.services: gateway sync failed")
