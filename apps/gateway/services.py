@@ -5,7 +5,8 @@ applies the difference over the admin socket: map entries, servers added and del
 Deployments live in pre-declared backend slots, so deploy, switch, undeploy, placements, rollouts and instance
 deaths never reload; a graceful reload happens only when the slot pool is exhausted (it grows by
 ``GATEWAY_SLOT_CHUNK``), when a team's gRPC backend appears or goes, or when HAProxy refused a runtime change. Pokes (a datagram on ``poke.sock``) make the loop sync at once
-after a deploy, switch, undeploy or token change; otherwise it syncs every ``GATEWAY_SYNC_INTERVAL_MS``.
+after a deploy, switch, undeploy or token change - a poke naming one deployment syncs that deployment alone;
+otherwise it syncs everything every ``GATEWAY_SYNC_INTERVAL_MS``.
 
 Drain, then unload (``apps.deployments.draining``): a placement is marked routed before a sync first puts it
 in rotation (one the platform told to unload meanwhile stays out), and a routed placement told to unload is
@@ -328,6 +329,11 @@ class Gateway:
 
     def stop(self) -> None:
         self.process.stop()
+        if self.files_behind and self.applied is not None:
+            # Syncs of single deployments leave the files to the next full sync: a stop writes them, so
+            # HAProxy started from them alone (a restart without the database) routes what this one did.
+            write_files(self.applied, self.slots, self.o)
+            self.files_behind = False
         if self.reported is not None:
             try:
                 routing.forget_gateway(self.name)
@@ -355,10 +361,11 @@ def _sync(gateway: Gateway, only: set[int] | None = None) -> None:
         close_old_connections()
 
 
-def _drain_datagrams(sock: socket.socket) -> tuple[set[int], set[int]]:
-    """Every poke waiting (several at once are one sync); returns the deployments they name (``d<id>``) and
-    those of them to sync at once (``d<id>!``)."""
-    named, urgent = set(), set()
+def _drain_datagrams(sock: socket.socket) -> tuple[set[int], set[int], bool]:
+    """Every poke waiting (several at once are one sync); returns the deployments they name (``d<id>``),
+    those of them to sync at once (``d<id>!``), and whether one named none (``sync``, or anything else):
+    a change that is not one deployment's, for a full sync."""
+    named, urgent, full = set(), set(), False
     try:
         while True:
             match = POKE_NAMING.fullmatch(sock.recv(64))
@@ -366,9 +373,11 @@ def _drain_datagrams(sock: socket.socket) -> tuple[set[int], set[int]]:
                 named.add(int(match[1]))
                 if match[2]:
                     urgent.add(int(match[1]))
+            else:
+                full = True
     except (BlockingIOError, InterruptedError):
         pass
-    return named, urgent
+    return named, urgent, full
 
 
 def _accept_all(listener: socket.socket) -> None:
@@ -409,6 +418,47 @@ def _wake_loop(gateway: Gateway, listener: socket.socket, *stops: threading.Even
         connection.close()
 
 
+class SyncSchedule:
+    """When the gateway command's loop syncs, and what.
+
+    At most half of a core: after a sync that took T, the next one starts T later at the earliest, and the
+    pokes meanwhile are folded into it (under a stream of cold starts, pokes came faster than syncs and the
+    loop synced back to back, a core that loads needed). A poke naming a deployment with a request held, or
+    one whose replica was told to unload (``d<id>!``), does not wait: that deployment syncs on its own at
+    once. The other deployments named are synced together, alone too, at the next rested moment. The full
+    sync (every deployment, the instances, the tokens: 75 ms at 300 deployments idle, several times that on
+    busy cores) runs after a poke that names none, and every ``interval`` s to reconcile what no poke
+    announces (an instance's state)."""
+
+    def __init__(self, interval: float, now: float) -> None:
+        self.interval = interval
+        self.next_full = now + interval
+        self.rested_at = 0.0
+        self.full_asked = False
+        self.pending: set[int] = set()
+
+    def due(self) -> float:
+        return max(self.rested_at, 0.0 if self.full_asked or self.pending else self.next_full)
+
+    def poked(self, named: set[int], at_once: set[int], full: bool) -> set[int]:
+        """The deployments to sync alone now (``at_once``); the rest of ``named`` waits for the next rested
+        moment."""
+        self.pending |= named - at_once
+        self.full_asked = self.full_asked or full
+        return at_once
+
+    def take(self, now: float) -> set[int] | None:
+        """What to sync now that it is due: None for everything, else the deployments named since."""
+        if self.full_asked or now >= self.next_full:
+            self.next_full, self.full_asked, self.pending = now + self.interval, False, set()
+            return None
+        only, self.pending = self.pending, set()
+        return only
+
+    def synced(self, began: float, ended: float) -> None:
+        self.rested_at = 2 * ended - began
+
+
 def run_gateway(stop, interval: float | None = None) -> None:
     """The gateway command's loop: start HAProxy, then sync on every poke or interval until ``stop`` is set;
     the wake-ups of held requests are read on a thread of their own (``_wake_loop``)."""
@@ -438,30 +488,24 @@ def run_gateway(stop, interval: float | None = None) -> None:
             )
             waker.start()
             log.info("gateway listening on %s (gRPC %s)", settings.GATEWAY_BIND, settings.GATEWAY_GRPC_BIND)
-            next_sync, rested_at, asked = time.monotonic() + interval, 0.0, False
+            schedule = SyncSchedule(interval, time.monotonic())
             while not stop.is_set():
-                # At most half of a core: after a sync that took T, the next one starts T later at the
-                # earliest, and the pokes meanwhile are folded into it (under a stream of cold starts, pokes
-                # came faster than syncs and the loop synced back to back, a core that loads needed). A poke
-                # naming a deployment with a request held, or one whose replica was told to unload (``d<id>!``),
-                # does not wait: that deployment syncs on its own at once, before the full sync.
-                due = max(rested_at, time.monotonic() if asked else next_sync)
-                if selector.select(timeout=max(0.0, due - time.monotonic())):
-                    named, urgent = _drain_datagrams(poke)
-                    alone = gateway.held_among(named) | urgent
-                    asked = True
+                if selector.select(timeout=max(0.0, schedule.due() - time.monotonic())):
+                    named, urgent, full = _drain_datagrams(poke)
+                    alone = schedule.poked(named, gateway.held_among(named) | urgent, full)
                     if alone and not stop.is_set():
                         _sync(gateway, alone)
                     continue
                 if stop.is_set():
                     break
-                if time.monotonic() < due:
-                    continue
-                _drain_datagrams(poke)  # folded into this sync
-                next_sync, asked = time.monotonic() + interval, False
                 began = time.monotonic()
-                _sync(gateway)
-                rested_at = 2 * time.monotonic() - began
+                if began < schedule.due():
+                    continue
+                what = schedule.take(began)
+                if what is None:
+                    _drain_datagrams(poke)  # folded into this sync
+                _sync(gateway, what)
+                schedule.synced(began, time.monotonic())
         finally:
             ending.set()
             if waker is not None:

@@ -12,7 +12,7 @@ from django.db.models.signals import post_delete, post_save
 from django.dispatch import receiver
 
 from apps.audit.models import AuditEvent
-from apps.deployments.models import Deployment, DeploymentEvent, Rollout
+from apps.deployments.models import Deployment, DeploymentEvent, DeploymentState, Rollout
 from apps.fleet.models import TritonInstance
 from apps.gateway.services import poke_gateway
 from apps.teams.models import ApiToken, Team
@@ -22,6 +22,7 @@ from apps.teams.models import ApiToken, Team
 UNROUTED_FIELDS = frozenset({"scaling_memory", "updated_at", "last_cold_start_ms", "last_cold_start"})
 # Events after which the deployment syncs on its own before the next full sync: a replica told to unload.
 SYNC_AT_ONCE = frozenset({"replica_removed"})
+GONE = (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED)
 
 
 @receiver(post_save, sender=DeploymentEvent, dispatch_uid="gateway-deployment-event")
@@ -32,14 +33,25 @@ def _poke_for_deployment(instance: DeploymentEvent, **kwargs) -> None:
     transaction.on_commit(lambda: poke_gateway(deployment_id, urgent))
 
 
-@receiver(post_save, sender=AuditEvent, dispatch_uid="gateway-audit")
 @receiver(post_save, sender=Deployment, dispatch_uid="gateway-deployment")
+def _poke_for_saved_deployment(instance: Deployment, created=False, update_fields=None, **kwargs) -> None:
+    """A deployment's own change (woken, asleep, switched) names it: it syncs alone, not every deployment
+    with it (the autoscaler saves one at every wake-up and every sleep). A new one, or one undeploying, asks
+    for a full sync, which also follows its replicas' drain."""
+    if update_fields is not None and set(update_fields) <= UNROUTED_FIELDS:
+        return
+    if created or instance.state in GONE:
+        transaction.on_commit(poke_gateway)
+    else:
+        deployment_id = instance.pk
+        transaction.on_commit(lambda: poke_gateway(deployment_id))
+
+
+@receiver(post_save, sender=AuditEvent, dispatch_uid="gateway-audit")
 @receiver(post_save, sender=Rollout, dispatch_uid="gateway-rollout")  # a weight step is a map change
 @receiver(post_save, sender=ApiToken, dispatch_uid="gateway-token")
 @receiver(post_save, sender=Team, dispatch_uid="gateway-team")
 @receiver(post_delete, sender=Team, dispatch_uid="gateway-team-deleted")
 @receiver(post_delete, sender=TritonInstance, dispatch_uid="gateway-instance-deleted")
-def _poke_after_commit(sender=None, update_fields=None, **kwargs) -> None:
-    if sender is Deployment and update_fields is not None and set(update_fields) <= UNROUTED_FIELDS:
-        return
+def _poke_after_commit(**kwargs) -> None:
     transaction.on_commit(poke_gateway)

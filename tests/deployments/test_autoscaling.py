@@ -10,7 +10,7 @@ import pytest
 from django.utils import timezone
 
 from apps.deployments import autoscaling, services
-from apps.deployments.models import Deployment, PlacementState
+from apps.deployments.models import Deployment, DeploymentState, PlacementState
 from apps.fleet.models import Host, Pool
 from apps.gateway import signals
 from apps.gateway.autoscaling import parse_load, parse_map
@@ -264,9 +264,10 @@ def test_the_autoscalers_figures_alone_do_not_poke_the_gateway(
     scheduled, monkeypatch, django_capture_on_commit_callbacks
 ):
     """The autoscaler saves each deployment's figures every tick; only a change of what is routed makes the
-    gateway sync at once."""
+    gateway sync at once - that deployment alone (the autoscaler saves one at every wake-up and sleep), while
+    an undeploying one asks for a full sync, which follows its replicas' drain."""
     pokes = []
-    monkeypatch.setattr(signals, "poke_gateway", lambda *named: pokes.append(1))
+    monkeypatch.setattr(signals, "poke_gateway", lambda *named: pokes.append(named))
     with django_capture_on_commit_callbacks(execute=True):
         scheduled.scaling_memory = {"last_total": 3}
         scheduled.save(update_fields=["scaling_memory"])
@@ -274,7 +275,11 @@ def test_the_autoscalers_figures_alone_do_not_poke_the_gateway(
     with django_capture_on_commit_callbacks(execute=True):
         scheduled.replicas = 2
         scheduled.save(update_fields=["replicas", "updated_at"])
-    assert pokes == [1]
+    assert pokes == [(scheduled.pk,)]
+    with django_capture_on_commit_callbacks(execute=True):
+        scheduled.state = DeploymentState.UNDEPLOYING
+        scheduled.save(update_fields=["state", "updated_at"])
+    assert pokes == [(scheduled.pk,), ()]
 
 
 def test_a_woken_deployment_does_not_sleep_before_the_request_that_woke_it_went_on(owner, scheduled):

@@ -19,7 +19,7 @@ from apps.deployments import draining, services
 from apps.deployments.models import Deployment, DeploymentInstance, DeploymentState, PlacementState
 from apps.fleet.models import InstanceState, TritonInstance
 from apps.gateway.haproxy import Slots
-from apps.gateway.services import Gateway, _drain_datagrams
+from apps.gateway.services import Gateway, SyncSchedule, _drain_datagrams
 from backend_ge.runtime import API_KEY_HEADER, free_port
 from tests.conftest import wait_for
 from tests.support.models import add_instance, serving_rows
@@ -359,11 +359,36 @@ def test_pokes_name_only_deployments_in_the_form_the_platform_sends(tmp_path):
         # (Fewer than 10 at a time: Linux queues 10 datagrams on a socket by default, then the sender waits.)
         for text in (b"d12", b"sync", b"d", b"dx1", b"d12 13", b"d-4", b"d" + b"9" * 40, b"d7\n", b"d30"):
             sender.sendto(text, path)
-        assert _drain_datagrams(sock) == ({12, 30}, set())
+        assert _drain_datagrams(sock) == ({12, 30}, set(), True)
         for text in (b"d5!", b"d6!!", b"d!", b"d8?", b"d9"):
             sender.sendto(text, path)
-        assert _drain_datagrams(sock) == ({5, 9}, {5})
-        assert _drain_datagrams(sock) == (set(), set())
+        assert _drain_datagrams(sock) == ({5, 9}, {5}, True)
+        assert _drain_datagrams(sock) == (set(), set(), False)
+        for text in (b"d3", b"d4!"):
+            sender.sendto(text, path)
+        assert _drain_datagrams(sock) == ({3, 4}, {4}, False)  # one deployment's changes: no full sync
+
+
+def test_a_deployments_own_change_syncs_it_alone_and_everything_is_synced_at_the_interval():
+    """Under a stream every wake-up and sleep pokes with the deployment's id: those are synced alone at the
+    next rested moment, a held or urgent one at once; a poke that names none, or the interval, syncs
+    everything - and every sync rests as long as it took."""
+    schedule = SyncSchedule(interval=1.0, now=100.0)
+    assert schedule.due() == 101.0  # nothing asked: the interval's full sync
+    assert schedule.poked({7, 8}, at_once={8}, full=False) == {8}
+    assert schedule.due() == 0.0  # 7 waits for nothing but the rest
+    assert schedule.take(100.1) == {7}
+    schedule.synced(100.1, 100.2)
+    schedule.poked({9}, at_once=set(), full=False)
+    assert schedule.due() == pytest.approx(100.3)  # rested as long as the sync took
+    schedule.poked({10}, at_once=set(), full=False)
+    assert schedule.take(100.3) == {9, 10}  # folded into one sync of both
+    schedule.synced(100.3, 100.31)
+    assert schedule.due() == 101.0 and schedule.take(101.0) is None  # the interval: a full sync
+    schedule.synced(101.0, 101.05)
+    schedule.poked({11}, at_once=set(), full=True)  # a token changed, say
+    assert schedule.take(101.1) is None and schedule.pending == set()  # the full sync covers 11
+    assert schedule.next_full == pytest.approx(102.1)
 
 
 class HeldInstance(FakeInstance):
