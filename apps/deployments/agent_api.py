@@ -39,7 +39,8 @@ from apps.fleet import long_poll
 from apps.fleet.agent_api import BadReport, error, host_instances, host_only, read_json, unauthorized
 from apps.fleet.models import hash_host_secret
 from apps.fleet.services import host_for_credential
-from apps.registry.models import ModelVersion
+from apps.registry.models import EnsembleStep, ModelVersion
+from backend_ge import naming
 from backend_ge.errors import public_error
 from hostagent.protocol import PlacementResult, check_placement_report
 from hostagent.repository import file_manifest
@@ -77,6 +78,25 @@ def version_manifest_cached(version: ModelVersion) -> list[dict] | None:
     return cached
 
 
+# What a placement's entry reads (``placement_entry``, ``_beside``, ``_reused``): a desired state follows every
+# change of the host's placements, and building every column of five tables per placement was most of it.
+PLACEMENT_FIELDS = (
+    "id", "deployment_id", "instance_id", "generation", "applied_generation", "state", "unload", "routed",
+    "served_version_id", "canary_version_id",
+    "deployment__id", "deployment__state", "deployment__model_id", "deployment__active_version_id",
+    "deployment__target_version_id",
+    "deployment__model__id", "deployment__model__slug", "deployment__model__team_id",
+    "deployment__model__team__id", "deployment__model__team__slug",
+    "instance__id", "instance__name", "instance__host_id",
+)  # fmt: skip
+# What a version's entry reads (``version_entry``).
+VERSION_FIELDS = (
+    "id", "number", "model_id", "config_text", "signature",
+    "model__id", "model__slug", "model__name", "model__kind", "model__team_id",
+    "model__team__id", "model__team__slug", "model__team__quota_model_instances",
+)  # fmt: skip
+
+
 def _live_placements(host, done_unloading: bool = True, **filters) -> list[DeploymentInstance]:
     """The host's placements of deployments not undeployed; without those whose unload their agent
     confirmed (UNLOADED at the decision's generation) unless ``done_unloading``."""
@@ -85,7 +105,9 @@ def _live_placements(host, done_unloading: bool = True, **filters) -> list[Deplo
     )
     if not done_unloading:
         rows = rows.exclude(state=PlacementState.UNLOADED, applied_generation=F("generation"))
-    placements = list(rows.select_related("deployment__model__team", "instance").order_by("pk"))
+    placements = list(
+        rows.select_related("deployment__model__team", "instance").only(*PLACEMENT_FIELDS).order_by("pk")
+    )
     for placement in placements:
         placement.instance.host = host  # its label names the host: no join for a row the caller holds
     return placements
@@ -133,7 +155,7 @@ def _reused(placement: DeploymentInstance, live: list[DeploymentInstance]) -> bo
     )
 
 
-def version_entry(version: ModelVersion) -> dict:
+def version_entry(version: ModelVersion, steps: list[str]) -> dict:
     return {
         "id": version.pk,
         "number": version.number,
@@ -144,8 +166,26 @@ def version_entry(version: ModelVersion) -> dict:
         "instance_limit": version.model.team.model_instance_limit(),
         "files": version_manifest_cached(version),
         # An ensemble's steps (Triton names): the only models its config may call on the host.
-        "steps": [s.step_version.model.triton_model_name() for s in version.ensemble_steps.all()],
+        "steps": steps,
     }
+
+
+def _step_names(versions: list[ModelVersion]) -> dict[int, list[str]]:
+    """Each ensemble version's steps as Triton names, in order (one query, none without an ensemble: a
+    prefetch built a related manager for every version, a third of a desired state's time)."""
+    ensembles_ = [v.pk for v in versions if v.model.is_ensemble()]
+    names: dict[int, list[str]] = {}
+    if ensembles_:
+        rows = (
+            EnsembleStep.objects.filter(ensemble_version_id__in=ensembles_)
+            .order_by("ensemble_version_id", "position")
+            .values_list(
+                "ensemble_version_id", "step_version__model__team__slug", "step_version__model__slug"
+            )
+        )
+        for version_id, team_slug, model_slug in rows:
+            names.setdefault(version_id, []).append(naming.triton_model_name(team_slug, model_slug))
+    return names
 
 
 def placed_version_ids(entries: list[dict]) -> set[int]:
@@ -174,17 +214,18 @@ def desired_state_of(host) -> dict:
     steps = ensembles.step_model_ids({p.deployment.model_id for p in live})
     placements = [placement_entry(p, _beside(p, canaries, steps), _reused(p, live)) for p in live]
     tunings = [tuning_entry(job) for job in _running_tunings(host)]
-    versions = (
+    versions = list(
         ModelVersion.objects.filter(pk__in=placed_version_ids(placements) | {t["version"] for t in tunings})
         .select_related("model__team")
-        .prefetch_related("ensemble_steps__step_version__model__team")
+        .only(*VERSION_FIELDS)
     )
+    steps_of = _step_names(versions)
     return {
         "host": host.name,
         "generation": host.desired_generation,
         "instances": host_instances(host),
         "placements": placements,
-        "versions": {str(v.pk): version_entry(v) for v in versions},
+        "versions": {str(v.pk): version_entry(v, steps_of.get(v.pk, [])) for v in versions},
         "tunings": tunings,
     }
 

@@ -109,3 +109,30 @@ def test_a_report_through_the_agent_api_reads_only_its_own_instances_placements(
         assert answer.json()["placement"]["id"] == placements[7].pk
     assert answer.json()["placement"]["state"] == PlacementState.READY
     assert [len(rows) for rows in read] == [1, 1]
+
+
+def test_a_desired_state_costs_the_same_queries_for_3_and_12_placements(team, owner, shared_host):
+    """A host's agent fetches its whole desired state after every change there: its queries must not grow
+    with the placements or their versions (a deferred column read per row would be one query each)."""
+    from apps.deployments.agent_api import desired_state_of
+    from apps.fleet.models import Host
+    from hostagent.protocol import check_desired_state
+    from tests.support.models import serving_rows
+
+    def queries_for(host, count: int) -> tuple[int, dict]:
+        instance = add_instance(host, "cpu-0", port=18300 + host.pk * 10)
+        for i in range(count):
+            serving_rows(team, owner, f"m{host.pk}-{i}", instance)
+        host.refresh_from_db()
+        with CaptureQueriesContext(connection) as queries:
+            state = desired_state_of(host)
+        return len(queries.captured_queries), check_desired_state(state)
+
+    small, small_state = queries_for(shared_host, 3)
+    big, big_state = queries_for(Host.objects.create(name="big", address="127.0.0.2"), 12)
+    assert small == big
+    assert len(small_state["placements"]) == 3 and len(big_state["versions"]) == 12
+    entry = big_state["placements"][0]
+    version = big_state["versions"][str(entry["active"])]
+    assert entry["label"] == "big/cpu-0" and entry["model_name"] == version["model_name"]
+    assert version["label"] == f"{version['model_name'].split('__')[1]} v1" and version["steps"] == []
