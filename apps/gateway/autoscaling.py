@@ -16,8 +16,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
+import threading
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import Executor, wait
@@ -108,6 +110,30 @@ def parse_map(text: str) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in rows if m}
 
 
+class InFlight:
+    """The wake-ups and cold starts the wake thread handed to its pool and that have not finished: the map
+    is read again meanwhile (the Lua action signals a held request every second), and one in flight is not
+    handed over twice."""
+
+    def __init__(self) -> None:
+        self._keys: set[tuple[str, int]] = set()
+        self._lock = threading.Lock()
+
+    def take(self, name: str, ids: dict[int, int]) -> dict[int, int]:
+        with self._lock:
+            fresh = {pk: value for pk, value in ids.items() if (name, pk) not in self._keys}
+            self._keys |= {(name, pk) for pk in fresh}
+        return fresh
+
+    def done(self, name: str, ids) -> None:
+        with self._lock:
+            self._keys -= {(name, pk) for pk in ids}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._keys)
+
+
 def poll_wakeups(
     admin: AdminSocket,
     o: Options,
@@ -115,12 +141,19 @@ def poll_wakeups(
     names=("wakeups", "coldstart"),
     pool: Executor | None = None,
     held: Callable[[set[int]], None] | None = None,
+    in_flight: InFlight | None = None,
 ) -> int:
     """Wake the deployments whose requests are held, record finished cold starts (``routed_at``: deployment
     id -> epoch ms its first server entered the rotation). Returns the wake-ups. With ``pool`` the wake-ups
     read together run side by side (each its own transaction: one waiting for a row or pool lock does not
     hold back the others); their hosts are told once for all of them. ``held`` hears which deployments have
-    a request held, before they are woken."""
+    a request held, before they are woken.
+
+    With ``in_flight`` too (the gateway command's wake thread), nothing is waited for: the wake-ups and
+    cold starts read are handed to the pool and the call returns, so the next ones are read while these are
+    placed - a wake-up read while an earlier one waited for its pool's lock waited for it too (the "signal"
+    hop of a cold start under a stream, p50 0.5 s). Each batch's hosts are told once its last wake-up ended;
+    a failure is logged. Returns the wake-ups handed over."""
     woken, placed = 0, []
     for name in names:
         path = o.map_file(name)
@@ -130,9 +163,12 @@ def poll_wakeups(
         ids = {int(key[1:]): value for key, value in entries.items()}
         if name == "wakeups" and held is not None and ids:
             held(set(ids))
+        if pool is not None and in_flight is not None:
+            woken += _hand_over(name, in_flight.take(name, ids), routed_at, pool, in_flight)
+            continue
         if name == "coldstart":
             for deployment_id, held_ms in ids.items():
-                autoscaling.record_cold_start(deployment_id, held_ms, (routed_at or {}).get(deployment_id))
+                _record(deployment_id, held_ms, routed_at)
             continue
         try:
             if pool is None or len(ids) < 2:
@@ -149,6 +185,59 @@ def poll_wakeups(
             # Every wake-up read at once reaches each host as one change of its desired state.
             scheduler.enqueue(placed)
     return woken
+
+
+def _hand_over(name: str, ids: dict[int, int], routed_at, pool: Executor, in_flight: InFlight) -> int:
+    """``ids`` read from map ``name``, handed to ``pool`` without waiting (``poll_wakeups``)."""
+    if not ids:
+        return 0
+    if name == "coldstart":
+        routed = dict(routed_at or {})  # the wake thread's copy: the sync thread changes its own
+        for deployment_id, held_ms in ids.items():
+            pool.submit(_apart, _record, deployment_id, held_ms, routed).add_done_callback(
+                functools.partial(_finished, in_flight, name, [deployment_id])
+            )
+        return 0
+    placed: list = []
+    left = [len(ids)]
+    lock = threading.Lock()
+
+    def one_done(future) -> None:
+        _finished(in_flight, name, [], future)
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            # Every wake-up read at once reaches each host as one change of its desired state.
+            try:
+                scheduler.enqueue(placed)
+            except Exception:
+                log.exception("telling the hosts of %d woken replicas failed", len(placed))
+            finally:
+                in_flight.done(name, ids)
+                close_old_connections()
+
+    for pk, value in ids.items():
+        pool.submit(_wake_apart, pk, value, placed).add_done_callback(one_done)
+    return len(ids)
+
+
+def _finished(in_flight: InFlight, name: str, ids: list[int], future) -> None:
+    if future.exception() is not None:
+        log.error("the gateway's %s failed", name, exc_info=future.exception())
+    in_flight.done(name, ids)
+
+
+def _record(deployment_id: int, held_ms: int, routed_at) -> None:
+    autoscaling.record_cold_start(deployment_id, held_ms, (routed_at or {}).get(deployment_id))
+
+
+def _apart(function, *args) -> None:
+    """``function`` on a thread of the pool, which keeps its own database connection between calls."""
+    try:
+        function(*args)
+    finally:
+        close_old_connections()
 
 
 def _wake(deployment_id: int, value: int, placed: list) -> bool:

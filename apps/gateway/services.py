@@ -35,7 +35,7 @@ from django.db import close_old_connections, connection
 from apps.deployments import draining, routing
 from apps.fleet import services as fleet
 from apps.gateway import grpc_frontend
-from apps.gateway.autoscaling import poll_wakeups
+from apps.gateway.autoscaling import InFlight, poll_wakeups
 from apps.gateway.haproxy import GatewayError, GatewayState, Options, Slots, write_files
 from apps.gateway.metrics import record_worker_started
 from apps.gateway.process import HAProxyProcess
@@ -393,8 +393,10 @@ def _accept_all(listener: socket.socket) -> None:
 def _wake_loop(gateway: Gateway, listener: socket.socket, *stops: threading.Event) -> None:
     """The wake-ups of held requests, on a thread of their own: read as soon as wake.lua connects to the wake
     socket (and every ``GATEWAY_WAKE_POLL_MS`` in any case), never behind a sync of the whole state - under a
-    stream of cold starts the syncs ran back to back and a wake-up waited for the one in progress."""
+    stream of cold starts the syncs ran back to back and a wake-up waited for the one in progress - nor
+    behind the wake-ups read before it, which its workers are still placing."""
     step = settings.GATEWAY_WAKE_POLL_MS / 1000
+    in_flight = InFlight()
     try:
         with (
             selectors.DefaultSelector() as selector,
@@ -408,7 +410,12 @@ def _wake_loop(gateway: Gateway, listener: socket.socket, *stops: threading.Even
                     break
                 try:
                     poll_wakeups(
-                        gateway.process.admin, gateway.o, gateway.routed_at, pool=pool, held=gateway.note_held
+                        gateway.process.admin,
+                        gateway.o,
+                        gateway.routed_at,
+                        pool=pool,
+                        held=gateway.note_held,
+                        in_flight=in_flight,
                     )
                 except Exception:
                     log.exception("reading the gateway's wake-ups failed")

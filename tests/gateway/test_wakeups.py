@@ -3,6 +3,8 @@ wake-ups read together are placed and reach each host as one change of its desir
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from django.utils import timezone
 
@@ -127,3 +129,60 @@ def test_side_by_side_a_failed_wake_up_is_raised_after_the_others_reached_their_
         poll_wakeups(admin, options(), pool=pool)
     assert [Deployment.objects.get(pk=d.pk).replicas for d in deployments] == [0, 1, 1]
     assert Host.objects.get(pk=host.pk).desired_generation == before + 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_wake_thread_reads_the_next_wake_ups_while_the_earlier_are_placed(asleep, monkeypatch):
+    """With ``in_flight`` nothing is waited for: a wake-up read while an earlier one still waits (for its
+    pool's lock, say) is handed over at once, one already in flight is not handed over twice, and each
+    batch's host is told once its last wake-up ended."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from apps.gateway.autoscaling import InFlight
+
+    host, (first, second, _) = asleep
+    before = Host.objects.get(pk=host.pk).desired_generation
+    release, real_wake, started = threading.Event(), autoscaling.wake, []
+
+    def slow_wake(deployment_id, **kwargs):
+        started.append(deployment_id)
+        if deployment_id == first.pk:
+            assert release.wait(30)
+        return real_wake(deployment_id, **kwargs)
+
+    monkeypatch.setattr(autoscaling, "wake", slow_wake)
+    in_flight = InFlight()
+    with ThreadPoolExecutor(4) as pool:
+        admin = FakeAdmin({"wakeups": {f"d{first.pk}": 1}})
+        assert poll_wakeups(admin, options(), pool=pool, in_flight=in_flight) == 1
+        assert len(in_flight) == 1  # returned while the wake-up waits
+        admin.maps["wakeups"] = {f"d{first.pk}": 1, f"d{second.pk}": 2}  # signalled again, and a new one
+        assert poll_wakeups(admin, options(), pool=pool, in_flight=in_flight) == 1
+        deadline = time.monotonic() + 30
+        while Deployment.objects.get(pk=second.pk).replicas != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert Deployment.objects.get(pk=second.pk).replicas == 1  # placed behind no earlier wake-up
+        assert Deployment.objects.get(pk=first.pk).replicas == 0
+        assert Host.objects.get(pk=host.pk).desired_generation == before + 1  # the second's batch told it
+        release.set()
+    assert started.count(first.pk) == 1 and len(in_flight) == 0
+    assert Deployment.objects.get(pk=first.pk).replicas == 1
+    assert Host.objects.get(pk=host.pk).desired_generation == before + 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_wake_thread_hands_finished_cold_starts_to_its_pool_too(asleep):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from apps.gateway.autoscaling import InFlight
+
+    _, (first, *_) = asleep
+    admin = FakeAdmin({"coldstart": {f"d{first.pk}": 1234}})
+    in_flight = InFlight()
+    with ThreadPoolExecutor(2) as pool:
+        assert poll_wakeups(admin, options(), {first.pk: 5.0}, pool=pool, in_flight=in_flight) == 0
+    assert admin.maps["coldstart"] == {} and len(in_flight) == 0
+    first.refresh_from_db()
+    assert first.last_cold_start_ms == 1234
+    assert first.events.filter(kind="cold_start", details__held_ms=1234).count() == 1
