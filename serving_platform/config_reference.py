@@ -388,7 +388,8 @@ SECTIONS: dict[str, tuple[Variable, ...]] = {
             "GATEWAY_SYNC_INTERVAL_MS",
             "int",
             1000,
-            "how often the gateway process brings HAProxy's maps and weights up to date",
+            "how often the gateway process brings all of HAProxy's maps and weights up to date (a change "
+            "of one deployment syncs it alone at once; this catches what no change announces)",
             50,
         ),
         _v(
