@@ -111,9 +111,9 @@ def parse_map(text: str) -> dict[str, int]:
 
 
 class InFlight:
-    """The wake-ups and cold starts the wake thread handed to its pool and that have not finished: the map
-    is read again meanwhile (the Lua action signals a held request every second), and one in flight is not
-    handed over twice."""
+    """The wake-ups the wake thread handed to its pool and that have not finished: the map is read again
+    meanwhile (the Lua action signals a held request every second), and one in flight is not handed over
+    twice."""
 
     def __init__(self) -> None:
         self._keys: set[tuple[str, int]] = set()
@@ -164,7 +164,9 @@ def poll_wakeups(
         if name == "wakeups" and held is not None and ids:
             held(set(ids))
         if pool is not None and in_flight is not None:
-            woken += _hand_over(name, in_flight.take(name, ids), routed_at, pool, in_flight)
+            # A cold start is a record, each one kept; a wake-up in flight is not handed over again.
+            fresh = ids if name == "coldstart" else in_flight.take(name, ids)
+            woken += _hand_over(name, fresh, routed_at, pool, in_flight)
             continue
         if name == "coldstart":
             for deployment_id, held_ms in ids.items():
@@ -195,7 +197,7 @@ def _hand_over(name: str, ids: dict[int, int], routed_at, pool: Executor, in_fli
         routed = dict(routed_at or {})  # the wake thread's copy: the sync thread changes its own
         for deployment_id, held_ms in ids.items():
             pool.submit(_apart, _record, deployment_id, held_ms, routed).add_done_callback(
-                functools.partial(_finished, in_flight, name, [deployment_id])
+                functools.partial(_log_failure, name)
             )
         return 0
     placed: list = []
@@ -203,7 +205,7 @@ def _hand_over(name: str, ids: dict[int, int], routed_at, pool: Executor, in_fli
     lock = threading.Lock()
 
     def one_done(future) -> None:
-        _finished(in_flight, name, [], future)
+        _log_failure(name, future)
         with lock:
             left[0] -= 1
             last = left[0] == 0
@@ -222,10 +224,9 @@ def _hand_over(name: str, ids: dict[int, int], routed_at, pool: Executor, in_fli
     return len(ids)
 
 
-def _finished(in_flight: InFlight, name: str, ids: list[int], future) -> None:
+def _log_failure(name: str, future) -> None:
     if future.exception() is not None:
         log.error("the gateway's %s failed", name, exc_info=future.exception())
-    in_flight.done(name, ids)
 
 
 def _record(deployment_id: int, held_ms: int, routed_at) -> None:
