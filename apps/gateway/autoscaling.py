@@ -116,22 +116,22 @@ class InFlight:
     twice."""
 
     def __init__(self) -> None:
-        self._keys: set[tuple[str, int]] = set()
+        self._ids: set[int] = set()
         self._lock = threading.Lock()
 
-    def take(self, name: str, ids: dict[int, int]) -> dict[int, int]:
+    def take(self, ids: dict[int, int]) -> dict[int, int]:
         with self._lock:
-            fresh = {pk: value for pk, value in ids.items() if (name, pk) not in self._keys}
-            self._keys |= {(name, pk) for pk in fresh}
+            fresh = {pk: value for pk, value in ids.items() if pk not in self._ids}
+            self._ids |= set(fresh)
         return fresh
 
-    def done(self, name: str, ids) -> None:
+    def done(self, ids) -> None:
         with self._lock:
-            self._keys -= {(name, pk) for pk in ids}
+            self._ids -= set(ids)
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._keys)
+            return len(self._ids)
 
 
 def poll_wakeups(
@@ -163,10 +163,11 @@ def poll_wakeups(
         ids = {int(key[1:]): value for key, value in entries.items()}
         if name == "wakeups" and held is not None and ids:
             held(set(ids))
+        if pool is not None and in_flight is not None and name == "coldstart":
+            _record_apart(ids, routed_at, pool)  # a record each, kept even for a deployment in flight
+            continue
         if pool is not None and in_flight is not None:
-            # A cold start is a record, each one kept; a wake-up in flight is not handed over again.
-            fresh = ids if name == "coldstart" else in_flight.take(name, ids)
-            woken += _hand_over(name, fresh, routed_at, pool, in_flight)
+            woken += _wake_apart_all(in_flight.take(ids), pool, in_flight)
             continue
         if name == "coldstart":
             for deployment_id, held_ms in ids.items():
@@ -177,7 +178,7 @@ def poll_wakeups(
                 for deployment_id, value in ids.items():
                     woken += _wake(deployment_id, value, placed)
             else:
-                futures = [pool.submit(_wake_apart, pk, value, placed) for pk, value in ids.items()]
+                futures = [pool.submit(_apart, _wake, pk, value, placed) for pk, value in ids.items()]
                 wait(futures)  # all of them, before their hosts are told (a failed one raises below)
                 woken += sum(future.result() for future in futures if future.exception() is None)
                 failed = next((future.exception() for future in futures if future.exception()), None)
@@ -189,23 +190,26 @@ def poll_wakeups(
     return woken
 
 
-def _hand_over(name: str, ids: dict[int, int], routed_at, pool: Executor, in_flight: InFlight) -> int:
-    """``ids`` read from map ``name``, handed to ``pool`` without waiting (``poll_wakeups``)."""
+def _record_apart(ids: dict[int, int], routed_at, pool: Executor) -> None:
+    """Cold starts read from the map, recorded by ``pool`` without waiting (``poll_wakeups``)."""
+    routed = dict(routed_at or {})  # the wake thread's copy: the sync thread changes its own
+    for deployment_id, held_ms in ids.items():
+        pool.submit(_apart, _record, deployment_id, held_ms, routed).add_done_callback(
+            functools.partial(_log_failure, "cold start")
+        )
+
+
+def _wake_apart_all(ids: dict[int, int], pool: Executor, in_flight: InFlight) -> int:
+    """Wake-ups read from the map, handed to ``pool`` without waiting (``poll_wakeups``); their hosts are
+    told once the last of them ended."""
     if not ids:
-        return 0
-    if name == "coldstart":
-        routed = dict(routed_at or {})  # the wake thread's copy: the sync thread changes its own
-        for deployment_id, held_ms in ids.items():
-            pool.submit(_apart, _record, deployment_id, held_ms, routed).add_done_callback(
-                functools.partial(_log_failure, name)
-            )
         return 0
     placed: list = []
     left = [len(ids)]
     lock = threading.Lock()
 
     def one_done(future) -> None:
-        _log_failure(name, future)
+        _log_failure("wake-up", future)
         with lock:
             left[0] -= 1
             last = left[0] == 0
@@ -216,38 +220,30 @@ def _hand_over(name: str, ids: dict[int, int], routed_at, pool: Executor, in_fli
             except Exception:
                 log.exception("telling the hosts of %d woken replicas failed", len(placed))
             finally:
-                in_flight.done(name, ids)
+                in_flight.done(ids)
                 close_old_connections()
 
     for pk, value in ids.items():
-        pool.submit(_wake_apart, pk, value, placed).add_done_callback(one_done)
+        pool.submit(_apart, _wake, pk, value, placed).add_done_callback(one_done)
     return len(ids)
 
 
-def _log_failure(name: str, future) -> None:
+def _log_failure(what: str, future) -> None:
     if future.exception() is not None:
-        log.error("the gateway's %s failed", name, exc_info=future.exception())
+        log.error("the gateway's %s failed", what, exc_info=future.exception())
 
 
 def _record(deployment_id: int, held_ms: int, routed_at) -> None:
     autoscaling.record_cold_start(deployment_id, held_ms, (routed_at or {}).get(deployment_id))
 
 
-def _apart(function, *args) -> None:
+def _apart(function, *args):
     """``function`` on a thread of the pool, which keeps its own database connection between calls."""
     try:
-        function(*args)
+        return function(*args)
     finally:
         close_old_connections()
 
 
 def _wake(deployment_id: int, value: int, placed: list) -> bool:
     return autoscaling.wake(deployment_id, held_at_ms=cold_start.held_at_ms(value), placed=placed)
-
-
-def _wake_apart(deployment_id: int, value: int, placed: list) -> bool:
-    """``_wake`` on a thread of the pool, which keeps its own database connection between wake-ups."""
-    try:
-        return _wake(deployment_id, value, placed)
-    finally:
-        close_old_connections()

@@ -12,7 +12,8 @@ from django.db.models.signals import post_delete, post_save
 from django.dispatch import receiver
 
 from apps.audit.models import AuditEvent
-from apps.deployments.models import Deployment, DeploymentEvent, DeploymentState, Rollout
+from apps.deployments.models import Deployment, DeploymentEvent, Rollout
+from apps.deployments.scheduler import GONE
 from apps.fleet.models import TritonInstance
 from apps.gateway.services import poke_gateway
 from apps.teams.models import ApiToken, Team
@@ -22,7 +23,6 @@ from apps.teams.models import ApiToken, Team
 UNROUTED_FIELDS = frozenset({"scaling_memory", "updated_at", "last_cold_start_ms", "last_cold_start"})
 # Events after which the deployment syncs on its own before the next full sync: a replica told to unload.
 SYNC_AT_ONCE = frozenset({"replica_removed"})
-GONE = (DeploymentState.UNDEPLOYING, DeploymentState.UNDEPLOYED)
 
 
 @receiver(post_save, sender=DeploymentEvent, dispatch_uid="gateway-deployment-event")
